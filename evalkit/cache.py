@@ -1,0 +1,131 @@
+"""Caches that hold a chosen subset of tokens, built on transformers' public cache-layer classes.
+
+Invariant (DESIGN.md section 4.2): a compacted layer reports the tokens *seen* from `get_seq_length()`, so
+transformers gives every new token its true absolute (RoPE) position, while `get_mask_sizes()` reports the
+tokens *held*, with an offset that keeps the causal mask right for several new tokens at once.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, DynamicLayer
+
+from evalkit.policies import KVPolicy, LayerView, gather_tokens
+
+
+class EvictingLayer(DynamicLayer):
+    """A full-attention layer that holds, per KV head, a subset of the tokens it has seen."""
+
+    is_croppable = False
+
+    def __init__(self, keys: Tensor, values: Tensor, positions: Tensor, seen: int):
+        super().__init__()
+        self.keys, self.values = keys, values  # (B, Hkv, T_held, D)
+        self.positions = positions  # (B, Hkv, T_held) absolute position of each held token
+        self.seen = seen
+        self.device = keys.device
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        b, h, q, _ = key_states.shape
+        new = torch.arange(self.seen, self.seen + q, device=self.positions.device).expand(b, h, q)
+        self.positions = torch.cat([self.positions, new], dim=-1)
+        self.seen += q
+        return super().update(key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        held = self.held
+        # Held keys get mask indices seen-held .. seen-1: all before the new queries, which stay causal among
+        # themselves. With offset 0 a multi-token query would see its own future.
+        return held + query_length, self.seen - held
+
+    @property
+    def held(self) -> int:
+        return self.keys.shape[-2]
+
+    def keep(self, idx: Tensor) -> None:
+        """Keep only the tokens at per-head indices idx (B, Hkv, k)."""
+        self.keys = gather_tokens(self.keys, idx)
+        self.values = gather_tokens(self.values, idx)
+        self.positions = gather_tokens(self.positions, idx)
+
+    def view(self, layer_idx: int, n_layers: int, observations: dict[str, Tensor] | None = None) -> LayerView:
+        return LayerView(layer_idx, n_layers, self.keys, self.values, self.positions, observations or {})
+
+
+def share(cache: Cache) -> Cache:
+    """A cache over the same tensors. Layers grow by concatenation, so the original is never modified."""
+    return Cache(layers=[copy.copy(layer) for layer in cache.layers])
+
+
+def full_attention_layers(cache: Cache) -> list[int]:
+    """Indices of the layers a policy may evict from; sliding-window layers bound themselves."""
+    return [i for i, layer in enumerate(cache.layers) if not getattr(layer, "is_sliding", False)]
+
+
+def compress(cache: Cache, policy: KVPolicy, observations: list[dict[str, Tensor]] | None = None) -> Cache:
+    """A new cache holding what `policy` keeps of the prefilled full `cache`; `cache` itself is unchanged."""
+    evictable = full_attention_layers(cache)
+    layers = [copy.copy(layer) for layer in cache.layers]
+    seen = cache.get_seq_length(evictable[0])
+    for layer_idx in evictable:
+        full = cache.layers[layer_idx]
+        b, h, t, _ = full.keys.shape
+        positions = torch.arange(t, device=full.keys.device).expand(b, h, t)
+        layers[layer_idx] = EvictingLayer(full.keys, full.values, positions, seen)
+    compressed = Cache(layers=layers)
+    enforce(compressed, policy, observations)
+    return compressed
+
+
+def enforce(cache: Cache, policy: KVPolicy, observations: list[dict[str, Tensor]] | None = None) -> None:
+    """Evict until every evictable layer holds exactly the policy's target for the tokens seen."""
+    evictable = [i for i, layer in enumerate(cache.layers) if isinstance(layer, EvictingLayer)]
+    n_layers = len(cache.layers)
+    targets = policy.keep_per_layer(cache.layers[evictable[0]].seen, n_layers)
+    for layer_idx in evictable:
+        layer = cache.layers[layer_idx]
+        k = targets[layer_idx]
+        if layer.held > k:
+            obs = observations[layer_idx] if observations else None
+            layer.keep(policy.select(layer.view(layer_idx, n_layers, obs), k))
+
+
+def kv_bytes(cache: Cache) -> int:
+    """Bytes of the key and value tensors actually held, summed over layers."""
+    total = 0
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            total += layer.keys.numel() * layer.keys.element_size()
+            total += layer.values.numel() * layer.values.element_size()
+    return total
+
+
+def held_per_layer(cache: Cache) -> list[int]:
+    """Tokens each layer holds per KV head (the same for every head of a layer)."""
+    return [layer.keys.shape[-2] if getattr(layer, "keys", None) is not None else 0 for layer in cache.layers]
+
+
+def held_positions(layer) -> Tensor:
+    """(B, Hkv, T_held) absolute positions a layer holds; plain layers hold their most recent tokens."""
+    if isinstance(layer, EvictingLayer):
+        return layer.positions
+    b, h, t, _ = layer.keys.shape
+    seen = layer.get_seq_length()
+    return torch.arange(seen - t, seen, device=layer.keys.device).expand(b, h, t)
+
+
+def retained_fraction(cache: Cache, positions: list[int]) -> list[float]:
+    """Per layer, the fraction of the given absolute positions still held, averaged over KV heads."""
+    out = []
+    for layer in cache.layers:
+        wanted = torch.tensor(positions, device=layer.keys.device)
+        hit = torch.isin(held_positions(layer), wanted).sum(-1).float() / max(len(positions), 1)  # (B, Hkv)
+        out.append(round(hit.mean().item(), 4))
+    return out

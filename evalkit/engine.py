@@ -1,0 +1,128 @@
+"""Prefill once, compress many: per sample, one full-cache prefill of the context serves the baseline and every
+policy variant, each decoding greedily on its own (shared or compressed) view of that cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+from transformers.cache_utils import Cache
+
+from evalkit.cache import compress, enforce, held_per_layer, kv_bytes, retained_fraction, share
+from evalkit.policies import KVPolicy
+from evalkit.prompt import Prompt
+
+
+@dataclass
+class Variant:
+    """A policy at a budget, named as it appears in records: `streaming_llm@0.25`."""
+
+    policy: KVPolicy
+
+    @property
+    def name(self) -> str:
+        return f"{self.policy.name}@{self.policy.budget}"
+
+
+@dataclass
+class Decoded:
+    tokens: list[int]
+    logits: list[Tensor]  # (vocab,) float32 logits that chose each generated token
+    peak_bytes: int  # largest KV bytes held at any point of the decode
+
+
+@dataclass
+class Outcome:
+    """What one variant (or the baseline) did on one sample."""
+
+    variant: str
+    tokens: list[int]
+    logits: list[Tensor]
+    kv_bytes: int  # held right after compressing the context
+    kv_bytes_final: int  # held when decoding ended
+    peak_kv_bytes: int
+    tokens_held: list[int]  # per layer, right after compressing the context
+    evidence_retained: list[float]  # per layer, fraction of the evidence tokens still held
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+@torch.inference_mode()
+def prefill(model: torch.nn.Module, ids: Tensor) -> Cache:
+    """Run the context through the model with a full cache; only the cache is kept."""
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    return cache
+
+
+@torch.inference_mode()
+def greedy(
+    model: torch.nn.Module,
+    cache: Cache,
+    ids: Tensor,
+    max_new_tokens: int,
+    stop_ids: set[int],
+    after_forward: Callable[[], None] = lambda: None,
+) -> Decoded:
+    """Feed `ids` (the question) then decode greedily; `after_forward` runs after every forward (eviction)."""
+    tokens, logits, peak = [], [], 0
+    for _ in range(max_new_tokens):
+        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        peak = max(peak, kv_bytes(cache))  # before eviction: what the step really held
+        after_forward()
+        step = out.logits[0, -1].float()
+        token = int(step.argmax())
+        tokens.append(token)
+        logits.append(step)
+        if token in stop_ids:
+            break
+        ids = torch.tensor([[token]], device=ids.device)
+    return Decoded(tokens, logits, peak)
+
+
+def run_sample(
+    model: torch.nn.Module,
+    prompt: Prompt,
+    variants: list[Variant],
+    max_new_tokens: int,
+    stop_ids: set[int],
+) -> tuple[Outcome, list[Outcome]]:
+    """The baseline and every variant on one prompt, from a single prefill of its context."""
+    ids = prompt.ids.to(model.device)
+    context, question = ids[:, : prompt.n_context], ids[:, prompt.n_context :]
+    t0 = time.perf_counter()
+    full = prefill(model, context)
+    prefill_s = time.perf_counter() - t0
+
+    def run(name: str, cache: Cache, compress_s: float, after: Callable[[], None]) -> Outcome:
+        held, held_layers = kv_bytes(cache), held_per_layer(cache)
+        retained = retained_fraction(cache, prompt.evidence)
+        t = time.perf_counter()
+        dec = greedy(model, cache, question, max_new_tokens, stop_ids, after)
+        seconds = {"prefill": prefill_s, "compress": compress_s, "decode": time.perf_counter() - t}
+        return Outcome(
+            name,
+            dec.tokens,
+            dec.logits,
+            held,
+            kv_bytes(cache),
+            max(dec.peak_bytes, held),
+            held_layers,
+            retained,
+            seconds,
+        )
+
+    baseline = run("baseline", share(full), 0.0, lambda: None)
+    outcomes = []
+    for variant in variants:
+        t = time.perf_counter()
+        cache = compress(full, variant.policy)
+        compress_s = time.perf_counter() - t
+        policy = variant.policy
+        after = (lambda c=cache, p=policy: enforce(c, p)) if policy.decode else (lambda: None)
+        outcomes.append(run(variant.name, cache, compress_s, after))
+    return baseline, outcomes

@@ -1,0 +1,181 @@
+"""One evalkit run: validate, load, then for each sample the baseline and every variant, rows written as they finish."""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from evalkit import models
+from evalkit.analysis import BASELINE, format_summary, summarize
+from evalkit.config import validate
+from evalkit.engine import Outcome, Variant, run_sample
+from evalkit.errors import ConfigError
+from evalkit.prompt import Prompt, build_prompt
+from evalkit.records import (
+    RUN,
+    SAMPLES,
+    SUMMARY,
+    RecordWriter,
+    config_differences,
+    read_rows,
+    versions,
+    write_json,
+)
+from evalkit.tasks import Sample, Task
+
+
+def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
+    """Run the configured task with the baseline and the configured policy; return the summary."""
+    task: Task = instantiate(cfg.task, _convert_="all")
+    variants = [Variant(instantiate(cfg.policy, _convert_="all"))]
+    validate(cfg, task, [v.policy for v in variants])
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows_path = out_dir / SAMPLES
+    config = OmegaConf.to_container(cfg, resolve=True)
+    run_info = _start(out_dir, config, bool(cfg.resume))
+    done = {(r["sample_id"], r["variant"]) for r in read_rows(rows_path, repair=True)}
+
+    torch.manual_seed(int(cfg.seed))
+    loaded = models.load(cfg.model, cfg.device)
+    _check_model(run_info, loaded)
+    run_info["model"] = {
+        "name": loaded.name,
+        "fingerprint": loaded.fingerprint,
+        "source": loaded.source,
+        "load_seconds": round(loaded.load_seconds, 3),
+    }
+    write_json(out_dir / RUN, run_info)
+
+    names = [BASELINE] + [v.name for v in variants]
+    samples = task.samples(loaded.tokenizer)
+    pending = [s for s in samples if any((s.id, n) not in done for n in names)]
+    if done:
+        print(f"evalkit: resuming {out_dir}: {len(samples) - len(pending)} of {len(samples)} samples already done")
+    stop_ids = _stop_ids(loaded)
+    writer = RecordWriter(rows_path)
+    try:
+        for sample in tqdm(pending, desc=f"{task.name} x {', '.join(names[1:])}", unit="sample", file=sys.stderr):
+            prompt = build_prompt(loaded.tokenizer, sample, cfg.protocol)
+            baseline, outcomes = run_sample(loaded.model, prompt, variants, task.max_new_tokens, stop_ids)
+            base_score = task.score(_text(loaded, baseline), sample)
+            for outcome in [baseline, *outcomes]:
+                if (sample.id, outcome.variant) not in done:
+                    policy = variants[outcomes.index(outcome)].policy if outcome is not baseline else None
+                    writer.write(
+                        _row(
+                            run_info, task, sample, prompt, outcome, baseline, base_score, loaded, policy, cfg.protocol
+                        )
+                    )
+    finally:
+        writer.close()
+
+    summary = summarize(read_rows(rows_path))
+    write_json(out_dir / SUMMARY, summary)
+    print(format_summary(summary))
+    print(f"\nrecords: {rows_path}")
+    return summary
+
+
+def _start(out_dir: Path, config: dict, resume: bool) -> dict[str, Any]:
+    """Create run.json, or check that the run being resumed had the same config and versions."""
+    rows_path, run_path = out_dir / SAMPLES, out_dir / RUN
+    comparable = {k: v for k, v in config.items() if k != "resume"}
+    has_rows = rows_path.exists() and rows_path.stat().st_size > 0
+    if has_rows and not resume:
+        raise ConfigError(
+            f"{out_dir} already holds results of an earlier run; add resume=true to continue it, "
+            "or choose a new folder with hydra.run.dir=... (nothing was overwritten)"
+        )
+    now = versions()
+    if resume and run_path.exists():
+        import json
+
+        old = json.loads(run_path.read_text())
+        diffs = config_differences(old["config"], comparable)
+        diffs += [
+            f"versions.{k}: {old['versions'].get(k)!r} -> {now[k]!r}"
+            for k in ("torch", "transformers")
+            if old["versions"].get(k) != now[k]
+        ]
+        if diffs:
+            raise ConfigError(f"resume=true, but this run differs from the one in {out_dir}: {'; '.join(diffs)}")
+        old["resumed"] = [*old.get("resumed", []), time.strftime("%Y-%m-%dT%H:%M:%S")]
+        return old
+    info = {
+        "run_id": uuid.uuid4().hex[:12],
+        "config": comparable,
+        "versions": now,
+        "command": sys.argv,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "protocol": config["protocol"],
+        "seed": config["seed"],
+    }
+    write_json(run_path, info)
+    return info
+
+
+def _check_model(run_info: dict, loaded: models.LoadedModel) -> None:
+    old = run_info.get("model", {}).get("fingerprint")
+    if old is not None and old != loaded.fingerprint:
+        raise ConfigError(f"resume=true, but the model weights changed ({old} -> {loaded.fingerprint})")
+
+
+def _stop_ids(loaded: models.LoadedModel) -> set[int]:
+    ids = {loaded.tokenizer.eos_token_id}
+    eos = getattr(loaded.model.generation_config, "eos_token_id", None)
+    ids |= set(eos) if isinstance(eos, list) else {eos}
+    return {i for i in ids if i is not None}
+
+
+def _text(loaded: models.LoadedModel, outcome: Outcome) -> str:
+    return loaded.tokenizer.decode(outcome.tokens, skip_special_tokens=True).strip()
+
+
+def _row(
+    run_info,
+    task: Task,
+    sample: Sample,
+    prompt: Prompt,
+    outcome: Outcome,
+    baseline: Outcome,
+    base_score: float,
+    loaded,
+    policy,
+    protocol: str,
+) -> dict[str, Any]:
+    prediction = _text(loaded, outcome)
+    score = base_score if outcome is baseline else task.score(prediction, sample)
+    flip = None if score == base_score else ("lost" if score < base_score else "gained")
+    return {
+        "run_id": run_info["run_id"],
+        "sample_id": sample.id,
+        "task": task.name,
+        "cell": sample.cell,
+        "variant": outcome.variant,
+        "policy": vars(policy) if policy is not None else {"name": BASELINE},
+        "protocol": protocol,
+        "prediction": prediction,
+        "answers": sample.answers,
+        "score": score,
+        "baseline_score": base_score,
+        "flip": flip,
+        "kv_bytes": outcome.kv_bytes,
+        "kv_bytes_baseline": baseline.kv_bytes,
+        "kv_bytes_final": outcome.kv_bytes_final,
+        "peak_kv_bytes": outcome.peak_kv_bytes,
+        "tokens_held_per_layer": outcome.tokens_held,
+        "evidence_retained_per_layer": outcome.evidence_retained,
+        "context_tokens": prompt.n_context,
+        "prompt_tokens": int(prompt.ids.shape[1]),
+        "generated_tokens": len(outcome.tokens),
+        "seconds": {k: round(v, 4) for k, v in outcome.seconds.items()},
+    }

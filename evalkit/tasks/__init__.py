@@ -1,0 +1,46 @@
+"""Tasks: each produces samples (context, question, answers) and scores a prediction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+
+@dataclass
+class Sample:
+    id: str
+    context: str  # the part of the prompt a policy compresses
+    question: str  # appended after compression
+    answers: list[str]
+    cell: dict[str, Any]  # breakdown keys for the report: context_length, depth, haystack, ...
+    evidence: list[str] = field(default_factory=list)  # substrings of the context that hold the answer
+
+
+@dataclass(kw_only=True)
+class Task:
+    """Base task. Subclasses generate samples; scoring defaults to answer containment."""
+
+    name: str
+    seed: int = 0
+    max_new_tokens: int = 16
+
+    def samples(self, tokenizer: PreTrainedTokenizerBase) -> list[Sample]:
+        raise NotImplementedError
+
+    def lengths(self) -> list[int]:
+        """Context lengths in tokens that the run will use (for validation before the model loads)."""
+        raise NotImplementedError
+
+    def validate(self) -> None:
+        """Raise ConfigError for a configuration that cannot produce samples."""
+
+    def score(self, prediction: str, sample: Sample) -> float:
+        return contains_any(prediction, sample.answers)
+
+
+def contains_any(prediction: str, answers: list[str]) -> float:
+    """1.0 if any reference answer occurs in the prediction (case-insensitive), else 0.0."""
+    text = prediction.lower()
+    return float(any(a.lower() in text for a in answers))

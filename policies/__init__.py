@@ -1,0 +1,101 @@
+"""KV-cache policies: each decides which cached tokens every KV head keeps.
+
+A policy scores tokens; the base class turns scores into kept indices once, for every policy. The engine
+(`evalkit.cache`), not the policy, owns caches, gathers and positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from torch import Tensor
+
+from evalkit.errors import ConfigError
+
+
+@dataclass
+class LayerView:
+    """What a policy may look at for one attention layer."""
+
+    layer_idx: int
+    n_layers: int
+    keys: Tensor  # (B, Hkv, T, D) post-RoPE keys as held
+    values: Tensor  # (B, Hkv, T, D)
+    positions: Tensor  # (B, Hkv, T) absolute position of each held token
+    observations: dict[str, Tensor] = field(default_factory=dict)  # what the policy's `needs` asked for
+
+
+@dataclass(kw_only=True)
+class KVPolicy:
+    """Base policy: keep the `target` highest-scoring tokens per KV head, protected tokens first.
+
+    `budget` is a fraction of the tokens seen (0 < f <= 1, held = ceil(f * seen)) or an absolute number of
+    tokens (an int). A fraction of 1.0 keeps every token, so any policy at 1.0 reproduces the full cache.
+    """
+
+    name: str
+    budget: float | int = 1.0
+    decode: bool = True  # also enforce the budget after every forward while decoding
+    needs: ClassVar[frozenset[str]] = frozenset()
+
+    def score(self, view: LayerView) -> Tensor:
+        """(B, Hkv, T) keep-priority of each held token; higher is kept first."""
+        raise NotImplementedError
+
+    def protected(self, view: LayerView) -> Tensor | None:
+        """(B, Hkv, T) bool mask of tokens the policy promises to keep whatever the scores say."""
+        return None
+
+    def min_tokens(self) -> int:
+        """Fewest tokens a budget may keep: the protected tokens plus one."""
+        return 1
+
+    def target(self, seen: int) -> int:
+        """Tokens each head holds once `seen` tokens have gone through the layer."""
+        if isinstance(self.budget, float):
+            return min(seen, math.ceil(self.budget * seen))
+        return min(seen, self.budget)
+
+    def keep_per_layer(self, seen: int, n_layers: int) -> list[int]:
+        """Tokens held per layer; uniform here, layer-dependent policies override it."""
+        return [self.target(seen)] * n_layers
+
+    def select(self, view: LayerView, k: int) -> Tensor:
+        """(B, Hkv, k) ascending indices of the tokens each KV head keeps."""
+        scores = self.score(view).float()
+        protected = self.protected(view)
+        if protected is not None:
+            if int(protected.sum(-1).max()) > k:
+                raise ValueError(f"{self.name}: {int(protected.sum(-1).max())} protected tokens exceed the {k} kept")
+            scores = scores.masked_fill(protected, math.inf)
+        return scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+
+    def validate(self, shortest_context: int) -> None:
+        """Raise ConfigError for a budget that cannot work on the shortest context of the run."""
+        b = self.budget
+        if isinstance(b, bool) or not isinstance(b, (int, float)):
+            raise ConfigError(f"policy.budget={b!r}: give a fraction in (0, 1] or a whole number of tokens")
+        if isinstance(b, float) and not 0.0 < b <= 1.0:
+            raise ConfigError(
+                f"policy.budget={b} is outside (0, 1] as a fraction of the context; "
+                "give a fraction such as 0.25 or a whole number of tokens such as 512"
+            )
+        kept = self.target(shortest_context)
+        if kept < min(self.min_tokens(), shortest_context):
+            what = f"{b} tokens" if isinstance(b, int) else f"a fraction {b} of {shortest_context} tokens"
+            raise ConfigError(
+                f"policy.budget keeps {kept} tokens ({what}), fewer than the {self.min_tokens()} that "
+                f"{self.name} needs (its protected tokens plus one); raise policy.budget"
+            )
+
+
+def gather_tokens(x: Tensor, idx: Tensor) -> Tensor:
+    """Select tokens along dim 2 of (B, H, T, ...) with per-head indices (B, H, k)."""
+    if x.dim() == 3:
+        return x.gather(2, idx)
+    return x.gather(2, idx.unsqueeze(-1).expand(*idx.shape, x.shape[-1]))
+
+
+__all__ = ["KVPolicy", "LayerView", "gather_tokens"]

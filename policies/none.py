@@ -1,0 +1,18 @@
+"""The full cache: keeps every token. The reference every other policy is compared against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from evalkit.policies import KVPolicy
+
+
+@dataclass(kw_only=True)
+class FullCache(KVPolicy):
+    """Keeps every token at every step; its budget is always the tokens seen."""
+
+    name: str = "none"
+    decode: bool = False
+
+    def target(self, seen: int) -> int:
+        return seen
