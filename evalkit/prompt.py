@@ -29,13 +29,15 @@ def prompt_text(tokenizer: PreTrainedTokenizerBase, sample: Sample) -> tuple[str
     """The prompt as text, where its question part starts, and whether it came from the chat template.
 
     With a chat template, context and question share one user turn; otherwise a plain Question/Answer frame.
+    Either way the sample's answer prefix opens the answer.
     """
     if tokenizer.chat_template:
         messages = [{"role": "user", "content": f"{sample.context}\n\n{sample.question}"}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ctx_end = text.index(sample.context) + len(sample.context)
-        return text, text.index(sample.question, ctx_end), True
-    return f"{sample.context}\n\nQuestion: {sample.question}\nAnswer:", len(sample.context) + 2, False
+        return text + sample.answer_prefix, text.index(sample.question, ctx_end), True
+    text = f"{sample.context}\n\nQuestion: {sample.question}\nAnswer: {sample.answer_prefix}".rstrip()
+    return text, len(sample.context) + 2, False
 
 
 def build_prompt(tokenizer: PreTrainedTokenizerBase, sample: Sample, protocol: str = "query_agnostic") -> Prompt:

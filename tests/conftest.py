@@ -28,8 +28,14 @@ def tiny():
     return models.load(OmegaConf.load(ROOT / "conf" / "model" / "tiny-random.yaml"), "cpu")
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, env: dict | None = None):
     """`python -m evalkit ARGS` in a subprocess, as a user runs it."""
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, "-m", "evalkit", *args], cwd=cwd or ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "evalkit", *args],
+        cwd=cwd or ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

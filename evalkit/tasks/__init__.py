@@ -16,6 +16,7 @@ class Sample:
     answers: list[str]
     cell: dict[str, Any]  # breakdown keys for the report: context_length, depth, haystack, ...
     evidence: list[str] = field(default_factory=list)  # substrings of the context that hold the answer
+    answer_prefix: str = ""  # starts the model's answer, e.g. "The special magic number is"
 
 
 @dataclass(kw_only=True)

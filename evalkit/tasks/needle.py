@@ -17,6 +17,7 @@ from evalkit.tasks.haystack import HAYSTACKS
 
 NEEDLE = "The special magic number is {value}."
 QUESTION = "What is the special magic number mentioned in the text? Answer with the number only."
+ANSWER_PREFIX = "The special magic number is"
 
 
 @dataclass(kw_only=True)
@@ -66,6 +67,7 @@ class NeedleTask(Task):
             answers=[value],
             cell={"context_length": length, "depth": depth, "haystack": self.haystack},
             evidence=[needle],
+            answer_prefix=ANSWER_PREFIX,
         )
 
 

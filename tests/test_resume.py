@@ -1,0 +1,88 @@
+"""A killed run loses at most the row in flight; resume=true finishes it without repeating a row."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from evalkit.records import read_rows
+from tests.conftest import ROOT, run_cli
+
+ARGS = [
+    "model=tiny-random",
+    "model.config.num_hidden_layers=6",
+    "model.config.hidden_size=256",
+    "model.config.intermediate_size=512",
+    "model.config.head_dim=64",
+    "task.context_lengths=[1024,2048]",
+    "task.depths=[0.0,0.25,0.5,0.75,1.0]",
+    "task.samples_per_cell=2",
+]
+TOTAL_ROWS = 2 * 5 * 2 * 2  # lengths x depths x samples x (baseline + policy)
+
+
+def keyed(rows):
+    return {(r["sample_id"], r["variant"]): (r["prediction"], r["score"], r["kv_bytes"]) for r in rows}
+
+
+def test_killed_run_resumes_where_it_stopped(tmp_path):
+    out = tmp_path / "run"
+    rows_path = out / "samples.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "evalkit", *ARGS, f"hydra.run.dir={out}"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if rows_path.exists() and rows_path.read_bytes().count(b"\n") >= 5:
+            break
+        time.sleep(0.02)
+    proc.kill()
+    proc.wait()
+    written = rows_path.read_bytes()
+    complete = written[: written.rfind(b"\n") + 1]
+    assert 5 <= complete.count(b"\n") < TOTAL_ROWS, "the run should have been killed part-way"
+
+    again = run_cli(*ARGS, f"hydra.run.dir={out}")
+    assert again.returncode == 2 and "add resume=true" in again.stderr
+    assert rows_path.read_bytes() == written, "a refused rerun must not touch the records"
+
+    resumed = run_cli(*ARGS, f"hydra.run.dir={out}", "resume=true")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming" in resumed.stdout
+    final = rows_path.read_bytes()
+    assert final.startswith(complete), "rows written before the kill are kept as they were"
+    rows = read_rows(rows_path)
+    assert len(rows) == TOTAL_ROWS == len(keyed(rows))
+
+    clean = run_cli(*ARGS, f"hydra.run.dir={tmp_path / 'clean'}")
+    assert clean.returncode == 0, clean.stderr
+    assert keyed(read_rows(tmp_path / "clean" / "samples.jsonl")) == keyed(rows)
+
+
+def test_torn_last_line_is_cut_on_resume(tmp_path):
+    args = ["model=tiny-random", "task.context_lengths=[128]", "task.depths=[0.0,1.0]", f"hydra.run.dir={tmp_path}"]
+    assert run_cli(*args).returncode == 0
+    rows_path = tmp_path / "samples.jsonl"
+    lines = rows_path.read_bytes().splitlines(keepends=True)
+    rows_path.write_bytes(b"".join(lines[:-1]) + lines[-1][:40])  # as if killed while writing the last row
+    result = run_cli(*args, "resume=true")
+    assert result.returncode == 0, result.stderr
+    assert rows_path.read_bytes() == b"".join(lines[:-1]) + rows_path.read_bytes().splitlines(keepends=True)[-1]
+    assert [json.loads(x)["sample_id"] for x in rows_path.read_bytes().splitlines()] == [
+        json.loads(x)["sample_id"] for x in lines
+    ]
+
+
+def test_resume_refuses_a_different_config(tmp_path):
+    args = ["model=tiny-random", "task.context_lengths=[128]", "task.depths=[0.5]", f"hydra.run.dir={tmp_path}"]
+    assert run_cli(*args).returncode == 0
+    result = run_cli(*args, "policy.budget=0.5", "resume=true")
+    assert result.returncode == 2
+    assert "policy.budget: 0.25 -> 0.5" in result.stderr
+    assert os.path.getsize(tmp_path / "samples.jsonl") > 0
