@@ -45,7 +45,7 @@ def test_chat_prompt_splits_on_a_token_boundary_of_the_joined_prompt(smollm2):
     assert tok.decode(p.ids[0, p.evidence]).strip() == s.evidence[0]
 
 
-def test_needle_run_on_smollm2_end_to_end(tmp_path):
+def test_needle_run_on_smollm2_end_to_end(tmp_path, smollm2):
     result = run_cli(
         "model=smollm2-135m",
         "policy=streaming_llm",
@@ -64,7 +64,7 @@ def test_needle_run_on_smollm2_end_to_end(tmp_path):
         ("L1024-d0.5-1", "baseline"),
         ("L1024-d0.5-1", "streaming_llm@0.25"),
     ]
-    cfg = models.AutoConfig.from_pretrained(models.cache_root() / "smollm2-135m-0.1.2")
+    cfg = smollm2.model.config
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * torch.float32.itemsize
     baseline = [r for r in rows if r["variant"] == "baseline"]
     policy = [r for r in rows if r["variant"] != "baseline"]
