@@ -21,10 +21,20 @@ class EvictingLayer(DynamicLayer):
 
     is_croppable = False
 
-    def __init__(self, keys: Tensor, values: Tensor, positions: Tensor, seen: int):
+    def __init__(
+        self,
+        keys: Tensor,
+        values: Tensor,
+        seen: int,
+        state: dict[str, Tensor] | None = None,
+        observations: dict[str, Tensor] | None = None,
+    ):
         super().__init__()
+        b, h, t, _ = keys.shape
         self.keys, self.values = keys, values  # (B, Hkv, T_held, D)
-        self.positions = positions  # (B, Hkv, T_held) absolute position of each held token
+        self.positions = torch.arange(seen - t, seen, device=keys.device).expand(b, h, t)  # (B, Hkv, T_held)
+        self.state = dict(state or {})  # per held token (B, Hkv, T_held), gathered along with the keys
+        self.observations = observations or {}  # per layer, from the prefill
         self.seen = seen
         self.device = keys.device
         self.is_initialized = True
@@ -33,6 +43,7 @@ class EvictingLayer(DynamicLayer):
         b, h, q, _ = key_states.shape
         new = torch.arange(self.seen, self.seen + q, device=self.positions.device).expand(b, h, q)
         self.positions = torch.cat([self.positions, new], dim=-1)
+        self.state = {k: torch.cat([v, v.new_zeros(b, h, q)], dim=-1) for k, v in self.state.items()}
         self.seen += q
         return super().update(key_states, value_states)
 
@@ -54,9 +65,12 @@ class EvictingLayer(DynamicLayer):
         self.keys = gather_tokens(self.keys, idx)
         self.values = gather_tokens(self.values, idx)
         self.positions = gather_tokens(self.positions, idx)
+        self.state = {k: gather_tokens(v, idx) for k, v in self.state.items()}
 
-    def view(self, layer_idx: int, n_layers: int, observations: dict[str, Tensor] | None = None) -> LayerView:
-        return LayerView(layer_idx, n_layers, self.keys, self.values, self.positions, observations or {})
+    def view(self, layer_idx: int, n_layers: int) -> LayerView:
+        return LayerView(
+            layer_idx, n_layers, self.seen, self.keys, self.values, self.positions, self.state, self.observations
+        )
 
 
 def share(cache: Cache) -> Cache:
@@ -69,32 +83,35 @@ def full_attention_layers(cache: Cache) -> list[int]:
     return [i for i, layer in enumerate(cache.layers) if not getattr(layer, "is_sliding", False)]
 
 
-def compress(cache: Cache, policy: KVPolicy, observations: list[dict[str, Tensor]] | None = None) -> Cache:
-    """A new cache holding what `policy` keeps of the prefilled full `cache`; `cache` itself is unchanged."""
-    evictable = full_attention_layers(cache)
+# Observations that are one value per token, carried and gathered with the keys; the rest are per layer.
+PER_TOKEN = ("attn_mass",)
+
+
+def compress(cache: Cache, policy: KVPolicy, observations: dict[int, dict[str, Tensor]] | None = None) -> Cache:
+    """A new cache holding what `policy` keeps of the prefilled full `cache`; `cache` itself is unchanged.
+
+    `observations` maps a layer index to what the prefill recorded there (see evalkit.attention).
+    """
     layers = [copy.copy(layer) for layer in cache.layers]
-    seen = cache.get_seq_length(evictable[0])
-    for layer_idx in evictable:
-        full = cache.layers[layer_idx]
-        b, h, t, _ = full.keys.shape
-        positions = torch.arange(t, device=full.keys.device).expand(b, h, t)
-        layers[layer_idx] = EvictingLayer(full.keys, full.values, positions, seen)
+    for layer_idx in full_attention_layers(cache):
+        full, obs = cache.layers[layer_idx], (observations or {}).get(layer_idx, {})
+        state = {k: v for k, v in obs.items() if k in PER_TOKEN and k in policy.needs}
+        rest = {k: v for k, v in obs.items() if k not in PER_TOKEN}
+        layers[layer_idx] = EvictingLayer(full.keys, full.values, full.get_seq_length(), state, rest)
     compressed = Cache(layers=layers)
-    enforce(compressed, policy, observations)
+    enforce(compressed, policy)
     return compressed
 
 
-def enforce(cache: Cache, policy: KVPolicy, observations: list[dict[str, Tensor]] | None = None) -> None:
+def enforce(cache: Cache, policy: KVPolicy) -> None:
     """Evict until every evictable layer holds exactly the policy's target for the tokens seen."""
     evictable = [i for i, layer in enumerate(cache.layers) if isinstance(layer, EvictingLayer)]
     n_layers = len(cache.layers)
     targets = policy.keep_per_layer(cache.layers[evictable[0]].seen, n_layers)
     for layer_idx in evictable:
         layer = cache.layers[layer_idx]
-        k = targets[layer_idx]
-        if layer.held > k:
-            obs = observations[layer_idx] if observations else None
-            layer.keep(policy.select(layer.view(layer_idx, n_layers, obs), k))
+        if layer.held > targets[layer_idx]:
+            layer.keep(policy.select(layer.view(layer_idx, n_layers), targets[layer_idx]))
 
 
 def kv_bytes(cache: Cache) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -13,6 +14,7 @@ from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
+from evalkit.attention import DecodeObserver, PrefillObserver, observe
 from evalkit.cache import compress, enforce, held_per_layer, kv_bytes, retained_fraction, share
 from evalkit.policies import KVPolicy
 from evalkit.prompt import Prompt
@@ -52,11 +54,22 @@ class Outcome:
 
 
 @torch.inference_mode()
-def prefill(model: torch.nn.Module, ids: Tensor) -> Cache:
-    """Run the context through the model with a full cache; only the cache is kept."""
+def prefill(
+    model: torch.nn.Module, ids: Tensor, policies: list[KVPolicy] = ()
+) -> tuple[Cache, dict[int, dict[str, Tensor]]]:
+    """Run the context through the model with a full cache, observing once what any of `policies` needs.
+
+    Returns the cache and, per full-attention layer, the observations (see evalkit.attention).
+    """
     cache = DynamicCache(config=model.config)
-    model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-    return cache
+    needs = set().union(*(p.needs for p in policies))
+    observer = PrefillObserver(
+        mass="attn_mass" in needs,
+        window=max((p.window for p in policies if "window_queries" in p.needs), default=0),
+    )
+    with observe(observer, cache) if needs else nullcontext():
+        model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    return cache, observer.observations
 
 
 @torch.inference_mode()
@@ -68,10 +81,14 @@ def greedy(
     stop_ids: set[int],
     after_forward: Callable[[], None] = lambda: None,
 ) -> Decoded:
-    """Feed `ids` (the question) then decode greedily; `after_forward` runs after every forward (eviction)."""
+    """Feed `ids` (the question) then decode greedily; `after_forward` runs after every forward (eviction).
+
+    Evicting layers that keep a running attention mass (H2O) have it updated by every forward.
+    """
     tokens, logits, peak = [], [], 0
     for _ in range(max_new_tokens):
-        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        with observe(DecodeObserver(), cache):
+            out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         peak = max(peak, kv_bytes(cache))  # before eviction: what the step really held
         after_forward()
         step = out.logits[0, -1].float()
@@ -95,7 +112,7 @@ def run_sample(
     ids = prompt.ids.to(model.device)
     context, question = ids[:, : prompt.n_context], ids[:, prompt.n_context :]
     t0 = time.perf_counter()
-    full = prefill(model, context)
+    full, observations = prefill(model, context, [v.policy for v in variants])
     prefill_s = time.perf_counter() - t0
 
     def run(name: str, cache: Cache, compress_s: float, after: Callable[[], None]) -> Outcome:
@@ -120,7 +137,7 @@ def run_sample(
     outcomes = []
     for variant in variants:
         t = time.perf_counter()
-        cache = compress(full, variant.policy)
+        cache = compress(full, variant.policy, observations)
         compress_s = time.perf_counter() - t
         policy = variant.policy
         after = (lambda c=cache, p=policy: enforce(c, p)) if policy.decode else (lambda: None)

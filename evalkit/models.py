@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 from platformdirs import user_cache_dir
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from evalkit import attention
 from evalkit.errors import ConfigError
 
 
@@ -60,6 +61,8 @@ def load(cfg: DictConfig, device: str = "auto") -> LoadedModel:
     if cfg.kind not in loaders:
         raise ConfigError(f"model.kind={cfg.kind!r} is not one of {sorted(loaders)}")
     model, tokenizer, fingerprint, source = loaders[cfg.kind](cfg)
+    if model.config._attn_implementation == "sdpa":
+        model.set_attn_implementation(attention.register())  # SDPA that policies can observe
     model.to(pick_device(device)).eval()
     return LoadedModel(cfg.name, model, tokenizer, fingerprint, time.perf_counter() - start, source)
 

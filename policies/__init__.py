@@ -21,10 +21,12 @@ class LayerView:
 
     layer_idx: int
     n_layers: int
+    seen: int  # tokens that have gone through the layer
     keys: Tensor  # (B, Hkv, T, D) post-RoPE keys as held
     values: Tensor  # (B, Hkv, T, D)
     positions: Tensor  # (B, Hkv, T) absolute position of each held token
-    observations: dict[str, Tensor] = field(default_factory=dict)  # what the policy's `needs` asked for
+    state: dict[str, Tensor] = field(default_factory=dict)  # per held token (B, Hkv, T), e.g. attn_mass
+    observations: dict[str, Tensor] = field(default_factory=dict)  # per layer, e.g. window_queries (B, Hq, W, D)
 
 
 @dataclass(kw_only=True)
@@ -38,14 +40,14 @@ class KVPolicy:
     name: str
     budget: float | int = 1.0
     decode: bool = True  # also enforce the budget after every forward while decoding
-    needs: ClassVar[frozenset[str]] = frozenset()
+    needs: ClassVar[frozenset[str]] = frozenset()  # observations from the prefill: attn_mass, window_queries
 
     def score(self, view: LayerView) -> Tensor:
         """(B, Hkv, T) keep-priority of each held token; higher is kept first."""
         raise NotImplementedError
 
-    def protected(self, view: LayerView) -> Tensor | None:
-        """(B, Hkv, T) bool mask of tokens the policy promises to keep whatever the scores say."""
+    def protected(self, view: LayerView, k: int) -> Tensor | None:
+        """(B, Hkv, T) bool mask of tokens the policy promises to keep, whatever the scores, when keeping k."""
         return None
 
     def min_tokens(self) -> int:
@@ -65,7 +67,7 @@ class KVPolicy:
     def select(self, view: LayerView, k: int) -> Tensor:
         """(B, Hkv, k) ascending indices of the tokens each KV head keeps."""
         scores = self.score(view).float()
-        protected = self.protected(view)
+        protected = self.protected(view, k)
         if protected is not None:
             if int(protected.sum(-1).max()) > k:
                 raise ValueError(f"{self.name}: {int(protected.sum(-1).max())} protected tokens exceed the {k} kept")

@@ -23,7 +23,7 @@ class StreamingLLM(KVPolicy):
     def score(self, view: LayerView) -> Tensor:
         return view.positions.float()  # the more recent, the higher
 
-    def protected(self, view: LayerView) -> Tensor:
+    def protected(self, view: LayerView, k: int) -> Tensor:
         return view.positions < self.n_sink
 
     def min_tokens(self) -> int:

@@ -1,0 +1,113 @@
+"""Attention that policies can observe, registered through transformers' public AttentionInterface.
+
+The registered function hands the output to transformers' own SDPA forward, so logits are those of plain SDPA,
+and on the side records what policies need, computed from the post-RoPE queries and keys in query chunks so
+that the extra memory stays bounded (no (T, T) attention matrix, no eager attention):
+
+- `attn_mass` (H2O): for every key, the attention it received, summed over queries and over the query heads
+  that share its KV head. During prefill it is returned per layer; after compression it accumulates into the
+  `attn_mass` state of each evicting layer.
+- `window_queries` (SnapKV, PyramidKV): the last `window` queries of the context, scaled, per layer.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "evalkit_sdpa"
+CHUNK_ELEMENTS = 1 << 24  # score elements per query chunk: bounds the observation's extra memory (64 MiB fp32)
+
+_observer: contextvars.ContextVar = contextvars.ContextVar("evalkit_observer", default=None)
+
+
+def causal_tail_mask(q_len: int, k_len: int, device: torch.device) -> Tensor:
+    """(1, 1, q, k) bool: the q queries are the last q keys; each sees every earlier key and itself."""
+    q_idx = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)
+    return (torch.arange(k_len, device=device)[None, :] <= q_idx)[None, None]
+
+
+def attention_mass(query: Tensor, key: Tensor, scaling: float, chunk_elements: int = CHUNK_ELEMENTS) -> Tensor:
+    """(B, Hkv, Tk) attention each key receives from the queries (the last Tq keys), summed over queries and
+    over the query heads of its KV group. Chunked over queries: memory O(chunk x Tk), never O(Tq x Tk)."""
+    b, hq, tq, _ = query.shape
+    hkv, tk = key.shape[1], key.shape[2]
+    group = hq // hkv
+    chunk = max(1, chunk_elements // (b * hq * tk))
+    keys = key.repeat_interleave(group, dim=1) if group > 1 else key  # (B, Hq, Tk, D)
+    mass = torch.zeros(b, hq, tk, dtype=torch.float32, device=key.device)
+    for start in range(0, tq, chunk):
+        q = query[:, :, start : start + chunk].float() * scaling  # (B, Hq, c, D)
+        scores = q @ keys.float().transpose(-1, -2)  # (B, Hq, c, Tk)
+        visible = torch.arange(tk, device=key.device)[None, :] <= (
+            torch.arange(start, start + q.shape[2], device=key.device)[:, None] + (tk - tq)
+        )
+        scores.masked_fill_(~visible, float("-inf"))
+        mass += scores.softmax(dim=-1).sum(dim=2)
+    return mass.view(b, hkv, group, tk).sum(dim=2)
+
+
+@dataclass
+class PrefillObserver:
+    """Records, per full-attention layer, what the variants of one prefill need."""
+
+    mass: bool = False
+    window: int = 0
+    observations: dict[int, dict[str, Tensor]] = field(default_factory=dict)
+
+    def record(self, layer_idx: int, layer, query: Tensor, key: Tensor, scaling: float) -> None:
+        if getattr(layer, "is_sliding", False):
+            return
+        obs = self.observations.setdefault(layer_idx, {})
+        if self.mass:
+            obs["attn_mass"] = attention_mass(query, key, scaling)
+        if self.window:
+            obs["window_queries"] = query[:, :, -self.window :].float() * scaling  # (B, Hq, W, D)
+            tk = key.shape[-2]
+            obs["window_positions"] = torch.arange(max(0, tk - self.window), tk, device=key.device)  # (W,)
+
+
+class DecodeObserver:
+    """Adds each new query's attention to the running `attn_mass` of the evicting layers that keep one."""
+
+    def record(self, layer_idx: int, layer, query: Tensor, key: Tensor, scaling: float) -> None:
+        state = getattr(layer, "state", {})
+        if "attn_mass" in state:
+            state["attn_mass"] = state["attn_mass"] + attention_mass(query, key, scaling)
+
+
+@contextmanager
+def observe(observer, cache):
+    """Within the block, every forward through the model reports its attention to `observer`."""
+    token = _observer.set((observer, cache))
+    try:
+        yield observer
+    finally:
+        _observer.reset(token)
+
+
+def evalkit_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """SDPA plus observation. Also rebuilds the causal mask for layers that hold a different number of tokens than
+    the layer transformers built the shared mask for (per-layer budgets, e.g. PyramidKV)."""
+    if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
+        attention_mask = causal_tail_mask(query.shape[-2], key.shape[-2], query.device)
+    active = _observer.get()
+    if active is not None:
+        observer, cache = active
+        scaling = kwargs.get("scaling") or module.scaling
+        observer.record(module.layer_idx, cache.layers[module.layer_idx], query, key, scaling)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def register() -> str:
+    """Make `evalkit_sdpa` available to every model; returns its name for `set_attn_implementation`."""
+    AttentionInterface.register(NAME, evalkit_sdpa)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    return NAME

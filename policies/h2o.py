@@ -1,0 +1,34 @@
+"""H2O: heavy hitters by accumulated attention, plus a recent window.
+
+Zhang et al. 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models"
+(arXiv:2306.14048). A token's score is the attention mass it has received, summed over every query so far: over
+all context queries at prefill end, then updated by every new query during decode, where the lowest-mass token
+outside the recent window is evicted whenever the budget is exceeded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from torch import Tensor
+
+from evalkit.policies import KVPolicy, LayerView
+
+
+@dataclass(kw_only=True)
+class H2O(KVPolicy):
+    """Keep the heaviest hitters; `recent` is the share of the budget reserved for the most recent tokens."""
+
+    name: str = "h2o"
+    recent: float = 0.5
+    needs: ClassVar[frozenset[str]] = frozenset({"attn_mass"})
+
+    def score(self, view: LayerView) -> Tensor:
+        return view.state["attn_mass"]
+
+    def protected(self, view: LayerView, k: int) -> Tensor:
+        return view.positions >= view.seen - int(self.recent * k)
+
+    def min_tokens(self) -> int:
+        return 2

@@ -1,0 +1,68 @@
+"""SnapKV: keep the prefix tokens that the last context queries attend to, plus those queries' window.
+
+Li et al. 2024, "SnapKV: LLM Knows What You are Looking for Before Generation" (arXiv:2404.14469). Scores are
+the attention of the last `window` queries on each key, summed over those queries and the query heads of the
+KV group, smoothed along the sequence by 1-D pooling (`kernel`, avg or max); each KV head keeps its own top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from evalkit.errors import ConfigError
+from evalkit.policies import KVPolicy, LayerView
+
+
+def window_attention(view: LayerView, window: int) -> Tensor:
+    """(B, Hkv, T) attention of the last `window` context queries on each held key, summed over the queries
+    and the query heads that share the KV head. Memory O(window x T)."""
+    q = view.observations["window_queries"][:, :, -window:]  # (B, Hq, W, D), already scaled
+    q_pos = view.observations["window_positions"][-window:]  # (W,) absolute positions of those queries
+    b, hq, w, _ = q.shape
+    hkv, t = view.keys.shape[1], view.keys.shape[2]
+    group = hq // hkv
+    keys = view.keys.float().repeat_interleave(group, dim=1)  # (B, Hq, T, D)
+    scores = q @ keys.transpose(-1, -2)  # (B, Hq, W, T)
+    # Each window query sees the keys at or before its own position.
+    k_pos = view.positions.repeat_interleave(group, dim=1)  # (B, Hq, T)
+    scores = scores.masked_fill(k_pos[:, :, None, :] > q_pos[None, None, :, None], float("-inf"))
+    return scores.softmax(dim=-1).sum(dim=2).view(b, hkv, group, t).sum(dim=2)
+
+
+@dataclass(kw_only=True)
+class SnapKV(KVPolicy):
+    """Top-k by pooled observation-window attention; the window itself is always kept."""
+
+    name: str = "snapkv"
+    window: int = 32
+    kernel: int = 7
+    pooling: str = "avg"
+    decode: bool = False  # as published: compress the prompt once
+    needs: ClassVar[frozenset[str]] = frozenset({"window_queries"})
+
+    def score(self, view: LayerView) -> Tensor:
+        scores = window_attention(view, self.window)  # (B, Hkv, T)
+        b, h, t = scores.shape
+        flat = scores.reshape(b * h, 1, t)
+        pool = F.avg_pool1d if self.pooling == "avg" else F.max_pool1d
+        kwargs = {"count_include_pad": False} if self.pooling == "avg" else {}
+        return pool(flat, self.kernel, stride=1, padding=self.kernel // 2, **kwargs).reshape(b, h, t)
+
+    def protected(self, view: LayerView, k: int) -> Tensor:
+        # At prefill end: the observation window. While decoding (decode=true), the most recent `window` tokens;
+        # older tokens compete by their prefill-window scores, and tokens added after the prefill score zero.
+        return view.positions >= view.seen - self.window
+
+    def min_tokens(self) -> int:
+        return self.window + 1
+
+    def validate(self, shortest_context: int) -> None:
+        if self.pooling not in ("avg", "max"):
+            raise ConfigError(f"policy.pooling={self.pooling!r} is not one of ['avg', 'max']")
+        if self.kernel < 1 or self.kernel % 2 == 0:
+            raise ConfigError(f"policy.kernel={self.kernel} must be an odd number >= 1 (it centres on each token)")
+        super().validate(shortest_context)

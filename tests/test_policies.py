@@ -1,0 +1,137 @@
+"""Each policy against a plain reference that materialises the attention matrix (transformers' eager attention
+with output_attentions), on small inputs: kept indices must be equal, exactly."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from evalkit.attention import attention_mass, causal_tail_mask
+from evalkit.cache import compress, share
+from evalkit.engine import greedy, prefill
+from evalkit.errors import ConfigError
+from evalkit.policies.pyramidkv import pyramid
+from tests.test_cache_invariants import CTX, QUESTION, compressed, ids, policy  # noqa: F401  (ids: fixture)
+
+BUDGET = 24
+
+
+@pytest.fixture(scope="module")
+def eager(tiny):
+    """The same weights under transformers' eager attention, which can return the attention matrices."""
+    model = copy.deepcopy(tiny.model)
+    model.set_attn_implementation("eager")
+    return model
+
+
+@pytest.fixture(scope="module")
+def reference(eager, ids):
+    with torch.inference_mode():
+        out = eager(input_ids=ids[:, :CTX], output_attentions=True, use_cache=True)
+    return out.attentions, [layer.keys for layer in out.past_key_values.layers]  # (B, Hq, T, T), (B, Hkv, T, D)
+
+
+def by_kv_head(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """Sum (B, Hq, ...) over the query heads of each KV group -> (B, Hkv, ...)."""
+    return x.view(x.shape[0], hkv, x.shape[1] // hkv, *x.shape[2:]).sum(dim=2)
+
+
+def top_k(scores: torch.Tensor, protected: torch.Tensor, k: int) -> torch.Tensor:
+    return scores.masked_fill(protected, float("inf")).topk(k, dim=-1).indices.sort(dim=-1).values
+
+
+def reference_keep(name, pol, attn, keys, k) -> torch.Tensor:
+    hkv = keys.shape[1]
+    pos = torch.arange(CTX).expand(1, hkv, CTX)
+    if name == "h2o":
+        return top_k(by_kv_head(attn.sum(dim=2), hkv), pos >= CTX - int(pol.recent * k), k)
+    if name in ("snapkv", "pyramidkv"):
+        win = by_kv_head(attn[:, :, -pol.window :, :].sum(dim=2), hkv)  # (B, Hkv, T)
+        pool = F.avg_pool1d if pol.pooling == "avg" else F.max_pool1d
+        extra = {"count_include_pad": False} if pol.pooling == "avg" else {}
+        pooled = pool(win.reshape(hkv, 1, CTX), pol.kernel, 1, pol.kernel // 2, **extra).reshape(1, hkv, CTX)
+        return top_k(pooled, pos >= CTX - pol.window, k)
+    if name == "knorm":
+        return top_k(-keys.norm(dim=-1), torch.zeros_like(pos, dtype=torch.bool), k)
+    if name == "streaming_llm":
+        return top_k(pos.float(), pos < pol.n_sink, k)
+    raise AssertionError(name)
+
+
+CASES = [("h2o", {}), ("knorm", {}), ("streaming_llm", {})] + [
+    (name, {"pooling": pooling}) for name in ("snapkv", "pyramidkv") for pooling in ("avg", "max")
+]
+
+
+@pytest.mark.parametrize(("name", "options"), CASES, ids=[f"{n}-{o.get('pooling', '')}".strip("-") for n, o in CASES])
+def test_kept_indices_equal_the_naive_reference(tiny, ids, reference, name, options):
+    pol = policy(name, BUDGET, **options)
+    _, cache = compressed(tiny.model, ids, pol)
+    attentions, keys = reference
+    ks = pol.keep_per_layer(CTX, len(keys))
+    for layer_idx, (attn, k) in enumerate(zip(attentions, keys, strict=True)):
+        want = reference_keep(name, pol, attn, k, ks[layer_idx])
+        assert torch.equal(cache.layers[layer_idx].positions, want), f"layer {layer_idx}"
+
+
+@pytest.mark.parametrize("chunk_elements", [1, 97, 1 << 24], ids=["one-query-chunks", "odd-chunks", "one-chunk"])
+def test_chunked_attention_mass_equals_the_materialised_one(reference, chunk_elements):
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 4, 10, 16, generator=g), torch.randn(1, 2, 25, 16, generator=g)
+    scores = (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2)) * 0.25
+    scores = scores.masked_fill(~causal_tail_mask(10, 25, q.device), float("-inf"))
+    want = by_kv_head(scores.softmax(-1).sum(dim=2), 2)
+    torch.testing.assert_close(attention_mass(q, k, 0.25, chunk_elements), want, rtol=1e-5, atol=1e-6)
+
+
+def test_h2o_running_mass_adds_every_new_query_attention(tiny, eager, ids):
+    pol = policy("h2o", BUDGET)
+    full, obs = prefill(tiny.model, ids[:, :CTX], [pol])
+    observed, plain = compress(full, pol, obs), compress(full, pol, obs)
+    before = [layer.state["attn_mass"].clone() for layer in observed.layers]
+    question = ids[:, CTX:]
+    greedy(tiny.model, observed, question, 1, set())  # one forward: the question chunk
+    with torch.inference_mode():
+        attn = eager(input_ids=question, cache=plain, use_cache=True, output_attentions=True).attentions
+    for layer, old, a in zip(observed.layers, before, attn, strict=True):
+        hkv = layer.keys.shape[1]
+        grown = torch.cat([old, old.new_zeros(1, hkv, QUESTION)], dim=-1)
+        torch.testing.assert_close(layer.state["attn_mass"], grown + by_kv_head(a.sum(dim=2), hkv))
+
+
+def test_h2o_prefill_mass_is_observed_under_sdpa_not_eager(tiny, ids):
+    assert tiny.model.config._attn_implementation == "evalkit_sdpa"
+    _, obs = prefill(tiny.model, ids[:, :CTX], [policy("h2o", BUDGET)])
+    assert set(obs) == set(range(tiny.model.config.num_hidden_layers))
+    assert all(o["attn_mass"].shape == (1, 2, CTX) for o in obs.values())
+    # every query's attention sums to one, and the mass sums over queries and over the 2 heads of each group
+    total = sum(o["attn_mass"].sum() for o in obs.values())
+    torch.testing.assert_close(total, torch.tensor(float(CTX * 4 * len(obs))))
+
+
+def test_pyramid_budgets_fall_with_depth_and_sum_to_the_uniform_total():
+    for k, n, beta in [(100, 30, 20), (37, 7, 5), (9, 3, 20), (500, 30, 1)]:
+        b = pyramid(k, n, beta, lo=9, hi=1000)
+        assert sum(b) == k * n
+        assert all(x >= y for x, y in zip(b, b[1:], strict=False))
+        assert min(b) >= 9
+    assert pyramid(100, 4, 1, lo=1, hi=1000) == [100, 100, 100, 100]
+
+
+def test_policy_config_errors():
+    with pytest.raises(ConfigError, match="decode=false"):
+        policy("pyramidkv", 0.25, decode=True).validate(1024)
+    with pytest.raises(ConfigError, match="pooling"):
+        policy("snapkv", 0.25, pooling="median").validate(1024)
+    with pytest.raises(ConfigError, match="odd"):
+        policy("snapkv", 0.25, kernel=4).validate(1024)
+    with pytest.raises(ConfigError, match="fewer than the 9"):
+        policy("snapkv", 8).validate(1024)  # window 8 + 1
+
+
+def test_baseline_shares_the_prefilled_tensors(tiny, ids):
+    full, _ = prefill(tiny.model, ids[:, :CTX])
+    assert share(full).layers[0].keys.data_ptr() == full.layers[0].keys.data_ptr()
