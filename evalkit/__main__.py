@@ -16,6 +16,10 @@ from evalkit.config import check_choices
 from evalkit.errors import ConfigError
 
 OmegaConf.register_new_resolver("evalkit_or", lambda value, default: value or default, replace=True)
+# The run folder is named after the policy, or "variants" for a sweep of several.
+OmegaConf.register_new_resolver(
+    "evalkit_label", lambda policy, variants: "variants" if variants else policy, replace=True
+)
 
 
 def fail(err: ConfigError) -> None:

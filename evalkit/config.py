@@ -5,7 +5,8 @@ from __future__ import annotations
 import difflib
 from importlib.resources import files
 
-from omegaconf import DictConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
 
 from evalkit import models
 from evalkit.errors import ConfigError
@@ -33,6 +34,36 @@ def check_choices(overrides: list[str]) -> None:
                 near = difflib.get_close_matches(name, valid, n=1)
                 hint = f" (did you mean {near[0]}?)" if near else ""
                 raise ConfigError(f"unknown {key} {name!r}{hint}; valid names: {', '.join(valid)}")
+
+
+def variant_policies(cfg: DictConfig) -> list[KVPolicy]:
+    """The policies a run evaluates: `variants=[snapkv@0.25,h2o@0.5,...]` when given, else `policy`.
+
+    Each variant is its policy's YAML with the budget after '@' (a fraction like 0.25 or a token count like 512).
+    """
+    if not cfg.get("variants"):
+        return [instantiate(cfg.policy, _convert_="all")]
+    valid = options("policy")
+    policies = []
+    for spec in cfg.variants:
+        name, sep, budget = str(spec).partition("@")
+        if name not in valid:
+            near = difflib.get_close_matches(name, valid, n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            raise ConfigError(f"variants: unknown policy {name!r} in {spec!r}{hint}; valid names: {', '.join(valid)}")
+        node = OmegaConf.create(
+            {"seed": cfg.seed, "policy": OmegaConf.load(files("evalkit.conf") / "policy" / f"{name}.yaml")}
+        )
+        if sep:
+            try:
+                node.policy.budget = int(budget) if budget.isdigit() else float(budget)
+            except ValueError:
+                raise ConfigError(f"variants: {spec!r} needs NAME@BUDGET with a number, e.g. snapkv@0.25") from None
+        policies.append(instantiate(node.policy, _convert_="all"))
+    names = [f"{p.name}@{p.budget}" for p in policies]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"variants: {sorted(n for n in names if names.count(n) > 1)} are listed more than once")
+    return policies
 
 
 def validate(cfg: DictConfig, task: Task, policies: list[KVPolicy]) -> None:

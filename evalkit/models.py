@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from platformdirs import user_cache_dir
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
@@ -169,7 +169,7 @@ def _load_tiny_random(cfg: DictConfig):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         max_position_embeddings=int(cfg.max_context),
-        **dict(cfg.config),
+        **OmegaConf.to_container(cfg.config),
     )
     config._attn_implementation = cfg.get("attn_implementation", "sdpa")
     torch.manual_seed(int(cfg.seed))

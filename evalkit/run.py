@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from evalkit import models
 from evalkit.analysis import BASELINE, format_summary, summarize
-from evalkit.config import validate
+from evalkit.config import validate, variant_policies
 from evalkit.engine import Outcome, Variant, run_sample
 from evalkit.errors import ConfigError
 from evalkit.prompt import Prompt, build_prompt
@@ -35,7 +35,7 @@ from evalkit.tasks import Sample, Task
 def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     """Run the configured task with the baseline and the configured policy; return the summary."""
     task: Task = instantiate(cfg.task, _convert_="all")
-    variants = [Variant(instantiate(cfg.policy, _convert_="all"))]
+    variants = [Variant(p) for p in variant_policies(cfg)]
     validate(cfg, task, [v.policy for v in variants])
 
     out_dir.mkdir(parents=True, exist_ok=True)

