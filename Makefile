@@ -19,7 +19,7 @@ $(VENV)/.installed: $(BIN)/activate pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	$(BIN)/python -m evalkit policy=streaming_llm task=needle resume=true
+	$(BIN)/python -m evalkit policy=h2o task=needle resume=true
 
 test: install
 	$(BIN)/python -m pytest -q

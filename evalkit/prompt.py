@@ -14,7 +14,9 @@ from transformers import PreTrainedTokenizerBase
 
 from evalkit.tasks import Sample
 
-PROTOCOLS = ("query_agnostic",)
+# query_agnostic: compress the context only, then append the question (a cache reused across questions).
+# query_aware: compress the whole prompt, question included, then decode (SnapKV's published setting).
+PROTOCOLS = ("query_agnostic", "query_aware")
 
 
 @dataclass
@@ -47,6 +49,8 @@ def build_prompt(tokenizer: PreTrainedTokenizerBase, sample: Sample, protocol: s
     enc = tokenizer(text, add_special_tokens=not chat, return_offsets_mapping=True)
     offsets = enc["offset_mapping"]
     n_context = next(i for i, (start, _) in enumerate(offsets) if start >= q_start)
+    if protocol == "query_aware":
+        n_context = len(offsets) - 1  # all but the last prompt token, whose logits start the answer
     starts = [ctx_start + sample.context.index(e) for e in sample.evidence]
     spans = [(lo, lo + len(e)) for lo, e in zip(starts, sample.evidence, strict=True)]
     evidence = [i for i, (s, e) in enumerate(offsets) if any(s < hi and e > lo for lo, hi in spans)]

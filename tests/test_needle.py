@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from evalkit.prompt import build_prompt
 from evalkit.tasks import contains_any
@@ -67,3 +68,10 @@ def test_prompt_split_is_a_token_boundary_of_the_joined_prompt(tiny):
     assert s.context in tiny.tokenizer.decode(p.ids[0, : p.n_context])
     assert tiny.tokenizer.decode(p.ids[0, p.evidence]) == s.evidence[0]
     assert text.endswith("Answer: " + s.answer_prefix)
+
+
+def test_query_aware_protocol_compresses_the_question_too(tiny):
+    (s,) = task(depths=[0.5]).samples(tiny.tokenizer)
+    agnostic, aware = build_prompt(tiny.tokenizer, s), build_prompt(tiny.tokenizer, s, "query_aware")
+    assert torch.equal(agnostic.ids, aware.ids) and agnostic.evidence == aware.evidence
+    assert aware.n_context == aware.ids.shape[1] - 1 > agnostic.n_context

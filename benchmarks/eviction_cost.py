@@ -1,0 +1,154 @@
+"""What score-based eviction costs on SmolLM2: time, peak memory, and the sweep's saving.
+
+    python benchmarks/eviction_cost.py time   [--lengths 2048 8192] [--reps 2]
+    python benchmarks/eviction_cost.py memory [--length 8192]
+    python benchmarks/eviction_cost.py sweep  [--length 2048] [--samples 8]
+
+time:   prefill + scoring + compression vs a plain SDPA prefill, per policy (interleaved, median of reps).
+memory: peak process memory (max RSS) of a prefill that scores for H2O or SnapKV vs a plain SDPA prefill, and
+        a plain eager-attention prefill for contrast; each mode in its own fresh process.
+sweep:  4 policies x 3 budgets on the same needle samples in one sweep (one prefill per sample) vs the same
+        12 variants run one by one (each run: prefill, baseline and its variant, as a single-policy run does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from omegaconf import OmegaConf
+
+from evalkit import models
+from evalkit.cache import compress
+from evalkit.config import variant_policies
+from evalkit.engine import Variant, prefill, run_sample
+from evalkit.prompt import build_prompt
+from evalkit.tasks.needle import NeedleTask
+
+CONF = os.path.join(os.path.dirname(__file__), "..", "conf", "model", "smollm2-135m.yaml")
+POLICIES = ["h2o", "snapkv", "pyramidkv", "knorm", "random", "streaming_llm"]
+
+
+def policies(specs: list[str]):
+    return variant_policies(OmegaConf.create({"seed": 0, "variants": specs}))
+
+
+def load(attn: str = "sdpa"):
+    cfg = OmegaConf.load(CONF)
+    cfg.attn_implementation = attn
+    return models.load(cfg, "cpu")
+
+
+def context_ids(loaded, length: int) -> torch.Tensor:
+    (sample,) = NeedleTask(context_lengths=[length], depths=[0.5]).samples(loaded.tokenizer)
+    p = build_prompt(loaded.tokenizer, sample)
+    return p.ids[:, : p.n_context]
+
+
+def bench_time(args) -> None:
+    loaded = load()
+    print(f"{'context':>8} {'policy':<16} {'plain prefill s':>16} {'prefill+score+compress s':>25} {'ratio':>7}")
+    for length in args.lengths:
+        ids = context_ids(loaded, length)
+        plain, scored = [], {p: [] for p in POLICIES}
+        for _ in range(args.reps):
+            t = time.perf_counter()
+            prefill(loaded.model, ids)
+            plain.append(time.perf_counter() - t)
+            for pol in policies([f"{p}@0.25" for p in POLICIES]):
+                t = time.perf_counter()
+                full, obs = prefill(loaded.model, ids, [pol])
+                compress(full, pol, obs)
+                scored[pol.name].append(time.perf_counter() - t)
+        base = statistics.median(plain)
+        for name, times in scored.items():
+            s = statistics.median(times)
+            print(f"{ids.shape[1]:>8} {name:<16} {base:>16.2f} {s:>25.2f} {s / base:>6.2f}x")
+
+
+def memory_child(mode: str, length: int) -> None:
+    loaded = load("eager" if mode == "eager" else "sdpa")
+    ids = context_ids(loaded, length)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    pols = [] if mode in ("plain", "eager") else policies([f"{mode}@0.25"])
+    full, obs = prefill(loaded.model, ids, pols)
+    if pols:
+        compress(full, pols[0], obs)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"mode": mode, "tokens": int(ids.shape[1]), "rss_before_mb": before / 1024,
+                      "peak_mb": peak / 1024}))
+
+
+def bench_memory(args) -> None:
+    print(f"{'mode':<22} {'tokens':>7} {'peak RSS MB':>12} {'over model MB':>14} {'peak vs plain':>14}")
+    results = {}
+    for mode in ["plain", "h2o", "snapkv", "eager"]:
+        out = subprocess.run([sys.executable, __file__, "memory-child", mode, str(args.length)],
+                             capture_output=True, text=True, check=True)
+        results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    for mode, r in results.items():
+        label = {"plain": "plain SDPA prefill", "eager": "plain eager prefill"}.get(mode, f"{mode} scoring (SDPA)")
+        ratio = r["peak_mb"] / results["plain"]["peak_mb"]
+        print(f"{label:<22} {r['tokens']:>7} {r['peak_mb']:>12.0f} {r['peak_mb'] - r['rss_before_mb']:>14.0f} "
+              f"{ratio:>13.2f}x")
+
+
+def bench_sweep(args) -> None:
+    loaded = load()
+    specs = [f"{p}@{b}" for p in ("snapkv", "h2o", "pyramidkv", "streaming_llm") for b in (0.1, 0.25, 0.5)]
+    variants = [Variant(p) for p in policies(specs)]
+    task = NeedleTask(context_lengths=[args.length], depths=[0.0, 0.25, 0.5, 0.75, 1.0],
+                      samples_per_cell=2)
+    samples = task.samples(loaded.tokenizer)[: args.samples]
+    prompts = [build_prompt(loaded.tokenizer, s, args.protocol) for s in samples]
+    stop = {loaded.tokenizer.eos_token_id}
+    correct = {v.name: 0 for v in variants} | {"baseline": 0}
+    t = time.perf_counter()
+    for s, p in zip(samples, prompts, strict=True):
+        base, outs = run_sample(loaded.model, p, variants, task.max_new_tokens, stop)
+        for out in [base, *outs]:
+            correct[out.variant] += task.score(loaded.tokenizer.decode(out.tokens, skip_special_tokens=True), s)
+    sweep = time.perf_counter() - t
+    t = time.perf_counter()
+    for v in variants:
+        for p in prompts:
+            run_sample(loaded.model, p, [v], task.max_new_tokens, stop)
+    one_by_one = time.perf_counter() - t
+    print(f"{len(variants)} variants x {len(prompts)} samples at {args.length} tokens, protocol {args.protocol}")
+    print(f"sweep (one prefill per sample): {sweep:.1f} s")
+    print(f"one by one (12 runs):           {one_by_one:.1f} s")
+    print(f"speed-up: {one_by_one / sweep:.2f}x")
+    print("needle accuracy in the sweep: " + ", ".join(f"{k} {v:g}/{len(prompts)}" for k, v in correct.items()))
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["memory-child"]:
+        memory_child(sys.argv[2], int(sys.argv[3]))
+        return
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["time", "memory", "sweep"])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--length", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--protocol", default="query_aware", choices=["query_agnostic", "query_aware"])
+    args = ap.parse_args()
+    if args.what == "time":
+        bench_time(args)
+    elif args.what == "memory":
+        args.length = args.length or 8192
+        bench_memory(args)
+    else:
+        args.length = args.length or 2048
+        bench_sweep(args)
+
+
+if __name__ == "__main__":
+    main()
