@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 
 from evalkit import models
 from evalkit.cache import compress
-from evalkit.config import variant_policies
+from evalkit.config import variants as configured_variants
 from evalkit.engine import Variant, prefill, run_sample
 from evalkit.prompt import build_prompt
 from evalkit.tasks.needle import NeedleTask
@@ -37,7 +37,7 @@ POLICIES = ["h2o", "snapkv", "pyramidkv", "knorm", "random", "streaming_llm"]
 
 
 def policies(specs: list[str]):
-    return variant_policies(OmegaConf.create({"seed": 0, "variants": specs}))
+    return [v.policy for v in configured_variants(OmegaConf.create({"seed": 0, "variants": specs}))]
 
 
 def load(attn: str = "sdpa"):
@@ -82,30 +82,36 @@ def memory_child(mode: str, length: int) -> None:
     if pols:
         compress(full, pols[0], obs)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"mode": mode, "tokens": int(ids.shape[1]), "rss_before_mb": before / 1024,
-                      "peak_mb": peak / 1024}))
+    print(
+        json.dumps({"mode": mode, "tokens": int(ids.shape[1]), "rss_before_mb": before / 1024, "peak_mb": peak / 1024})
+    )
 
 
 def bench_memory(args) -> None:
     print(f"{'mode':<22} {'tokens':>7} {'peak RSS MB':>12} {'over model MB':>14} {'peak vs plain':>14}")
     results = {}
     for mode in ["plain", "h2o", "snapkv", "eager"]:
-        out = subprocess.run([sys.executable, __file__, "memory-child", mode, str(args.length)],
-                             capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, __file__, "memory-child", mode, str(args.length)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
     for mode, r in results.items():
         label = {"plain": "plain SDPA prefill", "eager": "plain eager prefill"}.get(mode, f"{mode} scoring (SDPA)")
         ratio = r["peak_mb"] / results["plain"]["peak_mb"]
-        print(f"{label:<22} {r['tokens']:>7} {r['peak_mb']:>12.0f} {r['peak_mb'] - r['rss_before_mb']:>14.0f} "
-              f"{ratio:>13.2f}x")
+        print(
+            f"{label:<22} {r['tokens']:>7} {r['peak_mb']:>12.0f} {r['peak_mb'] - r['rss_before_mb']:>14.0f} "
+            f"{ratio:>13.2f}x"
+        )
 
 
 def bench_sweep(args) -> None:
     loaded = load()
     specs = [f"{p}@{b}" for p in ("snapkv", "h2o", "pyramidkv", "streaming_llm") for b in (0.1, 0.25, 0.5)]
     variants = [Variant(p) for p in policies(specs)]
-    task = NeedleTask(context_lengths=[args.length], depths=[0.0, 0.25, 0.5, 0.75, 1.0],
-                      samples_per_cell=2)
+    task = NeedleTask(context_lengths=[args.length], depths=[0.0, 0.25, 0.5, 0.75, 1.0], samples_per_cell=2)
     samples = task.samples(loaded.tokenizer)[: args.samples]
     prompts = [build_prompt(loaded.tokenizer, s, args.protocol) for s in samples]
     stop = {loaded.tokenizer.eos_token_id}

@@ -95,15 +95,24 @@ def observe(observer, cache):
 
 def evalkit_sdpa(module, query, key, value, attention_mask, **kwargs):
     """SDPA plus observation. Also rebuilds the causal mask for layers that hold a different number of tokens than
-    the layer transformers built the shared mask for (per-layer budgets, e.g. PyramidKV)."""
-    if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
-        attention_mask = causal_tail_mask(query.shape[-2], key.shape[-2], query.device)
+    the layer transformers built the shared mask for (per-layer budgets, e.g. PyramidKV), and lets quantized
+    layers attend over their packed history themselves."""
     active = _observer.get()
+    layer = active[1].layers[module.layer_idx] if active is not None else None
+    if hasattr(layer, "attend"):
+        return layer.attend(module, query, attention_mask, **kwargs)
+    attention_mask = fit_mask(attention_mask, query, key)
     if active is not None:
-        observer, cache = active
         scaling = kwargs.get("scaling") or module.scaling
-        observer.record(module.layer_idx, cache.layers[module.layer_idx], query, key, scaling)
+        active[0].record(module.layer_idx, layer, query, key, scaling)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def fit_mask(attention_mask: Tensor | None, query: Tensor, key: Tensor) -> Tensor | None:
+    """The shared mask if it fits this layer's keys, else the causal mask for queries that are the last keys."""
+    if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
+        return causal_tail_mask(query.shape[-2], key.shape[-2], query.device)
+    return attention_mask
 
 
 def register() -> str:

@@ -115,18 +115,31 @@ def enforce(cache: Cache, policy: KVPolicy) -> None:
 
 
 def kv_bytes(cache: Cache) -> int:
-    """Bytes of the key and value tensors actually held, summed over layers."""
+    """Bytes of the tensors actually held (keys and values; packed codes, scales and minima), over all layers."""
     total = 0
     for layer in cache.layers:
-        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+        if hasattr(layer, "nbytes"):
+            total += layer.nbytes()
+        elif getattr(layer, "keys", None) is not None and layer.keys.numel():
             total += layer.keys.numel() * layer.keys.element_size()
             total += layer.values.numel() * layer.values.element_size()
     return total
 
 
+def fp16_bytes(cache: Cache) -> int:
+    """Bytes the held tokens would take as fp16 keys and values: the reference for quantized storage."""
+    return sum(
+        2 * 2 * held * layer.keys.shape[1] * layer.keys.shape[-1]
+        for held, layer in zip(held_per_layer(cache), cache.layers, strict=True)
+    )
+
+
 def held_per_layer(cache: Cache) -> list[int]:
     """Tokens each layer holds per KV head (the same for every head of a layer)."""
-    return [layer.keys.shape[-2] if getattr(layer, "keys", None) is not None else 0 for layer in cache.layers]
+    return [
+        layer.held if isinstance(layer, EvictingLayer) else (layer.keys.shape[-2] if layer.keys is not None else 0)
+        for layer in cache.layers
+    ]
 
 
 def held_positions(layer) -> Tensor:

@@ -9,12 +9,14 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from evalkit import models
+from evalkit.engine import Variant
 from evalkit.errors import ConfigError
 from evalkit.policies import KVPolicy
 from evalkit.prompt import PROTOCOLS
+from evalkit.quantized import QuantSpec
 from evalkit.tasks import Task
 
-GROUPS = ("model", "policy", "task")
+GROUPS = ("model", "policy", "quant", "task")
 
 
 def options(group: str) -> list[str]:
@@ -36,34 +38,59 @@ def check_choices(overrides: list[str]) -> None:
                 raise ConfigError(f"unknown {key} {name!r}{hint}; valid names: {', '.join(valid)}")
 
 
-def variant_policies(cfg: DictConfig) -> list[KVPolicy]:
-    """The policies a run evaluates: `variants=[snapkv@0.25,h2o@0.5,...]` when given, else `policy`.
+def quant_spec(node: DictConfig) -> QuantSpec | None:
+    """The storage a conf/quant config asks for; None for full precision."""
+    if node.get("bits") is None:
+        return None
+    spec = QuantSpec(name=node.name, bits=int(node.bits), group=int(node.group), residual=int(node.residual))
+    spec.validate()
+    return spec
 
-    Each variant is its policy's YAML with the budget after '@' (a fraction like 0.25 or a token count like 512).
+
+def _named(group: str, name: str, spec: str) -> DictConfig:
+    valid = options(group)
+    if name not in valid:
+        near = difflib.get_close_matches(name, valid, n=1)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        raise ConfigError(f"variants: unknown {group} {name!r} in {spec!r}{hint}; valid names: {', '.join(valid)}")
+    return OmegaConf.load(files("evalkit.conf") / group / f"{name}.yaml")
+
+
+def variants(cfg: DictConfig) -> list[Variant]:
+    """The variants a run evaluates: `variants=[snapkv@0.25,h2o@0.5+int4,...]` when given, else `policy` + `quant`.
+
+    Each is its policy's YAML with the budget after '@' (a fraction like 0.25 or a token count like 512) and,
+    after '+', a conf/quant storage.
     """
     if not cfg.get("variants"):
-        return [instantiate(cfg.policy, _convert_="all")]
-    valid = options("policy")
-    policies = []
-    for spec in cfg.variants:
-        name, sep, budget = str(spec).partition("@")
-        if name not in valid:
-            near = difflib.get_close_matches(name, valid, n=1)
-            hint = f" (did you mean {near[0]}?)" if near else ""
-            raise ConfigError(f"variants: unknown policy {name!r} in {spec!r}{hint}; valid names: {', '.join(valid)}")
-        node = OmegaConf.create(
-            {"seed": cfg.seed, "policy": OmegaConf.load(files("evalkit.conf") / "policy" / f"{name}.yaml")}
-        )
-        if sep:
-            try:
-                node.policy.budget = int(budget) if budget.isdigit() else float(budget)
-            except ValueError:
-                raise ConfigError(f"variants: {spec!r} needs NAME@BUDGET with a number, e.g. snapkv@0.25") from None
-        policies.append(instantiate(node.policy, _convert_="all"))
-    names = [f"{p.name}@{p.budget}" for p in policies]
+        out = [Variant(instantiate(cfg.policy, _convert_="all"), quant_spec(cfg.quant))]
+    else:
+        out = []
+        for spec in cfg.variants:
+            head, _, quant = str(spec).partition("+")
+            name, sep, budget = head.partition("@")
+            node = OmegaConf.create({"seed": cfg.seed, "policy": _named("policy", name, spec)})
+            if sep:
+                try:
+                    node.policy.budget = int(budget) if budget.isdigit() else float(budget)
+                except ValueError:
+                    raise ConfigError(f"variants: {spec!r} needs NAME@BUDGET with a number, e.g. snapkv@0.25") from None
+            out.append(
+                Variant(
+                    instantiate(node.policy, _convert_="all"),
+                    quant_spec(_named("quant", quant, spec)) if quant else None,
+                )
+            )
+    names = [v.name for v in out]
     if len(set(names)) != len(names):
-        raise ConfigError(f"variants: {sorted(n for n in names if names.count(n) > 1)} are listed more than once")
-    return policies
+        raise ConfigError(f"variants: {sorted({n for n in names if names.count(n) > 1})} are listed more than once")
+    for v in out:
+        if v.quant is not None and v.policy.decode:
+            raise ConfigError(
+                f"{v.name}: evicting while decoding is not supported on quantized storage (tokens are "
+                "packed in groups); set policy.decode=false or use quant=none"
+            )
+    return out
 
 
 def validate(cfg: DictConfig, task: Task, policies: list[KVPolicy]) -> None:

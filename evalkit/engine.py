@@ -15,20 +15,22 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from evalkit.attention import DecodeObserver, PrefillObserver, observe
-from evalkit.cache import compress, enforce, held_per_layer, kv_bytes, retained_fraction, share
+from evalkit.cache import compress, enforce, fp16_bytes, held_per_layer, kv_bytes, retained_fraction, share
 from evalkit.policies import KVPolicy
 from evalkit.prompt import Prompt
+from evalkit.quantized import QuantSpec, quantize_cache
 
 
 @dataclass
 class Variant:
-    """A policy at a budget, named as it appears in records: `streaming_llm@0.25`."""
+    """A policy at a budget, optionally stored quantized; named as in records: `snapkv@0.25`, `none@1.0+int4`."""
 
     policy: KVPolicy
+    quant: QuantSpec | None = None
 
     @property
     def name(self) -> str:
-        return f"{self.policy.name}@{self.policy.budget}"
+        return f"{self.policy.name}@{self.policy.budget}" + (f"+{self.quant.name}" if self.quant else "")
 
 
 @dataclass
@@ -46,6 +48,7 @@ class Outcome:
     tokens: list[int]
     logits: list[Tensor]
     kv_bytes: int  # held right after compressing the context
+    kv_bytes_fp16: int  # what the same held tokens would take as fp16 keys and values
     kv_bytes_final: int  # held when decoding ended
     peak_kv_bytes: int
     tokens_held: list[int]  # per layer, right after compressing the context
@@ -116,7 +119,7 @@ def run_sample(
     prefill_s = time.perf_counter() - t0
 
     def run(name: str, cache: Cache, compress_s: float, after: Callable[[], None]) -> Outcome:
-        held, held_layers = kv_bytes(cache), held_per_layer(cache)
+        held, held_layers, fp16 = kv_bytes(cache), held_per_layer(cache), fp16_bytes(cache)
         retained = retained_fraction(cache, prompt.evidence)
         t = time.perf_counter()
         dec = greedy(model, cache, question, max_new_tokens, stop_ids, after)
@@ -126,6 +129,7 @@ def run_sample(
             dec.tokens,
             dec.logits,
             held,
+            fp16,
             kv_bytes(cache),
             max(dec.peak_bytes, held),
             held_layers,
@@ -138,6 +142,8 @@ def run_sample(
     for variant in variants:
         t = time.perf_counter()
         cache = compress(full, variant.policy, observations)
+        if variant.quant is not None:
+            cache = quantize_cache(cache, variant.quant)
         compress_s = time.perf_counter() - t
         policy = variant.policy
         after = (lambda c=cache, p=policy: enforce(c, p)) if policy.decode else (lambda: None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import sys
 import time
 import uuid
@@ -15,7 +17,8 @@ from tqdm import tqdm
 
 from evalkit import models
 from evalkit.analysis import BASELINE, format_summary, summarize
-from evalkit.config import validate, variant_policies
+from evalkit.config import validate
+from evalkit.config import variants as configured_variants
 from evalkit.engine import Outcome, Variant, run_sample
 from evalkit.errors import ConfigError
 from evalkit.prompt import Prompt, build_prompt
@@ -35,7 +38,7 @@ from evalkit.tasks import Sample, Task
 def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     """Run the configured task with the baseline and the configured policy; return the summary."""
     task: Task = instantiate(cfg.task, _convert_="all")
-    variants = [Variant(p) for p in variant_policies(cfg)]
+    variants = configured_variants(cfg)
     validate(cfg, task, [v.policy for v in variants])
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -67,12 +70,11 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             prompt = build_prompt(loaded.tokenizer, sample, cfg.protocol)
             baseline, outcomes = run_sample(loaded.model, prompt, variants, task.max_new_tokens, stop_ids)
             base_score = task.score(_text(loaded, baseline), sample)
-            for outcome in [baseline, *outcomes]:
+            for variant, outcome in [(None, baseline), *zip(variants, outcomes, strict=True)]:
                 if (sample.id, outcome.variant) not in done:
-                    policy = variants[outcomes.index(outcome)].policy if outcome is not baseline else None
                     writer.write(
                         _row(
-                            run_info, task, sample, prompt, outcome, baseline, base_score, loaded, policy, cfg.protocol
+                            run_info, task, sample, prompt, outcome, baseline, base_score, loaded, variant, cfg.protocol
                         )
                     )
     finally:
@@ -97,8 +99,6 @@ def _start(out_dir: Path, config: dict, resume: bool) -> dict[str, Any]:
         )
     now = versions()
     if resume and run_path.exists():
-        import json
-
         old = json.loads(run_path.read_text())
         diffs = config_differences(old["config"], comparable)
         diffs += [
@@ -149,7 +149,7 @@ def _row(
     baseline: Outcome,
     base_score: float,
     loaded,
-    policy,
+    variant: Variant | None,
     protocol: str,
 ) -> dict[str, Any]:
     prediction = _text(loaded, outcome)
@@ -161,7 +161,8 @@ def _row(
         "task": task.name,
         "cell": sample.cell,
         "variant": outcome.variant,
-        "policy": vars(policy) if policy is not None else {"name": BASELINE},
+        "policy": dataclasses.asdict(variant.policy) if variant is not None else {"name": BASELINE},
+        "quant": dataclasses.asdict(variant.quant) if variant is not None and variant.quant else None,
         "protocol": protocol,
         "prediction": prediction,
         "answers": sample.answers,
@@ -170,6 +171,7 @@ def _row(
         "flip": flip,
         "kv_bytes": outcome.kv_bytes,
         "kv_bytes_baseline": baseline.kv_bytes,
+        "kv_bytes_fp16_same_tokens": outcome.kv_bytes_fp16,
         "kv_bytes_final": outcome.kv_bytes_final,
         "peak_kv_bytes": outcome.peak_kv_bytes,
         "tokens_held_per_layer": outcome.tokens_held,

@@ -11,8 +11,13 @@ VARIANTS = ["snapkv@0.25", "snapkv@0.5", "h2o@0.5", "pyramidkv@0.25", "random@0.
 
 
 def test_variants_run_on_the_same_samples_with_one_prefill_each(tmp_path):
-    result = run_cli("model=tiny-random", f"variants=[{','.join(VARIANTS)}]", "task.context_lengths=[256]",
-                     "task.depths=[0.0,0.5,1.0]", f"hydra.run.dir={tmp_path}")
+    result = run_cli(
+        "model=tiny-random",
+        f"variants=[{','.join(VARIANTS)}]",
+        "task.context_lengths=[256]",
+        "task.depths=[0.0,0.5,1.0]",
+        f"hydra.run.dir={tmp_path}",
+    )
     assert result.returncode == 0, result.stderr
     rows = read_rows(tmp_path / "samples.jsonl")
     by_sample = defaultdict(dict)

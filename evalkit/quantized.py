@@ -1,0 +1,157 @@
+"""KV storage quantized KIVI-style (Liu et al. 2024, arXiv:2402.02750), as a transformers cache layer.
+
+Keys are quantized per channel (groups of `group` tokens share a scale per channel), values per token (groups of
+`group` channels); codes are packed into uint8, scales and minima kept in fp16. The most recent tokens stay in
+full precision in a residual window and are flushed into the packed store a whole group at a time, keeping at
+least `residual` tokens unquantized. Decoding one token reads the packed store directly (evalkit.kernels'
+decode attention); several tokens at once (the question) attend over the dequantized history with SDPA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from evalkit import kernels
+from evalkit.attention import fit_mask
+from evalkit.cache import EvictingLayer
+from evalkit.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How a cache is stored: `bits` per value (8, 4 or 2), `group` size, `residual` full-precision tokens."""
+
+    name: str
+    bits: int
+    group: int = 64
+    residual: int = 32
+
+    def validate(self, head_dim: int | None = None) -> None:
+        if self.bits not in kernels.BITS:
+            raise ConfigError(f"quant.bits={self.bits} is not one of {list(kernels.BITS)}")
+        if self.group < 8 or self.group & (self.group - 1):
+            raise ConfigError(f"quant.group={self.group} must be a power of two >= 8")
+        if self.residual < 0:
+            raise ConfigError(f"quant.residual={self.residual} must be >= 0")
+        if head_dim is not None and head_dim % self.group:
+            raise ConfigError(
+                f"quant.group={self.group} must divide the model's head_dim={head_dim} (values are "
+                "grouped along the channels); choose a smaller quant.group"
+            )
+
+
+class QuantizedLayer(EvictingLayer):
+    """A full-attention layer whose held tokens are stored packed, plus a full-precision residual window."""
+
+    def __init__(self, layer: EvictingLayer, spec: QuantSpec):
+        b, h, t, d = layer.keys.shape
+        spec.validate(d)
+        super().__init__(layer.keys[:, :, :0], layer.values[:, :, :0], layer.seen, observations=layer.observations)
+        self.spec, self.head_dim = spec, d
+        self.positions = layer.positions
+        self.k_packed = layer.keys.new_zeros(b, h, d, 0, dtype=torch.uint8)  # (B, Hkv, D, Tq*bits/8)
+        self.k_scale = layer.keys.new_zeros(b, h, d, 0, dtype=torch.float16)  # (B, Hkv, D, Tq/group)
+        self.k_min = self.k_scale.clone()
+        self.v_packed = layer.keys.new_zeros(b, h, 0, d * spec.bits // 8, dtype=torch.uint8)  # (B, Hkv, Tq, ...)
+        self.v_scale = layer.keys.new_zeros(b, h, 0, d // spec.group, dtype=torch.float16)  # (B, Hkv, Tq, D/group)
+        self.v_min = self.v_scale.clone()
+        self.keys, self.values = layer.keys, layer.values  # the residual window, before the first flush
+        self._flush()
+
+    @property
+    def quantized(self) -> int:
+        return self.v_packed.shape[2]
+
+    @property
+    def held(self) -> int:
+        return self.quantized + self.keys.shape[-2]
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        super().update(key_states, value_states)
+        self._flush()
+        return self.keys, self.values  # the residual; `attend` reads the packed history itself
+
+    def _flush(self) -> None:
+        """Move the oldest residual tokens into the packed store, whole groups only, keeping `residual` behind."""
+        b, h, t, d = self.keys.shape
+        n = (t - self.spec.residual) // self.spec.group * self.spec.group
+        if n <= 0:
+            return
+        bits, group = self.spec.bits, self.spec.group
+        old_k, old_v = self.keys[:, :, :n].float(), self.values[:, :, :n].float()
+        kp, ks, km = kernels.quantize(old_k.transpose(-1, -2).reshape(b * h * d, n), bits, group)
+        vp, vs, vm = kernels.quantize(old_v.reshape(b * h * n, d), bits, group)
+        self.k_packed = torch.cat([self.k_packed, kp.view(b, h, d, -1)], dim=-1)
+        self.k_scale = torch.cat([self.k_scale, ks.view(b, h, d, -1)], dim=-1)
+        self.k_min = torch.cat([self.k_min, km.view(b, h, d, -1)], dim=-1)
+        self.v_packed = torch.cat([self.v_packed, vp.view(b, h, n, -1)], dim=2)
+        self.v_scale = torch.cat([self.v_scale, vs.view(b, h, n, -1)], dim=2)
+        self.v_min = torch.cat([self.v_min, vm.view(b, h, n, -1)], dim=2)
+        self.keys, self.values = self.keys[:, :, n:], self.values[:, :, n:]
+
+    def dequantized(self) -> tuple[Tensor, Tensor]:
+        """(B, Hkv, T_held, D) keys and values in the residual's dtype: the packed history, then the residual."""
+        b, h, t, d = self.k_packed.shape[0], self.k_packed.shape[1], self.quantized, self.head_dim
+        bits, group = self.spec.bits, self.spec.group
+        k = (
+            kernels.dequantize(
+                self.k_packed.flatten(0, 2), self.k_scale.flatten(0, 2), self.k_min.flatten(0, 2), bits, group
+            )
+            .view(b, h, d, t)
+            .transpose(-1, -2)
+        )
+        v = kernels.dequantize(
+            self.v_packed.flatten(0, 2), self.v_scale.flatten(0, 2), self.v_min.flatten(0, 2), bits, group
+        ).view(b, h, t, d)
+        dtype = self.keys.dtype
+        return torch.cat([k.to(dtype), self.keys], dim=2), torch.cat([v.to(dtype), self.values], dim=2)
+
+    def attend(self, module, query: Tensor, attention_mask: Tensor | None, **kwargs) -> tuple[Tensor, None]:
+        """Attention of `query` (B, Hq, Tq, D) over everything held; returns (B, Tq, Hq, D) like transformers'."""
+        scaling = kwargs.get("scaling") or module.scaling
+        if query.shape[2] == 1:
+            out = kernels.decode_attention(
+                query[:, :, 0],
+                self.k_packed,
+                self.k_scale,
+                self.k_min,
+                self.v_packed,
+                self.v_scale,
+                self.v_min,
+                self.keys,
+                self.values,
+                self.spec.bits,
+                self.spec.group,
+                scaling,
+            )  # (B, Hq, D)
+            return out.to(query.dtype)[:, None], None
+        keys, values = self.dequantized()
+        return sdpa_attention_forward(module, query, keys, values, fit_mask(attention_mask, query, keys), **kwargs)
+
+    def nbytes(self) -> int:
+        """Packed codes, fp16 scales and minima, and the full-precision residual, as held."""
+        tensors = (
+            self.k_packed,
+            self.k_scale,
+            self.k_min,
+            self.v_packed,
+            self.v_scale,
+            self.v_min,
+            self.keys,
+            self.values,
+        )
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def keep(self, idx: Tensor) -> None:
+        raise NotImplementedError("eviction from a quantized store: evict first, then quantize")
+
+
+def quantize_cache(cache: Cache, spec: QuantSpec) -> Cache:
+    """Store the held tokens of every evicting layer quantized; sliding-window layers stay as they are."""
+    layers = [QuantizedLayer(layer, spec) if isinstance(layer, EvictingLayer) else layer for layer in cache.layers]
+    return Cache(layers=layers)
