@@ -24,6 +24,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "evalkit_sdpa"
 CHUNK_ELEMENTS = 1 << 24  # score elements per query chunk: bounds the observation's extra memory (64 MiB fp32)
+MAX_CHUNK = 64
 
 _observer: contextvars.ContextVar = contextvars.ContextVar("evalkit_observer", default=None)
 
@@ -36,22 +37,25 @@ def causal_tail_mask(q_len: int, k_len: int, device: torch.device) -> Tensor:
 
 def attention_mass(query: Tensor, key: Tensor, scaling: float, chunk_elements: int = CHUNK_ELEMENTS) -> Tensor:
     """(B, Hkv, Tk) attention each key receives from the queries (the last Tq keys), summed over queries and
-    over the query heads of its KV group. Chunked over queries: memory O(chunk x Tk), never O(Tq x Tk)."""
-    b, hq, tq, _ = query.shape
+    over the query heads of its KV group. Chunked over queries: memory O(chunk x Tk), never O(Tq x Tk); each chunk
+    multiplies only the keys it can see, so the masked upper triangle costs nothing."""
+    b, hq, tq, d = query.shape
     hkv, tk = key.shape[1], key.shape[2]
-    group = hq // hkv
-    chunk = max(1, chunk_elements // (b * hq * tk))
-    keys = key.repeat_interleave(group, dim=1) if group > 1 else key  # (B, Hq, Tk, D)
-    mass = torch.zeros(b, hq, tk, dtype=torch.float32, device=key.device)
+    group, past = hq // hkv, tk - tq
+    # Small chunks keep the scores in cache: 64 queries measured fastest on CPU at 2k and 8k tokens.
+    chunk = max(1, min(MAX_CHUNK, chunk_elements // (b * hq * tk)))
+    q = query.view(b, hkv, group, tq, d)  # the query heads of each KV group side by side
+    keys_t = key.float().transpose(-1, -2)  # (B, Hkv, D, Tk)
+    mass = torch.zeros(b, hkv, tk, dtype=torch.float32, device=key.device)
     for start in range(0, tq, chunk):
-        q = query[:, :, start : start + chunk].float() * scaling  # (B, Hq, c, D)
-        scores = q @ keys.float().transpose(-1, -2)  # (B, Hq, c, Tk)
-        visible = torch.arange(tk, device=key.device)[None, :] <= (
-            torch.arange(start, start + q.shape[2], device=key.device)[:, None] + (tk - tq)
-        )
-        scores.masked_fill_(~visible, float("-inf"))
-        mass += scores.softmax(dim=-1).sum(dim=2)
-    return mass.view(b, hkv, group, tk).sum(dim=2)
+        end = min(start + chunk, tq)
+        seen = past + end  # keys visible to the chunk's last query
+        rows = (q[:, :, :, start:end].float() * scaling).reshape(b, hkv, group * (end - start), d)
+        scores = rows @ keys_t[..., :seen]  # (B, Hkv, G*c, seen)
+        visible = torch.arange(seen, device=key.device) <= past + torch.arange(start, end, device=key.device)[:, None]
+        scores.masked_fill_(~visible.repeat(group, 1), float("-inf"))
+        mass[..., :seen] += scores.softmax(dim=-1).sum(dim=2)
+    return mass
 
 
 @dataclass

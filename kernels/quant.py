@@ -63,22 +63,44 @@ def dequantize(packed: Tensor, scale: Tensor, mn: Tensor, bits: int, group: int)
     out = torch.empty(r, c, dtype=torch.float32, device=packed.device)
     if r * c == 0:
         return out
-    _dequantize_kernel[(r, c // group)](packed.contiguous(), scale.contiguous(), mn.contiguous(), out, c,
-                                        BITS=bits, GROUP=group)
+    _dequantize_kernel[(r, c // group)](
+        packed.contiguous(), scale.contiguous(), mn.contiguous(), out, c, BITS=bits, GROUP=group
+    )
     return out
 
 
 @triton.jit
 def _decode_attention_kernel(
-    q_ptr, kp_ptr, ks_ptr, km_ptr, vp_ptr, vs_ptr, vm_ptr, kr_ptr, vr_ptr, out_ptr,
-    HQ, HKV, TQ, TR, scaling,
-    D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+    q_ptr,
+    kp_ptr,
+    ks_ptr,
+    km_ptr,
+    vp_ptr,
+    vs_ptr,
+    vm_ptr,
+    kr_ptr,
+    vr_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    HQ,
+    HKV,
+    TQ,
+    TR,
+    SPLITS,
+    SPLIT_LEN,
+    scaling,
+    D: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    """One program per (batch, query head): online softmax over the packed history, then the residual."""
+    """Split-K decode attention (flash-decoding): program (batch x query head, split) runs an online softmax
+    over its share of the packed history, or over the residual window for the last split, and writes the
+    partial max, denominator and numerator; `decode_attention` merges the splits."""
     pid = tl.program_id(0)
-    b = pid // HQ
-    hq = pid % HQ
-    h = b * HKV + hq // (HQ // HKV)  # flat (batch, kv head)
+    split = tl.program_id(1)
+    h = (pid // HQ) * HKV + (pid % HQ) // (HQ // HKV)  # flat (batch, kv head)
     PER: tl.constexpr = 8 // BITS
     MASK: tl.constexpr = 2**BITS - 1
     d = tl.arange(0, D)
@@ -86,44 +108,50 @@ def _decode_attention_kernel(
     m_i = -float("inf")
     l_i = 0.0
     acc = tl.zeros([D], dtype=tl.float32)
-    for start in range(0, TQ, BLOCK):
-        t = start + tl.arange(0, BLOCK)
-        valid = t < TQ
-        # keys, per channel: (D, BLOCK) codes from bytes along the tokens, one scale per (channel, token group)
-        kb = tl.load(kp_ptr + (h * D + d[:, None]) * (TQ // PER) + t[None, :] // PER, mask=valid[None, :], other=0)
-        kq = (kb.to(tl.int32) >> ((t[None, :] % PER) * BITS)) & MASK
-        kidx = (h * D + d[:, None]) * (TQ // GROUP) + t[None, :] // GROUP
-        k = kq.to(tl.float32) * tl.load(ks_ptr + kidx, mask=valid[None, :], other=0).to(tl.float32) + tl.load(
-            km_ptr + kidx, mask=valid[None, :], other=0
-        ).to(tl.float32)
-        s = tl.sum(q[:, None] * k, axis=0)
-        s = tl.where(valid, s, -float("inf"))
-        # values, per token: (BLOCK, D) codes from bytes along the channels
-        vb = tl.load(vp_ptr + (h * TQ + t[:, None]) * (D // PER) + d[None, :] // PER, mask=valid[:, None], other=0)
-        vq = (vb.to(tl.int32) >> ((d[None, :] % PER) * BITS)) & MASK
-        vidx = (h * TQ + t[:, None]) * (D // GROUP) + d[None, :] // GROUP
-        v = vq.to(tl.float32) * tl.load(vs_ptr + vidx, mask=valid[:, None], other=0).to(tl.float32) + tl.load(
-            vm_ptr + vidx, mask=valid[:, None], other=0
-        ).to(tl.float32)
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        p = tl.exp(s - m_new)
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        m_i = m_new
-    for start in range(0, TR, BLOCK):
-        t = start + tl.arange(0, BLOCK)
-        valid = t < TR
-        k = tl.load(kr_ptr + (h * TR + t[:, None]) * D + d[None, :], mask=valid[:, None], other=0).to(tl.float32)
-        v = tl.load(vr_ptr + (h * TR + t[:, None]) * D + d[None, :], mask=valid[:, None], other=0).to(tl.float32)
-        s = tl.where(valid, tl.sum(k * q[None, :], axis=1), -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        p = tl.exp(s - m_new)
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        m_i = m_new
-    tl.store(out_ptr + pid * D + d, acc / l_i)
+    if split < SPLITS - 1:
+        lo = split * SPLIT_LEN
+        hi = tl.minimum(lo + SPLIT_LEN, TQ)
+        for start in range(lo, hi, BLOCK):
+            t = start + tl.arange(0, BLOCK)
+            valid = t < hi
+            # keys, per channel: (D, BLOCK) codes from bytes along the tokens, a scale per (channel, token group)
+            kmask = valid[None, :]
+            kb = tl.load(kp_ptr + (h * D + d[:, None]) * (TQ // PER) + t[None, :] // PER, mask=kmask, other=0)
+            kq = (kb.to(tl.int32) >> ((t[None, :] % PER) * BITS)) & MASK
+            kidx = (h * D + d[:, None]) * (TQ // GROUP) + t[None, :] // GROUP
+            k_scale = tl.load(ks_ptr + kidx, mask=kmask, other=0).to(tl.float32)
+            k = kq.to(tl.float32) * k_scale + tl.load(km_ptr + kidx, mask=kmask, other=0).to(tl.float32)
+            s = tl.where(valid, tl.sum(q[:, None] * k, axis=0), -float("inf"))
+            # values, per token: (BLOCK, D) codes from bytes along the channels
+            vmask = valid[:, None]
+            vb = tl.load(vp_ptr + (h * TQ + t[:, None]) * (D // PER) + d[None, :] // PER, mask=vmask, other=0)
+            vq = (vb.to(tl.int32) >> ((d[None, :] % PER) * BITS)) & MASK
+            vidx = (h * TQ + t[:, None]) * (D // GROUP) + d[None, :] // GROUP
+            v_scale = tl.load(vs_ptr + vidx, mask=vmask, other=0).to(tl.float32)
+            v = vq.to(tl.float32) * v_scale + tl.load(vm_ptr + vidx, mask=vmask, other=0).to(tl.float32)
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            p = tl.exp(s - m_new)
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            m_i = m_new
+    else:
+        for start in range(0, TR, BLOCK):
+            t = start + tl.arange(0, BLOCK)
+            valid = t < TR
+            k = tl.load(kr_ptr + (h * TR + t[:, None]) * D + d[None, :], mask=valid[:, None], other=0).to(tl.float32)
+            v = tl.load(vr_ptr + (h * TR + t[:, None]) * D + d[None, :], mask=valid[:, None], other=0).to(tl.float32)
+            s = tl.where(valid, tl.sum(k * q[None, :], axis=1), -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            p = tl.exp(s - m_new)
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            m_i = m_new
+    out = pid * SPLITS + split
+    tl.store(m_ptr + out, m_i)
+    tl.store(l_ptr + out, l_i)
+    tl.store(acc_ptr + out * D + d, acc)
 
 
 def decode_attention(
@@ -139,17 +167,43 @@ def decode_attention(
     bits: int,
     group: int,
     scaling: float,
+    split_len: int = 1024,
 ) -> Tensor:
     b, hq, d = query.shape
     hkv = key_packed.shape[1]
     tq = value_packed.shape[2]
     tr = key_residual.shape[2]
-    out = torch.empty(b, hq, d, dtype=torch.float32, device=query.device)
     block = max(group, 8 // bits)
-    _decode_attention_kernel[(b * hq,)](
-        query.contiguous(), key_packed.contiguous(), key_scale.contiguous(), key_min.contiguous(),
-        value_packed.contiguous(), value_scale.contiguous(), value_min.contiguous(),
-        key_residual.contiguous(), value_residual.contiguous(), out,
-        hq, hkv, tq, tr, scaling, D=d, BITS=bits, GROUP=group, BLOCK=block,
+    split_len = max(block, split_len // block * block)
+    splits = triton.cdiv(tq, split_len) + 1  # the packed history in splits, then the residual window
+    m = torch.empty(b * hq, splits, dtype=torch.float32, device=query.device)
+    l_sum = torch.empty_like(m)
+    acc = torch.empty(b * hq, splits, d, dtype=torch.float32, device=query.device)
+    _decode_attention_kernel[(b * hq, splits)](
+        query.contiguous(),
+        key_packed.contiguous(),
+        key_scale.contiguous(),
+        key_min.contiguous(),
+        value_packed.contiguous(),
+        value_scale.contiguous(),
+        value_min.contiguous(),
+        key_residual.contiguous(),
+        value_residual.contiguous(),
+        m,
+        l_sum,
+        acc,
+        hq,
+        hkv,
+        tq,
+        tr,
+        splits,
+        split_len,
+        scaling,
+        D=d,
+        BITS=bits,
+        GROUP=group,
+        BLOCK=block,
     )
-    return out
+    weight = torch.exp(m - m.amax(dim=1, keepdim=True))  # (B*Hq, S); an empty split has weight 0
+    out = (weight[..., None] * acc).sum(dim=1) / (weight * l_sum).sum(dim=1, keepdim=True)
+    return out.view(b, hq, d)

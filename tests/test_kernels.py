@@ -94,6 +94,7 @@ ATTN = [
     (2, 6, 3, 128, 0, 64, 2, 64),
     (1, 2, 2, 96, 17, 32, 8, 32),
     (1, 4, 1, 0, 9, 64, 4, 32),
+    (1, 2, 1, 320, 3, 32, 4, 32),
 ]
 
 
@@ -106,8 +107,9 @@ def test_decode_attention_kernel_matches_reference(b, hq, hkv, t, tr, d, bits, g
     parts, residual = packed_history(b, hkv, t, tr, d, bits, group)
     q = torch.randn(b, hq, d, generator=torch.Generator().manual_seed(1))
     want = naive.decode_attention(q, *parts, *residual, bits, group, d**-0.5)
-    got = triton_quant.decode_attention(q, *parts, *residual, bits, group, d**-0.5)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for split_len in (64, 1024):  # several splits of the history, or one
+        got = triton_quant.decode_attention(q, *parts, *residual, bits, group, d**-0.5, split_len=split_len)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; the CPU path is tested above")

@@ -12,7 +12,7 @@ from evalkit.engine import Variant, greedy, run_sample
 from evalkit.errors import ConfigError
 from evalkit.prompt import Prompt
 from evalkit.quantized import QuantizedLayer, QuantSpec, quantize_cache
-from tests.conftest import CTX, QUESTION, compressed, compose_config, policy
+from tests.conftest import CTX, QUESTION, compose_config, compressed, policy
 
 GROUP, RESIDUAL = 16, 8  # the tiny model's head_dim is 16
 
@@ -33,8 +33,10 @@ def test_held_bytes_are_the_packed_tensors_scales_minima_and_residual(tiny, ids,
     n_q = (CTX - RESIDUAL) // GROUP * GROUP  # whole groups only; the rest stays in full precision
     h, d, layers = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
     per_layer = (
-        h * d * n_q * bits // 8 + 2 * h * d * (n_q // GROUP) * 2  # keys: codes + fp16 scale and minimum per channel
-        + h * n_q * d * bits // 8 + 2 * h * n_q * (d // GROUP) * 2  # values: codes + fp16 scale and min per token
+        h * d * n_q * bits // 8
+        + 2 * h * d * (n_q // GROUP) * 2  # keys: codes + fp16 scale and minimum per channel
+        + h * n_q * d * bits // 8
+        + 2 * h * n_q * (d // GROUP) * 2  # values: codes + fp16 scale and min per token
         + 2 * h * (CTX - n_q) * d * 4  # residual keys and values, float32
     )
     assert kv_bytes(cache) == layers * per_layer
