@@ -5,8 +5,8 @@
     python benchmarks/eviction_cost.py sweep  [--length 2048] [--samples 8]
 
 time:   prefill + scoring + compression vs a plain SDPA prefill, per policy (interleaved, median of reps).
-memory: peak process memory (max RSS) of a prefill that scores for H2O or SnapKV vs a plain SDPA prefill, and
-        a plain eager-attention prefill for contrast; each mode in its own fresh process.
+memory: peak process memory (VmHWM, reset after the model loads) of a prefill that scores for H2O or SnapKV vs a
+        plain SDPA prefill, and a plain eager-attention prefill for contrast; each mode in its own fresh process.
 sweep:  4 policies x 3 budgets on the same needle samples in one sweep (one prefill per sample) vs the same
         12 variants run one by one (each run: prefill, baseline and its variant, as a single-policy run does).
 """
@@ -14,9 +14,9 @@ sweep:  4 policies x 3 budgets on the same needle samples in one sweep (one pref
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -73,22 +73,32 @@ def bench_time(args) -> None:
             print(f"{ids.shape[1]:>8} {name:<16} {base:>16.2f} {s:>25.2f} {s / base:>6.2f}x")
 
 
+def rss_mb(field: str) -> float:
+    """VmRSS (now) or VmHWM (peak since the last reset) of this process, in MB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
 def memory_child(mode: str, length: int) -> None:
     loaded = load("eager" if mode == "eager" else "sdpa")
     ids = context_ids(loaded, length)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     pols = [] if mode in ("plain", "eager") else policies([f"{mode}@0.25"])
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:  # reset the peak (VmHWM): loading the model is not measured
+        f.write("5")
+    before = rss_mb("VmRSS")
     full, obs = prefill(loaded.model, ids, pols)
     if pols:
         compress(full, pols[0], obs)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(
-        json.dumps({"mode": mode, "tokens": int(ids.shape[1]), "rss_before_mb": before / 1024, "peak_mb": peak / 1024})
-    )
+    peak = rss_mb("VmHWM")
+    print(json.dumps({"mode": mode, "tokens": int(ids.shape[1]), "rss_before_mb": before, "peak_mb": peak}))
 
 
 def bench_memory(args) -> None:
-    print(f"{'mode':<22} {'tokens':>7} {'peak RSS MB':>12} {'over model MB':>14} {'peak vs plain':>14}")
+    print(f"{'mode':<22} {'tokens':>7} {'peak RSS MB':>12} {'above start MB':>15} {'peak vs plain':>14}")
     results = {}
     for mode in ["plain", "h2o", "snapkv", "eager"]:
         out = subprocess.run(

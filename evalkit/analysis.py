@@ -6,6 +6,7 @@ from collections import defaultdict
 from typing import Any
 
 BASELINE = "baseline"
+FIDELITY = ("kl_mean", "top1_agreement", "ppl_ratio")
 
 
 def cell_key(cell: dict[str, Any]) -> str:
@@ -27,6 +28,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         for r in rs:
             cells[cell_key(r["cell"])]["baseline"].append(r["baseline_score"])
             cells[cell_key(r["cell"])]["policy"].append(r["score"])
+        splits: dict[str, dict[str, list[float]]] = defaultdict(lambda: {"baseline": [], "policy": []})
+        for r in rs:
+            if "split" in r["cell"]:
+                splits[r["cell"]["split"]]["baseline"].append(r["baseline_score"])
+                splits[r["cell"]["split"]]["policy"].append(r["score"])
         out[variant] = {
             "n": len(rs),
             "accuracy": _mean([r["score"] for r in rs]),
@@ -37,6 +43,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "kv_bytes_baseline": _mean([r["kv_bytes_baseline"] for r in rs]),
             "kv_ratio": _mean([r["kv_bytes"] / r["kv_bytes_baseline"] for r in rs]),
             "peak_kv_bytes": max(r["peak_kv_bytes"] for r in rs),
+            **{k: _mean([r[k] for r in rs]) for k in FIDELITY if k in rs[0]},
+            "splits": {
+                k: {"n": len(v["policy"]), "baseline": _mean(v["baseline"]), "policy": _mean(v["policy"])}
+                for k, v in sorted(splits.items())
+            },
             "cells": {
                 k: {"n": len(v["policy"]), "baseline": _mean(v["baseline"]), "policy": _mean(v["policy"])}
                 for k, v in sorted(cells.items())
@@ -54,6 +65,15 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{name:<24}{s['n']:>5}{s['baseline_accuracy']:>10.2f}{s['accuracy']:>8.2f}{s['lost']:>6}"
             f"{s['gained']:>8}{s['kv_bytes'] / 2**20:>9.2f} MB{s['kv_ratio']:>7.3f}x"
         )
+    for name, s in summary.items():
+        if name != BASELINE and "kl_mean" in s:
+            lines.append(
+                f"{name}: mean KL {s['kl_mean']:.4f} nats, top-1 agreement {s['top1_agreement']:.3f}, "
+                f"perplexity ratio {s['ppl_ratio']:.3f}"
+            )
+        if name != BASELINE and s["splits"]:
+            parts = [f"{k} {v['baseline']:.2f} -> {v['policy']:.2f} (n={v['n']})" for k, v in s["splits"].items()]
+            lines.append(f"{name}: " + " | ".join(parts))
     for name, s in summary.items():
         if name == BASELINE:
             continue

@@ -98,6 +98,14 @@ def validate(cfg: DictConfig, task: Task, policies: list[KVPolicy]) -> None:
     if cfg.protocol not in PROTOCOLS:
         raise ConfigError(f"protocol={cfg.protocol!r} is not one of {list(PROTOCOLS)}")
     task.validate()
+    if task.teacher_forced and cfg.protocol != "query_agnostic":
+        raise ConfigError(
+            f"task={task.name} teacher-forces a continuation that is never compressed: use protocol=query_agnostic"
+        )
+    if not task.lengths():  # lengths known only per sample (JSONL): checked as each sample is tokenized
+        for policy in policies:
+            policy.validate(None)
+        return
     limit = models.max_context(cfg.model) - int(cfg.reserve_tokens)
     too_long = [n for n in task.lengths() if n > limit]
     if too_long:

@@ -104,14 +104,36 @@ def greedy(
     return Decoded(tokens, logits, peak)
 
 
+@torch.inference_mode()
+def teacher_forced(
+    model: torch.nn.Module, cache: Cache, tokens: Tensor, after_forward: Callable[[], None] = lambda: None
+) -> Decoded:
+    """Feed `tokens` (1, M) one at a time, whatever the model would have said; logits[j] predicts tokens[j + 1].
+
+    One token a step, so policies that evict while decoding do so exactly as they would while generating.
+    """
+    logits, peak = [], 0
+    for j in range(tokens.shape[1] - 1):
+        with observe(DecodeObserver(), cache):
+            out = model(input_ids=tokens[:, j : j + 1], cache=cache, use_cache=True, logits_to_keep=1)
+        peak = max(peak, kv_bytes(cache))
+        after_forward()
+        logits.append(out.logits[0, -1].float())
+    return Decoded([], logits, peak)
+
+
 def run_sample(
     model: torch.nn.Module,
     prompt: Prompt,
     variants: list[Variant],
     max_new_tokens: int,
     stop_ids: set[int],
+    forced: bool = False,
 ) -> tuple[Outcome, list[Outcome]]:
-    """The baseline and every variant on one prompt, from a single prefill of its context."""
+    """The baseline and every variant on one prompt, from a single prefill of its context.
+
+    `forced`: teacher-force the rest of the prompt (a continuation) instead of generating an answer.
+    """
     ids = prompt.ids.to(model.device)
     context, question = ids[:, : prompt.n_context], ids[:, prompt.n_context :]
     t0 = time.perf_counter()
@@ -122,7 +144,10 @@ def run_sample(
         held, held_layers, fp16 = kv_bytes(cache), held_per_layer(cache), fp16_bytes(cache)
         retained = retained_fraction(cache, prompt.evidence)
         t = time.perf_counter()
-        dec = greedy(model, cache, question, max_new_tokens, stop_ids, after)
+        if forced:
+            dec = teacher_forced(model, cache, question, after)
+        else:
+            dec = greedy(model, cache, question, max_new_tokens, stop_ids, after)
         seconds = {"prefill": prefill_s, "compress": compress_s, "decode": time.perf_counter() - t}
         return Outcome(
             name,

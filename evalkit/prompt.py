@@ -33,6 +33,8 @@ def prompt_text(tokenizer: PreTrainedTokenizerBase, sample: Sample) -> tuple[str
     With a chat template, context and question share one user turn; otherwise a plain Question/Answer frame.
     Either way the sample's answer prefix opens the answer.
     """
+    if sample.continuation:  # plain text: the context, then its continuation
+        return sample.context + sample.continuation, len(sample.context), False
     if tokenizer.chat_template:
         messages = [{"role": "user", "content": f"{sample.context}\n\n{sample.question}"}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -54,4 +56,5 @@ def build_prompt(tokenizer: PreTrainedTokenizerBase, sample: Sample, protocol: s
     starts = [ctx_start + sample.context.index(e) for e in sample.evidence]
     spans = [(lo, lo + len(e)) for lo, e in zip(starts, sample.evidence, strict=True)]
     evidence = [i for i, (s, e) in enumerate(offsets) if any(s < hi and e > lo for lo, hi in spans)]
+
     return Prompt(torch.tensor([enc["input_ids"]]), n_context, evidence, protocol)

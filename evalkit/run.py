@@ -21,6 +21,7 @@ from evalkit.config import validate
 from evalkit.config import variants as configured_variants
 from evalkit.engine import Outcome, Variant, run_sample
 from evalkit.errors import ConfigError
+from evalkit.fidelity import fidelity
 from evalkit.prompt import Prompt, build_prompt
 from evalkit.records import (
     RUN,
@@ -58,6 +59,9 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     }
     write_json(out_dir / RUN, run_info)
 
+    if task.external:
+        _run_external(task, loaded, variants, run_info, rows_path, done, cfg)
+        return _finish(rows_path, out_dir)
     names = [BASELINE] + [v.name for v in variants]
     samples = task.samples(loaded.tokenizer)
     pending = [s for s in samples if any((s.id, n) not in done for n in names)]
@@ -68,23 +72,97 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     try:
         for sample in tqdm(pending, desc=f"{task.name} x {', '.join(names[1:])}", unit="sample", file=sys.stderr):
             prompt = build_prompt(loaded.tokenizer, sample, cfg.protocol)
-            baseline, outcomes = run_sample(loaded.model, prompt, variants, task.max_new_tokens, stop_ids)
-            base_score = task.score(_text(loaded, baseline), sample)
-            for variant, outcome in [(None, baseline), *zip(variants, outcomes, strict=True)]:
+            check_sample(sample, prompt, cfg, task, variants)
+            baseline, outcomes = run_sample(
+                loaded.model, prompt, variants, task.max_new_tokens, stop_ids, forced=task.teacher_forced
+            )
+            results = score_outcomes(loaded, task, sample, prompt, baseline, outcomes)
+            for variant, outcome, (score, base_score, extra) in zip(
+                [None, *variants], [baseline, *outcomes], results, strict=True
+            ):
                 if (sample.id, outcome.variant) not in done:
+                    row = _row(run_info, task, sample, prompt, outcome, baseline, loaded, variant, cfg.protocol)
                     writer.write(
-                        _row(
-                            run_info, task, sample, prompt, outcome, baseline, base_score, loaded, variant, cfg.protocol
-                        )
+                        {
+                            **row,
+                            **extra,
+                            "score": score,
+                            "baseline_score": base_score,
+                            "flip": flip(score, base_score) if not task.teacher_forced else None,
+                        }
                     )
     finally:
         writer.close()
 
+    return _finish(rows_path, out_dir)
+
+
+def _finish(rows_path: Path, out_dir: Path) -> dict[str, Any]:
     summary = summarize(read_rows(rows_path))
     write_json(out_dir / SUMMARY, summary)
     print(format_summary(summary))
     print(f"\nrecords: {rows_path}")
     return summary
+
+
+def _run_external(task, loaded, variants, run_info, rows_path: Path, done: set, cfg: DictConfig) -> None:
+    """lm-eval tasks: lm-eval drives the requests; evalkit records one row per document and variant."""
+    from evalkit import lmeval
+
+    rows, results = lmeval.evaluate(task, loaded, variants)
+    write_json(rows_path.parent / "lm_eval_results.json", results)
+    writer = RecordWriter(rows_path)
+    try:
+        for row in rows:
+            if (row["sample_id"], row["variant"]) not in done:
+                writer.write(
+                    {
+                        "run_id": run_info["run_id"],
+                        "task": task.name,
+                        "protocol": cfg.protocol,
+                        "flip": flip(row["score"], row["baseline_score"]),
+                        "peak_kv_bytes": row.get("kv_bytes"),
+                        **row,
+                    }
+                )
+    finally:
+        writer.close()
+
+
+def score_outcomes(loaded, task: Task, sample: Sample, prompt: Prompt, baseline: Outcome, outcomes: list[Outcome]):
+    """(score, baseline score, extra row fields) for the baseline, then each variant.
+
+    Generated answers are scored by the task; teacher-forced continuations by their fidelity to the baseline's
+    logits (score = top-1 agreement, so the baseline scores 1).
+    """
+    if task.teacher_forced:
+        targets = prompt.ids[0, prompt.n_context + 1 :].tolist()
+        return [
+            (m["top1_agreement"], 1.0, m)
+            for m in (fidelity(baseline.logits, o.logits, targets) for o in [baseline, *outcomes])
+        ]
+    base_score = task.score(_text(loaded, baseline), sample)
+    return [(base_score, base_score, {})] + [(task.score(_text(loaded, o), sample), base_score, {}) for o in outcomes]
+
+
+def flip(score: float, base_score: float) -> str | None:
+    """`lost` when the variant scores below the baseline on the sample, `gained` above, None when equal."""
+    return None if score == base_score else ("lost" if score < base_score else "gained")
+
+
+def check_sample(sample: Sample, prompt: Prompt, cfg: DictConfig, task: Task, variants: list[Variant]) -> None:
+    """What only a tokenized sample can tell: does it fit the model, and can every budget hold on it?"""
+    need = int(prompt.ids.shape[1]) + task.max_new_tokens
+    if need > models.max_context(cfg.model):
+        raise ConfigError(
+            f"sample {sample.id!r}: {prompt.ids.shape[1]} prompt tokens + {task.max_new_tokens} to "
+            f"generate exceed {cfg.model.name}'s {models.max_context(cfg.model)}; shorten its context"
+        )
+    for v in variants:
+        try:
+            v.policy.validate(prompt.n_context)
+        except ConfigError as err:
+            raise ConfigError(f"sample {sample.id!r} ({prompt.n_context} context tokens): {err}") from None
 
 
 def _start(out_dir: Path, config: dict, resume: bool) -> dict[str, Any]:
@@ -147,14 +225,10 @@ def _row(
     prompt: Prompt,
     outcome: Outcome,
     baseline: Outcome,
-    base_score: float,
     loaded,
     variant: Variant | None,
     protocol: str,
 ) -> dict[str, Any]:
-    prediction = _text(loaded, outcome)
-    score = base_score if outcome is baseline else task.score(prediction, sample)
-    flip = None if score == base_score else ("lost" if score < base_score else "gained")
     return {
         "run_id": run_info["run_id"],
         "sample_id": sample.id,
@@ -164,11 +238,8 @@ def _row(
         "policy": dataclasses.asdict(variant.policy) if variant is not None else {"name": BASELINE},
         "quant": dataclasses.asdict(variant.quant) if variant is not None and variant.quant else None,
         "protocol": protocol,
-        "prediction": prediction,
+        "prediction": _text(loaded, outcome),
         "answers": sample.answers,
-        "score": score,
-        "baseline_score": base_score,
-        "flip": flip,
         "kv_bytes": outcome.kv_bytes,
         "kv_bytes_baseline": baseline.kv_bytes,
         "kv_bytes_fp16_same_tokens": outcome.kv_bytes_fp16,

@@ -74,8 +74,8 @@ class KVPolicy:
             scores = scores.masked_fill(protected, math.inf)
         return scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
 
-    def validate(self, shortest_context: int) -> None:
-        """Raise ConfigError for a budget that cannot work on the shortest context of the run."""
+    def validate(self, shortest_context: int | None) -> None:
+        """Raise ConfigError for a budget that cannot work on the shortest context of the run (None: unknown)."""
         b = self.budget
         if isinstance(b, bool) or not isinstance(b, (int, float)):
             raise ConfigError(f"policy.budget={b!r}: give a fraction in (0, 1] or a whole number of tokens")
@@ -84,6 +84,8 @@ class KVPolicy:
                 f"policy.budget={b} is outside (0, 1] as a fraction of the context; "
                 "give a fraction such as 0.25 or a whole number of tokens such as 512"
             )
+        if shortest_context is None:
+            return
         kept = self.target(shortest_context)
         if kept < min(self.min_tokens(), shortest_context):
             what = f"{b} tokens" if isinstance(b, int) else f"a fraction {b} of {shortest_context} tokens"

@@ -44,7 +44,7 @@ class PyramidKV(SnapKV):
     def keep_per_layer(self, seen: int, n_layers: int) -> list[int]:
         return pyramid(self.target(seen), n_layers, self.beta, lo=min(seen, self.min_tokens()), hi=seen)
 
-    def validate(self, shortest_context: int) -> None:
+    def validate(self, shortest_context: int | None) -> None:
         if self.decode:
             # Re-apportioning the pyramid as tokens arrive would have to grow layers that already evicted.
             raise ConfigError("pyramidkv compresses once, after the prompt, as published: set policy.decode=false")

@@ -60,7 +60,7 @@ class SnapKV(KVPolicy):
     def min_tokens(self) -> int:
         return self.window + 1
 
-    def validate(self, shortest_context: int) -> None:
+    def validate(self, shortest_context: int | None) -> None:
         if self.pooling not in ("avg", "max"):
             raise ConfigError(f"policy.pooling={self.pooling!r} is not one of ['avg', 'max']")
         if self.kernel < 1 or self.kernel % 2 == 0:

@@ -17,6 +17,7 @@ class Sample:
     cell: dict[str, Any]  # breakdown keys for the report: context_length, depth, haystack, ...
     evidence: list[str] = field(default_factory=list)  # substrings of the context that hold the answer
     answer_prefix: str = ""  # starts the model's answer, e.g. "The special magic number is"
+    continuation: str = ""  # teacher-forced after the context instead of a question (fidelity)
 
 
 @dataclass(kw_only=True)
@@ -26,6 +27,8 @@ class Task:
     name: str
     seed: int = 0
     max_new_tokens: int = 16
+    teacher_forced: bool = False  # True: score logits on a continuation (evalkit.fidelity) instead of answers
+    external: bool = False  # True: another harness produces the rows (lm-eval), not the sample loop
 
     def samples(self, tokenizer: PreTrainedTokenizerBase) -> list[Sample]:
         raise NotImplementedError
@@ -38,10 +41,17 @@ class Task:
         """Raise ConfigError for a configuration that cannot produce samples."""
 
     def score(self, prediction: str, sample: Sample) -> float:
-        return contains_any(prediction, sample.answers)
+        return contains_all(prediction, sample.answers)
 
 
 def contains_any(prediction: str, answers: list[str]) -> float:
-    """1.0 if any reference answer occurs in the prediction (case-insensitive), else 0.0."""
+    """1.0 if any reference answer occurs in the prediction (case-insensitive), else 0.0 (RULER string_match_part)."""
     text = prediction.lower()
     return float(any(a.lower() in text for a in answers))
+
+
+def contains_all(prediction: str, answers: list[str]) -> float:
+    """The share of reference answers that occur in the prediction, case-insensitive (RULER string_match_all):
+    1.0 only when every one is there."""
+    text = prediction.lower()
+    return sum(a.lower() in text for a in answers) / len(answers)

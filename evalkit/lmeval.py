@@ -1,0 +1,303 @@
+"""lm-eval integration: the `evalkit` model for lm-evaluation-harness, with any policy and quantization.
+
+Every request is answered twice from one prefill: by the full cache (the baseline) and by the compressed one
+(the variant). lm-eval scores the variant's answers; the baseline's are kept and replayed through lm-eval a
+second time (`EvalkitLM.baseline()`), so both are scored by lm-eval's own metrics on the same documents.
+Contexts are compressed; continuations are scored on the compressed cache; one compressed context serves every
+choice of a multiple-choice item.
+
+    python -m evalkit task=lm_eval 'task.tasks=[evalkit_recall]' policy=snapkv     # through evalkit
+    python -m evalkit.lmeval --model evalkit --model_args model=tiny-random,variant=snapkv@0.5 \\
+        --tasks evalkit_recall                                                      # lm-eval's own command line
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+import torch
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+from omegaconf import OmegaConf
+from platformdirs import user_cache_dir
+from tqdm import tqdm
+
+from evalkit import models
+from evalkit.attention import DecodeObserver, observe
+from evalkit.cache import compress, enforce, fp16_bytes, held_per_layer, kv_bytes, share
+from evalkit.config import variants as parse_variants
+from evalkit.engine import Variant, prefill, run_sample, teacher_forced
+from evalkit.errors import ConfigError
+from evalkit.prompt import Prompt
+from evalkit.quantized import quantize_cache
+
+TASKS = ("evalkit_recall",)
+
+
+def task_dir() -> Path:
+    """A folder holding the bundled offline tasks' YAML, pointing at the bundled JSONL by absolute path."""
+    out = Path(user_cache_dir("evalkit")) / "lmeval_tasks"
+    out.mkdir(parents=True, exist_ok=True)
+    src = files("evalkit.lmeval_tasks")
+    for name in TASKS:
+        data = Path(str(src / f"{name}.jsonl"))
+        text = (src / f"{name}.yaml").read_text().replace("__DATA__", json.dumps(str(data)))
+        (out / f"{name}.yaml").write_text(text)
+    return out
+
+
+def _key(kind: str, args: tuple) -> str:
+    return json.dumps([kind, *args], sort_keys=True, default=str)
+
+
+@register_model("evalkit")
+class EvalkitLM(LM):
+    """An lm-eval model running an evalkit variant (`variant=snapkv@0.25+int4`) beside the full-cache baseline."""
+
+    def __init__(
+        self,
+        model: str = "smollm2-135m",
+        variant: str = "none@1.0",
+        device: str = "cpu",
+        max_gen_toks: int = 64,
+        rolling_split: float = 0.5,
+        loaded: models.LoadedModel | None = None,
+        **_: Any,
+    ):
+        super().__init__()
+        if loaded is None:
+            loaded = models.load(OmegaConf.load(files("evalkit.conf") / "model" / f"{model}.yaml"), device)
+        self.loaded, self.model, self.tok = loaded, loaded.model, loaded.tokenizer
+        (self.variant,) = parse_variants(OmegaConf.create({"seed": 0, "variants": [variant]}))
+        self.max_gen_toks, self.rolling_split = int(max_gen_toks), float(rolling_split)
+        self.baseline_answers: dict[str, Any] = {}
+        self.kv: dict[tuple[str, int], dict[str, int]] = {}  # (task, doc) -> KV bytes of its compressed context
+
+    @classmethod
+    def for_variant(cls, loaded: models.LoadedModel, variant: Variant) -> EvalkitLM:
+        lm = cls(loaded=loaded)
+        lm.variant = variant
+        return lm
+
+    def baseline(self) -> LM:
+        """An lm-eval model that replays the baseline's answers to the requests this one has seen."""
+        return _Replay(self.baseline_answers)
+
+    # -- helpers ------------------------------------------------------------------------------------------
+    def _ids(self, text: str, special: bool = True) -> list[int]:
+        return self.tok(text, add_special_tokens=special).input_ids
+
+    def _compressed(self, ids: torch.Tensor, where: str, request=None):
+        """(full cache, variant cache) after prefilling ids (1, n); their bytes are noted for the request's doc."""
+        try:
+            self.variant.policy.validate(ids.shape[1])
+        except ConfigError as err:
+            raise ConfigError(f"{where} ({ids.shape[1]} context tokens): {err}") from None
+        full, obs = prefill(self.model, ids, [self.variant.policy])
+        cache = compress(full, self.variant.policy, obs)
+        if self.variant.quant is not None:
+            cache = quantize_cache(cache, self.variant.quant)
+        if request is not None:
+            self.kv[(request.task_name, request.doc_id)] = {
+                "kv_bytes": kv_bytes(cache),
+                "kv_bytes_baseline": kv_bytes(full),
+                "kv_bytes_fp16_same_tokens": fp16_bytes(cache),
+                "tokens_held_per_layer": held_per_layer(cache),
+                "context_tokens": ids.shape[1],
+            }
+        return full, cache
+
+    @torch.inference_mode()
+    def _score(self, cache, chunk: torch.Tensor, targets: torch.Tensor) -> tuple[float, bool]:
+        """Log-likelihood of `targets` when `chunk` (which ends one token before them) is fed on a copy of cache."""
+        cache = share(cache)
+        with observe(DecodeObserver(), cache):
+            logits = self.model(input_ids=chunk, cache=cache, use_cache=True).logits[0].float().log_softmax(-1)
+        return float(logits.gather(1, targets[0, :, None]).sum()), bool((logits.argmax(-1) == targets[0]).all())
+
+    # -- lm-eval's request types --------------------------------------------------------------------------
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        by_context: dict[str, list[int]] = defaultdict(list)
+        for i, req in enumerate(requests):
+            by_context[req.args[0]].append(i)
+        out: list[tuple[float, bool] | None] = [None] * len(requests)
+        for context, indices in tqdm(by_context.items(), disable=disable_tqdm, desc="loglikelihood"):
+            # As lm-eval's HF model: trailing spaces of the context belong to the continuation.
+            ctx = context.rstrip()
+            ctx_ids = self._ids(ctx) or [self.tok.eos_token_id]
+            ids = torch.tensor([ctx_ids], device=self.model.device)
+            full, cache = self._compressed(ids[:, :-1], f"context of request {indices[0]}", requests[indices[0]])
+            for i in indices:
+                cont = context[len(ctx) :] + requests[i].args[1]
+                cont_ids = self._ids(ctx + cont)[len(ctx_ids) :] or self._ids(cont, special=False)
+                targets = torch.tensor([cont_ids], device=ids.device)
+                chunk = torch.cat([ids[:, -1:], targets[:, :-1]], dim=1)
+                out[i] = self._score(cache, chunk, targets)
+                self.baseline_answers[_key("loglikelihood", requests[i].args)] = self._score(full, chunk, targets)
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        out = []
+        for req in tqdm(requests, disable=disable_tqdm, desc="loglikelihood_rolling"):
+            ids = [self.tok.bos_token_id or self.tok.eos_token_id] + self._ids(req.args[0], special=False)
+            limit = self.model.config.max_position_embeddings
+            if len(ids) > limit:
+                raise ConfigError(f"a rolling-loglikelihood document of {len(ids)} tokens exceeds {limit}")
+            ids_t = torch.tensor([ids], device=self.model.device)
+            split = max(2, int(len(ids) * self.rolling_split))
+            with torch.inference_mode():  # the first part: the full cache, the same for baseline and variant
+                head = self.model(input_ids=ids_t[:, :split]).logits[0].float().log_softmax(-1)
+            head_lp = float(head[:-1].gather(1, ids_t[0, 1:split, None]).sum())
+            full, cache = self._compressed(ids_t[:, : split - 1], "rolling document", req)
+            tail = ids_t[:, split - 1 :]
+            after = (lambda c=cache: enforce(c, self.variant.policy)) if self.variant.policy.decode else (lambda: None)
+            for which, c, hook in (("variant", cache, after), ("baseline", full, lambda: None)):
+                logits = torch.stack(teacher_forced(self.model, share(c), tail, hook).logits).log_softmax(-1)
+                total = head_lp + float(logits.gather(1, tail[0, 1:, None]).sum())
+                if which == "variant":
+                    out.append(total)
+                else:
+                    self.baseline_answers[_key("loglikelihood_rolling", req.args)] = total
+        return out
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        out = []
+        stop = {self.tok.eos_token_id}
+        for req in tqdm(requests, disable=disable_tqdm, desc="generate_until"):
+            context, gen_kwargs = req.args
+            until = gen_kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            ids = torch.tensor([self._ids(context)])
+            prompt = Prompt(ids, ids.shape[1] - 1, [], "query_agnostic")
+            try:
+                self.variant.policy.validate(prompt.n_context)
+            except ConfigError as err:
+                raise ConfigError(f"generate_until context ({prompt.n_context} tokens): {err}") from None
+            max_new = int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
+            base, (var,) = run_sample(self.model, prompt, [self.variant], max_new, stop)
+            self.kv[(req.task_name, req.doc_id)] = {
+                "kv_bytes": var.kv_bytes,
+                "kv_bytes_baseline": base.kv_bytes,
+                "kv_bytes_fp16_same_tokens": var.kv_bytes_fp16,
+                "tokens_held_per_layer": var.tokens_held,
+                "context_tokens": prompt.n_context,
+            }
+            texts = [self._cut(self.tok.decode(o.tokens, skip_special_tokens=True), until) for o in (var, base)]
+            out.append(texts[0])
+            self.baseline_answers[_key("generate_until", req.args)] = texts[1]
+        return out
+
+    @staticmethod
+    def _cut(text: str, until: list[str]) -> str:
+        for s in until:
+            if s and s in text:
+                text = text[: text.index(s)]
+        return text
+
+
+class _Replay(LM):
+    """Answers requests with stored answers (the baseline computed beside a variant); computes nothing."""
+
+    def __init__(self, answers: dict[str, Any]):
+        super().__init__()
+        self.answers = answers
+
+    def _get(self, kind: str, requests) -> list:
+        missing = [r.args for r in requests if _key(kind, r.args) not in self.answers]
+        if missing:
+            raise RuntimeError(f"{len(missing)} {kind} requests were not answered by the variant run first")
+        return [self.answers[_key(kind, r.args)] for r in requests]
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        return self._get("loglikelihood", requests)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        return self._get("loglikelihood_rolling", requests)
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        return self._get("generate_until", requests)
+
+
+def evaluate(task, loaded: models.LoadedModel, variants: list[Variant]) -> tuple[list[dict], dict]:
+    """Run lm-eval tasks for every variant and, by replay, the baseline; per-document rows and lm-eval's results.
+
+    Each row: task, doc id, variant, the task's first per-document numeric metric as the score, the baseline's
+    score on the same document, and the KV bytes of the document's compressed context.
+    """
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=str(task_dir()))
+    kwargs = {
+        "tasks": list(task.tasks),
+        "task_manager": manager,
+        "limit": task.limit,
+        "log_samples": True,
+        "num_fewshot": task.num_fewshot,
+        "bootstrap_iters": 0,
+    }
+    rows, results, baseline = [], {}, None
+    for variant in variants:
+        lm = EvalkitLM.for_variant(loaded, variant)
+        run = simple_evaluate(model=lm, **kwargs)
+        if baseline is None:
+            baseline = simple_evaluate(model=lm.baseline(), **kwargs)
+            results["baseline"] = baseline["results"]
+        results[variant.name] = run["results"]
+        for name, docs in run["samples"].items():
+            metric = _doc_metric(name, docs[0])
+            base = {d["doc_id"]: float(d[metric]) for d in baseline["samples"][name]}
+            for d in docs:
+                kv = lm.kv.get((name, d["doc_id"]), {})
+                sid = f"{name}/{d['doc_id']}"
+                rows.append(
+                    {
+                        "sample_id": sid,
+                        "cell": {"lm_eval_task": name},
+                        "variant": variant.name,
+                        "score": float(d[metric]),
+                        "baseline_score": base[d["doc_id"]],
+                        "metric": metric,
+                        **kv,
+                    }
+                )
+                if variant is variants[0]:
+                    rows.append(
+                        {
+                            "sample_id": sid,
+                            "cell": {"lm_eval_task": name},
+                            "variant": "baseline",
+                            "score": base[d["doc_id"]],
+                            "baseline_score": base[d["doc_id"]],
+                            "metric": metric,
+                            **kv,
+                            "kv_bytes": kv.get("kv_bytes_baseline"),
+                        }
+                    )
+    return rows, results
+
+
+def _doc_metric(task: str, doc: dict) -> str:
+    """The first metric of a logged document with a numeric value (acc, exact_match, ...)."""
+    for key in doc.get("metrics", []):
+        if isinstance(doc.get(key), (int, float)):
+            return key
+    raise ConfigError(f"lm-eval task {task!r} logs no per-document numeric metric; evalkit's records need one")
+
+
+def main() -> None:
+    """lm-eval's own command line, with evalkit's model registered and its offline tasks on the include path."""
+    from lm_eval.__main__ import cli_evaluate
+
+    if "--include_path" not in sys.argv:
+        sys.argv += ["--include_path", str(task_dir())]
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()
