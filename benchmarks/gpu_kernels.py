@@ -36,6 +36,7 @@ def main() -> int:
         return 1
     import triton.testing
 
+    from evalkit import kernels
     from evalkit.kernels import quant
 
     name = torch.cuda.get_device_name()
@@ -56,16 +57,7 @@ def main() -> int:
         out = quant.quantize(x, bits, group)
         ms = triton.testing.do_bench(lambda x=x: quant.quantize(x, bits, group))
         rows.append((label, ms, nbytes(x, *out)))
-    kp, ks, km = quant.quantize(keys_by_channel, bits, group)
-    vp, vs, vm = quant.quantize(values_by_token, bits, group)
-    parts = (
-        kp.view(1, h, d, -1),
-        ks.view(1, h, d, -1),
-        km.view(1, h, d, -1),
-        vp.view(1, h, t, -1),
-        vs.view(1, h, t, -1),
-        vm.view(1, h, t, -1),
-    )
+    parts = kernels.quantize_kv(keys[None], values[None], bits, group)  # CUDA tensors: the Triton kernels
     residual = (
         torch.randn(1, h, args.residual, d, device="cuda", dtype=torch.bfloat16, generator=g),
         torch.randn(1, h, args.residual, d, device="cuda", dtype=torch.bfloat16, generator=g),

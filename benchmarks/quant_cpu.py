@@ -1,4 +1,6 @@
-"""Throughput of the quantized-KV reference path (PyTorch, CPU): quantize, dequantize and decode attention.
+"""Throughput of the quantized-KV reference path on the CPU: quantize, dequantize and decode attention.
+
+Run it without TRITON_INTERPRET, so the CPU gets the PyTorch references.
 
     python benchmarks/quant_cpu.py [--tokens 2048] [--kv-heads 3] [--q-heads 9] [--head-dim 64]
 
@@ -14,7 +16,7 @@ import time
 
 import torch
 
-from evalkit.kernels import naive
+from evalkit import kernels
 
 
 def median_ms(fn, reps: int = 5) -> float:
@@ -47,28 +49,20 @@ def main() -> None:
     )
     empty = keys[:, :, :0]  # no residual window
     for bits in (8, 4, 2):
-        kt = keys.transpose(-1, -2).reshape(h * d, t)
-        vt = values.reshape(h * t, d)
 
-        def quantize(kt=kt, vt=vt, bits=bits):
-            return naive.quantize(kt, bits, group), naive.quantize(vt, bits, group)
+        def quantize(bits=bits):  # the CPU gets the PyTorch references (unless TRITON_INTERPRET=1)
+            return kernels.quantize_kv(keys, values, bits, group)
 
-        (kp, ks, km), (vp, vs, vm) = quantize()
+        parts = quantize()
 
-        def dequantize(bits=bits, kp=kp, ks=ks, km=km, vp=vp, vs=vs, vm=vm):
-            return naive.dequantize(kp, ks, km, bits, group), naive.dequantize(vp, vs, vm, bits, group)
+        def dequantize(bits=bits, parts=parts):
+            return (
+                kernels.dequantize(*(p.flatten(0, 2) for p in parts[:3]), bits, group),
+                kernels.dequantize(*(p.flatten(0, 2) for p in parts[3:]), bits, group),
+            )
 
-        parts = (
-            kp.view(1, h, d, -1),
-            ks.view(1, h, d, -1),
-            km.view(1, h, d, -1),
-            vp.view(1, h, t, -1),
-            vs.view(1, h, t, -1),
-            vm.view(1, h, t, -1),
-        )
-
-        def attend(parts=parts, bits=bits):  # the packed history, read by the reference
-            return naive.decode_attention(q, *parts, empty, empty, bits, group, d**-0.5)
+        def attend(parts=parts, bits=bits):  # the packed history, read directly
+            return kernels.decode_attention(q, *parts, empty, empty, bits, group, d**-0.5)
 
         print(
             f"{bits:>4} {median_ms(quantize):>16.2f} {median_ms(dequantize):>18.2f} {median_ms(attend):>15.2f} "

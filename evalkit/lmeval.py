@@ -13,6 +13,7 @@ choice of a multiple-choice item.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from collections import defaultdict
@@ -51,6 +52,14 @@ def task_dir() -> Path:
     return out
 
 
+@functools.cache
+def task_manager():
+    """lm-eval's task index with evalkit's offline tasks included (built once: it scans every task YAML)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(task_dir()))
+
+
 def _key(kind: str, args: tuple) -> str:
     return json.dumps([kind, *args], sort_keys=True, default=str)
 
@@ -70,6 +79,9 @@ class EvalkitLM(LM):
         **_: Any,
     ):
         super().__init__()
+        if str(device).startswith("cuda") and not torch.cuda.is_available():
+            print(f"evalkit: device={device} but CUDA is not available; running on the CPU", file=sys.stderr)
+            device = "cpu"
         if loaded is None:
             loaded = models.load(OmegaConf.load(files("evalkit.conf") / "model" / f"{model}.yaml"), device)
         self.loaded, self.model, self.tok = loaded, loaded.model, loaded.tokenizer

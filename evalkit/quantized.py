@@ -78,21 +78,19 @@ class QuantizedLayer(EvictingLayer):
 
     def _flush(self) -> None:
         """Move the oldest residual tokens into the packed store, whole groups only, keeping `residual` behind."""
-        b, h, t, d = self.keys.shape
-        n = (t - self.spec.residual) // self.spec.group * self.spec.group
+        n = (self.keys.shape[2] - self.spec.residual) // self.spec.group * self.spec.group
         if n <= 0:
             return
-        bits, group = self.spec.bits, self.spec.group
-        old_k, old_v = self.keys[:, :, :n].float(), self.values[:, :, :n].float()
-        kp, ks, km = kernels.quantize(old_k.transpose(-1, -2).reshape(b * h * d, n), bits, group)
-        vp, vs, vm = kernels.quantize(old_v.reshape(b * h * n, d), bits, group)
-        self.k_packed = torch.cat([self.k_packed, kp.view(b, h, d, -1)], dim=-1)
-        self.k_scale = torch.cat([self.k_scale, ks.view(b, h, d, -1)], dim=-1)
-        self.k_min = torch.cat([self.k_min, km.view(b, h, d, -1)], dim=-1)
-        self.v_packed = torch.cat([self.v_packed, vp.view(b, h, n, -1)], dim=2)
-        self.v_scale = torch.cat([self.v_scale, vs.view(b, h, n, -1)], dim=2)
-        self.v_min = torch.cat([self.v_min, vm.view(b, h, n, -1)], dim=2)
+        new = kernels.quantize_kv(self.keys[:, :, :n], self.values[:, :, :n], self.spec.bits, self.spec.group)
+        old = self.packed()
+        # keys grow along their last dim (tokens, per channel), values along dim 2 (tokens)
+        parts = [torch.cat([o, x], dim=-1 if i < 3 else 2) for i, (o, x) in enumerate(zip(old, new, strict=True))]
+        self.k_packed, self.k_scale, self.k_min, self.v_packed, self.v_scale, self.v_min = parts
         self.keys, self.values = self.keys[:, :, n:], self.values[:, :, n:]
+
+    def packed(self) -> tuple[Tensor, ...]:
+        """The packed history: key codes, scales, minima, then value codes, scales, minima."""
+        return self.k_packed, self.k_scale, self.k_min, self.v_packed, self.v_scale, self.v_min
 
     def dequantized(self) -> tuple[Tensor, Tensor]:
         """(B, Hkv, T_held, D) keys and values in the residual's dtype: the packed history, then the residual."""
@@ -116,18 +114,7 @@ class QuantizedLayer(EvictingLayer):
         scaling = kwargs.get("scaling") or module.scaling
         if query.shape[2] == 1:
             out = kernels.decode_attention(
-                query[:, :, 0],
-                self.k_packed,
-                self.k_scale,
-                self.k_min,
-                self.v_packed,
-                self.v_scale,
-                self.v_min,
-                self.keys,
-                self.values,
-                self.spec.bits,
-                self.spec.group,
-                scaling,
+                query[:, :, 0], *self.packed(), self.keys, self.values, self.spec.bits, self.spec.group, scaling
             )  # (B, Hq, D)
             return out.to(query.dtype)[:, None], None
         keys, values = self.dequantized()
@@ -135,16 +122,7 @@ class QuantizedLayer(EvictingLayer):
 
     def nbytes(self) -> int:
         """Packed codes, fp16 scales and minima, and the full-precision residual, as held."""
-        tensors = (
-            self.k_packed,
-            self.k_scale,
-            self.k_min,
-            self.v_packed,
-            self.v_scale,
-            self.v_min,
-            self.keys,
-            self.values,
-        )
+        tensors = (*self.packed(), self.keys, self.values)
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def keep(self, idx: Tensor) -> None:

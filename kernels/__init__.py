@@ -39,5 +39,23 @@ def dequantize(packed: Tensor, scale: Tensor, mn: Tensor, bits: int, group: int)
     return _impl(packed).dequantize(packed, scale, mn, bits, group)
 
 
+def quantize_kv(keys: Tensor, values: Tensor, bits: int, group: int) -> tuple[Tensor, ...]:
+    """Keys per channel and values per token, KIVI's layout: (B, H, T, D) each -> the six packed tensors
+    `decode_attention` reads: key codes (B, H, D, T*bits/8), key scale and minimum (B, H, D, T/group), value codes
+    (B, H, T, D*bits/8), value scale and minimum (B, H, T, D/group)."""
+    b, h, t, d = keys.shape
+    kp, ks, km = quantize(keys.float().transpose(-1, -2).reshape(b * h * d, t), bits, group)
+    vp, vs, vm = quantize(values.float().reshape(b * h * t, d), bits, group)
+    nk, nv = t // group, d // group
+    return (
+        kp.view(b, h, d, t * bits // 8),
+        ks.view(b, h, d, nk),
+        km.view(b, h, d, nk),
+        vp.view(b, h, t, d * bits // 8),
+        vs.view(b, h, t, nv),
+        vm.view(b, h, t, nv),
+    )
+
+
 def decode_attention(query: Tensor, *args, **kwargs) -> Tensor:
     return _impl(query).decode_attention(query, *args, **kwargs)

@@ -70,6 +70,15 @@ def dequantize(packed: Tensor, scale: Tensor, mn: Tensor, bits: int, group: int)
 
 
 @triton.jit
+def _online_softmax_step(m_i, l_i, acc, s, v):
+    """Fold one block of scores s (BLOCK,) and values v (BLOCK, D) into the running max, denominator, numerator."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    p = tl.exp(s - m_new)
+    alpha = tl.exp(m_i - m_new)
+    return m_new, l_i * alpha + tl.sum(p, axis=0), acc * alpha + tl.sum(p[:, None] * v, axis=0)
+
+
+@triton.jit
 def _decode_attention_kernel(
     q_ptr,
     kp_ptr,
@@ -129,12 +138,7 @@ def _decode_attention_kernel(
             vidx = (h * TQ + t[:, None]) * (D // GROUP) + d[None, :] // GROUP
             v_scale = tl.load(vs_ptr + vidx, mask=vmask, other=0).to(tl.float32)
             v = vq.to(tl.float32) * v_scale + tl.load(vm_ptr + vidx, mask=vmask, other=0).to(tl.float32)
-            m_new = tl.maximum(m_i, tl.max(s, axis=0))
-            p = tl.exp(s - m_new)
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=0)
-            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, v)
     else:
         for start in range(0, TR, BLOCK):
             t = start + tl.arange(0, BLOCK)
@@ -142,12 +146,7 @@ def _decode_attention_kernel(
             k = tl.load(kr_ptr + (h * TR + t[:, None]) * D + d[None, :], mask=valid[:, None], other=0).to(tl.float32)
             v = tl.load(vr_ptr + (h * TR + t[:, None]) * D + d[None, :], mask=valid[:, None], other=0).to(tl.float32)
             s = tl.where(valid, tl.sum(k * q[None, :], axis=1), -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=0))
-            p = tl.exp(s - m_new)
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=0)
-            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, v)
     out = pid * SPLITS + split
     tl.store(m_ptr + out, m_i)
     tl.store(l_ptr + out, l_i)

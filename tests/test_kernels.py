@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from evalkit import kernels
 from evalkit.kernels import naive
 
 triton_quant = pytest.importorskip("evalkit.kernels.quant", reason="triton is not installed")
@@ -75,18 +76,8 @@ def test_constant_group_quantizes_exactly():
 def packed_history(b, hkv, t, tr, d, bits, group, seed=0):
     g = torch.Generator().manual_seed(seed)
     keys, values = torch.randn(b, hkv, t, d, generator=g), torch.randn(b, hkv, t, d, generator=g)
-    kp, ks, km = naive.quantize(keys.transpose(-1, -2).reshape(b * hkv * d, t), bits, group)  # per channel
-    vp, vs, vm = naive.quantize(values.reshape(b * hkv * t, d), bits, group)  # per token
-    parts = (
-        kp.view(b, hkv, d, t * bits // 8),
-        ks.view(b, hkv, d, t // group),
-        km.view(b, hkv, d, t // group),
-        vp.view(b, hkv, t, d * bits // 8),
-        vs.view(b, hkv, t, d // group),
-        vm.view(b, hkv, t, d // group),
-    )
     residual = torch.randn(b, hkv, tr, d, generator=g), torch.randn(b, hkv, tr, d, generator=g)
-    return parts, residual
+    return kernels.quantize_kv(keys, values, bits, group), residual
 
 
 ATTN = [

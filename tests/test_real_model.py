@@ -78,3 +78,25 @@ def test_needle_run_on_smollm2_end_to_end(tmp_path, smollm2):
         assert r["kv_bytes"] == per_token * kept
         assert r["evidence_retained_per_layer"] == [0.0] * cfg.num_hidden_layers  # a mid-context needle is evicted
     assert "streaming_llm@0.25" in result.stdout and "baseline" in result.stdout
+
+
+def test_middoc_on_smollm2_reports_easy_and_hard(tmp_path):
+    result = run_cli(
+        "model=smollm2-135m",
+        "task=middoc",
+        "task.kinds=[fact]",
+        "task.positions=[0.5,0.95]",
+        "task.context_lengths=[512]",
+        "variants=[streaming_llm@0.25]",
+        f"hydra.run.dir={tmp_path}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_rows(tmp_path / "samples.jsonl")
+    assert sorted((r["sample_id"], r["variant"]) for r in rows) == [
+        ("fact-L512-p0.5-0", "baseline"),
+        ("fact-L512-p0.5-0", "streaming_llm@0.25"),
+        ("fact-L512-p0.95-0", "baseline"),
+        ("fact-L512-p0.95-0", "streaming_llm@0.25"),
+    ]
+    assert sum(r["score"] for r in rows if r["variant"] == "baseline") >= 1, "SmolLM2 should find a stated fact"
+    assert "streaming_llm@0.25: easy" in result.stdout and "| hard" in result.stdout

@@ -30,11 +30,9 @@ class LmEvalTask(Task):
             raise ConfigError("task=lm_eval needs lm-eval: pip install 'lm-eval>=0.4.9,<0.5'")
         if not self.tasks:
             raise ConfigError("task.tasks is empty; name at least one lm-eval task, e.g. 'task.tasks=[evalkit_recall]'")
-        from lm_eval.tasks import TaskManager
+        from evalkit.lmeval import task_manager
 
-        from evalkit.lmeval import task_dir
-
-        known = set(TaskManager(include_path=str(task_dir())).all_tasks)
+        known = set(task_manager().all_tasks)
         for name in self.tasks:
             if name not in known:
                 near = difflib.get_close_matches(name, sorted(known), n=3)
