@@ -1,6 +1,7 @@
 """`python -m evalkit policy=streaming_llm task=needle`: compose the Hydra config, run, exit with a code.
 
-Exit codes: 0 done, 2 a usage or configuration error (printed on one line, before any model is loaded).
+Exit codes: 0 done (or, with gate=..., PASS), 1 the gate's FAIL, 2 a usage or configuration error (printed on one
+line, before any model is loaded).
 """
 
 from __future__ import annotations
@@ -31,8 +32,16 @@ def fail(err: ConfigError) -> None:
 def _job(cfg: DictConfig) -> None:
     from evalkit.run import run  # torch and transformers load only once the config is known good
 
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        run(cfg, Path(HydraConfig.get().runtime.output_dir))
+        run(cfg, out_dir)
+        if cfg.gate.name != "none":
+            from evalkit.gate import Thresholds, gate, print_verdict
+
+            thresholds = Thresholds(**{k: v for k, v in OmegaConf.to_container(cfg.gate).items() if k != "name"})
+            verdict = gate([out_dir], thresholds)
+            print_verdict(verdict)
+            sys.exit(0 if verdict.passed else 1)
     except ConfigError as err:
         fail(err)
 

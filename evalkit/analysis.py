@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
+
+from evalkit.stats import flip_cause, mcnemar_exact, paired_bootstrap_ci
 
 BASELINE = "baseline"
 FIDELITY = ("kl_mean", "top1_agreement", "ppl_ratio")
@@ -17,6 +19,34 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def paired(baseline: list[float], policy: list[float]) -> dict[str, Any]:
+    """Accuracies, flips, the accuracy drop with its paired bootstrap 95% CI, and McNemar's exact p-value."""
+    lost = sum(p < b for b, p in zip(baseline, policy, strict=True))
+    gained = sum(p > b for b, p in zip(baseline, policy, strict=True))
+    lo, hi = paired_bootstrap_ci(baseline, policy)
+    return {
+        "n": len(policy),
+        "baseline": _mean(baseline),
+        "policy": _mean(policy),
+        "lost": lost,
+        "gained": gained,
+        "drop": _mean(baseline) - _mean(policy),
+        "drop_ci95": [lo, hi],
+        "mcnemar_p": mcnemar_exact(lost, gained),
+    }
+
+
+def _grouped(rows: list[dict[str, Any]], key) -> dict[str, dict[str, Any]]:
+    """Paired statistics per group of rows (key(row) -> group name, None to leave a row out)."""
+    groups: dict[str, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
+    for r in rows:
+        k = key(r)
+        if k is not None:
+            groups[k][0].append(r["baseline_score"])
+            groups[k][1].append(r["score"])
+    return {k: paired(b, p) for k, (b, p) in sorted(groups.items())}
+
+
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per variant: accuracy beside the baseline's on the same samples, flips, KV bytes; and per cell."""
     by_variant: dict[str, list[dict]] = defaultdict(list)
@@ -24,46 +54,43 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         by_variant[r["variant"]].append(r)
     out = {}
     for variant, rs in sorted(by_variant.items(), key=lambda kv: (kv[0] != BASELINE, kv[0])):
-        cells: dict[str, dict[str, list[float]]] = defaultdict(lambda: {"baseline": [], "policy": []})
-        for r in rs:
-            cells[cell_key(r["cell"])]["baseline"].append(r["baseline_score"])
-            cells[cell_key(r["cell"])]["policy"].append(r["score"])
-        splits: dict[str, dict[str, list[float]]] = defaultdict(lambda: {"baseline": [], "policy": []})
-        for r in rs:
-            if "split" in r["cell"]:
-                splits[r["cell"]["split"]]["baseline"].append(r["baseline_score"])
-                splits[r["cell"]["split"]]["policy"].append(r["score"])
+        overall = paired([r["baseline_score"] for r in rs], [r["score"] for r in rs])
         out[variant] = {
             "n": len(rs),
-            "accuracy": _mean([r["score"] for r in rs]),
-            "baseline_accuracy": _mean([r["baseline_score"] for r in rs]),
-            "lost": sum(r["flip"] == "lost" for r in rs),
-            "gained": sum(r["flip"] == "gained" for r in rs),
+            "accuracy": overall["policy"],
+            "baseline_accuracy": overall["baseline"],
+            "lost": overall["lost"],
+            "gained": overall["gained"],
+            "paired": overall,
+            "flip_causes": dict(Counter(c for c in map(flip_cause, rs) if c)),
             "kv_bytes": _mean([r["kv_bytes"] for r in rs]),
             "kv_bytes_baseline": _mean([r["kv_bytes_baseline"] for r in rs]),
             "kv_ratio": _mean([r["kv_bytes"] / r["kv_bytes_baseline"] for r in rs]),
             "peak_kv_bytes": max(r["peak_kv_bytes"] for r in rs),
             **{k: _mean([r[k] for r in rs]) for k in FIDELITY if k in rs[0]},
-            "splits": {
-                k: {"n": len(v["policy"]), "baseline": _mean(v["baseline"]), "policy": _mean(v["policy"])}
-                for k, v in sorted(splits.items())
-            },
-            "cells": {
-                k: {"n": len(v["policy"]), "baseline": _mean(v["baseline"]), "policy": _mean(v["policy"])}
-                for k, v in sorted(cells.items())
-            },
+            "splits": _grouped(rs, lambda r: r["cell"].get("split")),
+            "cells": _grouped(rs, lambda r: cell_key(r["cell"])),
         }
     return out
 
 
+def _drop(p: dict[str, Any]) -> str:
+    lo, hi = p["drop_ci95"]
+    return f"{p['drop']:+.2f} [{lo:+.2f}, {hi:+.2f}]"
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The console table: variants, then each variant's per-cell accuracy beside the baseline's."""
-    head = f"{'variant':<24}{'n':>5}{'baseline':>10}{'policy':>8}{'lost':>6}{'gained':>8}{'KV held':>12}{'ratio':>8}"
+    head = (
+        f"{'variant':<24}{'n':>5}{'baseline':>10}{'policy':>8}{'lost':>6}{'gained':>8}{'drop [95% CI]':>22}"
+        f"{'McNemar p':>11}{'KV held':>12}{'ratio':>8}"
+    )
     lines = [head, "-" * len(head)]
     for name, s in summary.items():
         lines.append(
             f"{name:<24}{s['n']:>5}{s['baseline_accuracy']:>10.2f}{s['accuracy']:>8.2f}{s['lost']:>6}"
-            f"{s['gained']:>8}{s['kv_bytes'] / 2**20:>9.2f} MB{s['kv_ratio']:>7.3f}x"
+            f"{s['gained']:>8}{_drop(s['paired']):>22}{s['paired']['mcnemar_p']:>11.3g}"
+            f"{s['kv_bytes'] / 2**20:>9.2f} MB{s['kv_ratio']:>7.3f}x"
         )
     for name, s in summary.items():
         if name != BASELINE and "kl_mean" in s:

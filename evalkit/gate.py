@@ -1,0 +1,201 @@
+"""The validation gate: thresholds on the paired results of one or more runs -> PASS or FAIL, with reasons.
+
+    python -m evalkit.gate results/RUN [results/RUN2 ...] [--gate conf/gate/default.yaml]
+    python -m evalkit gate=default policy=snapkv task=needle          # run, then gate
+
+Exit code 0 PASS, 1 FAIL, 2 usage or config error. It fails closed: no baseline, too few samples, a variant whose
+measured bytes show no compression although compression was asked, or runs whose model, protocol or library
+versions differ are each a FAIL with the reason. Writes verdict.json and report.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from evalkit.analysis import BASELINE, summarize
+from evalkit.errors import ConfigError
+from evalkit.records import RUN, SAMPLES, read_rows, write_json
+
+VERDICT, REPORT = "verdict.json", "report.md"
+
+
+@dataclass
+class Thresholds:
+    """Conf/gate/*.yaml. None switches a check off."""
+
+    max_drop: float | None = 0.05  # non-inferiority margin on the accuracy drop, judged on the 95% CI upper bound
+    max_flip_rate: float | None = 0.10  # lost samples / samples
+    min_cell_accuracy: float | None = 0.5  # per cell, where the baseline reaches it
+    max_mean_kl: float | None = 0.1  # nats, fidelity rows
+    min_samples: int = 20
+    min_compression: float = 0.99  # a compressing variant must hold less than this share of the baseline's bytes
+
+
+@dataclass
+class Verdict:
+    passed: bool
+    reasons: list[str] = field(default_factory=list)
+    variants: dict[str, Any] = field(default_factory=dict)
+    runs: list[str] = field(default_factory=list)
+
+
+def load_thresholds(name_or_path: str) -> Thresholds:
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = Path(str(files("evalkit.conf") / "gate" / f"{name_or_path}.yaml"))
+    if not path.is_file():
+        raise ConfigError(f"gate {name_or_path!r}: no such gate config (conf/gate/<name>.yaml or a YAML path)")
+    cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    cfg.pop("name", None)
+    unknown = set(cfg) - set(Thresholds.__dataclass_fields__)
+    if unknown:
+        raise ConfigError(f"gate {name_or_path!r}: unknown thresholds {sorted(unknown)}")
+    return Thresholds(**cfg)
+
+
+def read_runs(run_dirs: list[Path]) -> tuple[list[dict], list[dict]]:
+    """All rows and run.json files under the given folders (a Hydra multirun folder holds several runs)."""
+    rows, infos = [], []
+    for d in run_dirs:
+        found = [d] if (d / SAMPLES).exists() else sorted(p.parent for p in d.rglob(SAMPLES))
+        if not found:
+            raise ConfigError(f"{d}: no {SAMPLES} found; give an evalkit run folder (results/...)")
+        for run in found:
+            rows += read_rows(run / SAMPLES)
+            if (run / RUN).exists():
+                infos.append(json.loads((run / RUN).read_text()))
+    return rows, infos
+
+
+def _compression_asked(row: dict) -> bool:
+    policy = row.get("policy") or {}
+    return bool(row.get("quant")) or (
+        policy.get("name") not in (None, "none", BASELINE) and policy.get("budget") != 1.0
+    )
+
+
+def judge(rows: list[dict], infos: list[dict], t: Thresholds) -> Verdict:
+    """Every reason a variant fails, in words; PASS only when there is none."""
+    reasons: list[str] = []
+    for key, what in (("model", "model fingerprint"), ("protocol", "protocol"), ("versions", "library versions")):
+        seen = {json.dumps(_field(i, key), sort_keys=True) for i in infos}
+        if len(seen) > 1:
+            reasons.append(f"the runs differ in {what} ({len(seen)} different); gate runs of one configuration")
+    if not rows:
+        return Verdict(False, [*reasons, "no records"])
+    if not any(r["variant"] == BASELINE for r in rows):
+        reasons.append("no baseline rows: every variant must be compared with the full cache on the same samples")
+    summary = summarize(rows)
+    by_variant: dict[str, list[dict]] = {}
+    for r in rows:
+        by_variant.setdefault(r["variant"], []).append(r)
+    for name, s in summary.items():
+        if name == BASELINE:
+            continue
+        p = s["paired"]
+        if s["n"] < t.min_samples:
+            reasons.append(f"{name}: {s['n']} samples, fewer than the {t.min_samples} required")
+        if t.max_drop is not None and p["drop_ci95"][1] > t.max_drop:
+            reasons.append(
+                f"{name}: accuracy {p['baseline']:.2f} -> {p['policy']:.2f}; the drop may be as large as "
+                f"{p['drop_ci95'][1]:.3f} (95% CI upper bound), over the {t.max_drop} margin"
+            )
+        rate = s["lost"] / s["n"]
+        if t.max_flip_rate is not None and rate > t.max_flip_rate:
+            causes = ", ".join(f"{v} {k}" for k, v in sorted(s["flip_causes"].items()))
+            reasons.append(
+                f"{name}: {s['lost']} of {s['n']} samples flipped from right to wrong ({rate:.0%}, over "
+                f"{t.max_flip_rate:.0%})" + (f"; evidence {causes}" if causes else "")
+            )
+        if t.min_cell_accuracy is not None:
+            for cell, c in s["cells"].items():
+                if c["baseline"] >= t.min_cell_accuracy > c["policy"]:
+                    reasons.append(
+                        f"{name}: cell {cell}: accuracy {c['policy']:.2f} (baseline {c['baseline']:.2f}) "
+                        f"is below {t.min_cell_accuracy}"
+                    )
+        if t.max_mean_kl is not None and s.get("kl_mean") is not None and s["kl_mean"] > t.max_mean_kl:
+            reasons.append(f"{name}: mean KL {s['kl_mean']:.4f} nats over {t.max_mean_kl}")
+        if any(_compression_asked(r) for r in by_variant[name]) and s["kv_ratio"] >= t.min_compression:
+            reasons.append(
+                f"{name}: compression was asked but the measured KV bytes are {s['kv_ratio']:.3f}x the baseline's"
+            )
+    return Verdict(not reasons, reasons, summary)
+
+
+def _field(info: dict, key: str) -> Any:
+    if key == "model":
+        return (info.get("model") or {}).get("fingerprint")
+    if key == "versions":
+        return {k: v for k, v in (info.get("versions") or {}).items() if k in ("torch", "transformers", "evalkit")}
+    return info.get(key)
+
+
+def write_outputs(verdict: Verdict, out_dir: Path, t: Thresholds) -> None:
+    write_json(
+        out_dir / VERDICT,
+        {
+            "verdict": "PASS" if verdict.passed else "FAIL",
+            "reasons": verdict.reasons,
+            "thresholds": asdict(t),
+            "runs": verdict.runs,
+            "variants": verdict.variants,
+        },
+    )
+    lines = [f"# evalkit gate: {'PASS' if verdict.passed else 'FAIL'}", ""]
+    lines += [f"- {r}" for r in verdict.reasons] or ["Every threshold holds."]
+    lines += [
+        "",
+        "| variant | n | baseline | policy | drop [95% CI] | McNemar p | lost | KV ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, s in verdict.variants.items():
+        p = s["paired"]
+        lines.append(
+            f"| {name} | {s['n']} | {p['baseline']:.2f} | {p['policy']:.2f} | {p['drop']:+.3f} "
+            f"[{p['drop_ci95'][0]:+.3f}, {p['drop_ci95'][1]:+.3f}] | {p['mcnemar_p']:.3g} | {s['lost']} | "
+            f"{s['kv_ratio']:.3f}x |"
+        )
+    lines += ["", "Thresholds: " + ", ".join(f"{k}={v}" for k, v in asdict(t).items()), ""]
+    (out_dir / REPORT).write_text("\n".join(lines))
+
+
+def gate(run_dirs: list[Path], thresholds: Thresholds, out_dir: Path | None = None) -> Verdict:
+    rows, infos = read_runs(run_dirs)
+    verdict = judge(rows, infos, thresholds)
+    verdict.runs = [str(d) for d in run_dirs]
+    write_outputs(verdict, out_dir or run_dirs[0], thresholds)
+    return verdict
+
+
+def print_verdict(verdict: Verdict) -> None:
+    print(f"\nevalkit gate: {'PASS' if verdict.passed else 'FAIL'}")
+    for reason in verdict.reasons:
+        print(f"  - {reason}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m evalkit.gate", description=__doc__.splitlines()[0])
+    ap.add_argument("runs", nargs="+", type=Path, help="evalkit run folders (or folders holding several)")
+    ap.add_argument("--gate", default="default", help="a conf/gate name or a YAML file of thresholds")
+    ap.add_argument("--out", type=Path, default=None, help="where verdict.json and report.md go (default: first run)")
+    args = ap.parse_args(argv)
+    try:
+        verdict = gate(args.runs, load_thresholds(args.gate), args.out)
+    except ConfigError as err:
+        print(f"evalkit: error: {err}", file=sys.stderr)
+        return 2
+    print_verdict(verdict)
+    return 0 if verdict.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

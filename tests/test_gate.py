@@ -1,0 +1,129 @@
+"""Paired statistics on hand-made records with known answers, and the gate's verdicts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from scipy.stats import binomtest
+
+from evalkit.analysis import paired, summarize
+from evalkit.gate import Thresholds, judge, load_thresholds, main
+from evalkit.stats import flip_cause, mcnemar_exact, paired_bootstrap_ci
+from tests.conftest import run_cli
+
+
+def rows(base: list[float], pol: list[float], variant="snapkv@0.25", cell=None, kv=(25, 100), retained=None):
+    out = []
+    for i, (b, p) in enumerate(zip(base, pol, strict=True)):
+        c = cell(i) if cell else {"depth": 0.5}
+        flip = None if b == p else ("lost" if p < b else "gained")
+        common = {
+            "sample_id": str(i),
+            "cell": c,
+            "kv_bytes_baseline": kv[1],
+            "peak_kv_bytes": kv[1],
+            "baseline_score": b,
+        }
+        out.append(
+            {
+                **common,
+                "variant": "baseline",
+                "score": b,
+                "flip": None,
+                "kv_bytes": kv[1],
+                "policy": {"name": "baseline"},
+            }
+        )
+        out.append(
+            {
+                **common,
+                "variant": variant,
+                "score": p,
+                "flip": flip,
+                "kv_bytes": kv[0],
+                "policy": {"name": variant.split("@")[0], "budget": 0.25},
+                "evidence_retained_per_layer": retained(i) if retained else None,
+            }
+        )
+    return out
+
+
+def test_paired_statistics_on_known_records():
+    s = paired([1, 1, 1, 1, 0, 0], [1, 0, 0, 1, 0, 1])
+    assert (s["n"], s["lost"], s["gained"]) == (6, 2, 1)
+    assert s["drop"] == pytest.approx(4 / 6 - 3 / 6)
+    assert s["mcnemar_p"] == pytest.approx(binomtest(2, 3, 0.5).pvalue) == pytest.approx(1.0)
+    assert mcnemar_exact(10, 0) == pytest.approx(2 * 0.5**10)
+    assert mcnemar_exact(0, 0) == 1.0
+
+
+def test_bootstrap_ci_brackets_the_drop_and_collapses_without_variance():
+    lo, hi = paired_bootstrap_ci([1] * 50, [1] * 40 + [0] * 10)
+    assert lo <= 0.2 <= hi and 0.05 < lo and hi < 0.35
+    assert paired_bootstrap_ci([1, 0, 1], [1, 0, 1]) == (0.0, 0.0)
+
+
+def test_flips_are_classified_evicted_or_ignored():
+    assert flip_cause({"flip": "lost", "evidence_retained_per_layer": [0.0, 0.2, 0.1]}) == "evicted"
+    assert flip_cause({"flip": "lost", "evidence_retained_per_layer": [1.0, 0.9, 0.7]}) == "ignored"
+    assert flip_cause({"flip": None, "evidence_retained_per_layer": [0.0]}) is None
+    s = summarize(rows([1, 1, 1], [0, 0, 1], retained=lambda i: [0.0] if i == 0 else [1.0]))
+    assert s["snapkv@0.25"]["flip_causes"] == {"evicted": 1, "ignored": 1}
+
+
+def test_gate_passes_a_faithful_variant():
+    v = judge(rows([1] * 30, [1] * 30), [], Thresholds())
+    assert v.passed and v.reasons == []
+
+
+def test_gate_fails_with_every_reason_in_words():
+    cell = lambda i: {"depth": 0.5 if i % 2 else 1.0}  # noqa: E731
+    v = judge(rows([1] * 30, [0 if i % 2 else 1 for i in range(30)], cell=cell), [], Thresholds())
+    assert not v.passed
+    text = "\n".join(v.reasons)
+    assert "95% CI upper bound" in text and "flipped from right to wrong" in text
+    assert "cell depth=0.5: accuracy 0.00 (baseline 1.00) is below 0.5" in text and "depth=1.0" not in text
+
+
+@pytest.mark.parametrize(
+    ("records", "infos", "message"),
+    [
+        ([r for r in rows([1] * 30, [1] * 30) if r["variant"] != "baseline"], [], "no baseline rows"),
+        (rows([1] * 5, [1] * 5), [], "5 samples, fewer than the 20 required"),
+        (rows([1] * 30, [1] * 30, kv=(100, 100)), [], "compression was asked but the measured KV bytes are 1.000x"),
+        (
+            rows([1] * 30, [1] * 30),
+            [{"model": {"fingerprint": "a"}}, {"model": {"fingerprint": "b"}}],
+            "the runs differ in model fingerprint",
+        ),
+        (rows([1] * 30, [1] * 30), [{"protocol": "query_aware"}, {"protocol": "query_agnostic"}], "differ in protocol"),
+        ([], [], "no records"),
+    ],
+    ids=["no-baseline", "too-few-samples", "no-compression", "mixed-models", "mixed-protocols", "empty"],
+)
+def test_gate_fails_closed(records, infos, message):
+    v = judge(records, infos, Thresholds())
+    assert not v.passed and any(message in r for r in v.reasons), v.reasons
+
+
+def test_gate_command_line_writes_verdict_and_report_and_exits_by_verdict(tmp_path):
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    for d, pol in ((good, [1] * 30), (bad, [0] * 30)):
+        d.mkdir()
+        (d / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows([1] * 30, pol)))
+    assert main([str(good)]) == 0
+    assert json.loads((good / "verdict.json").read_text())["verdict"] == "PASS"
+    assert main([str(bad)]) == 1
+    assert "FAIL" in (bad / "report.md").read_text()
+    assert main([str(tmp_path / "missing")]) == 2
+    assert main([str(good), "--gate", "nope"]) == 2
+    assert load_thresholds("default").max_drop == 0.05
+
+
+def test_gate_after_a_run_sets_the_exit_code(tmp_path):
+    args = ["model=tiny-random", "task.context_lengths=[128]", "task.depths=[0.5]", "policy.budget=0.5"]
+    result = run_cli(*args, "gate=default", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 1, result.stderr  # 1 sample < 20 required: fails closed
+    assert "evalkit gate: FAIL" in result.stdout and "fewer than the 20 required" in result.stdout
+    assert (tmp_path / "verdict.json").exists() and (tmp_path / "report.md").exists()
