@@ -35,6 +35,10 @@ def _job(cfg: DictConfig) -> None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         run(cfg, out_dir)
+        if cfg.logger.name == "wandb":
+            from evalkit.wandb_log import log_run
+
+            print(f"evalkit: W&B run written to {log_run(cfg, out_dir)}")
         if cfg.gate.name != "none":
             from evalkit.gate import Thresholds, gate, print_verdict
 

@@ -16,7 +16,7 @@ from evalkit.prompt import PROTOCOLS
 from evalkit.quantized import QuantSpec
 from evalkit.tasks import Task
 
-GROUPS = ("model", "policy", "quant", "task", "gate")
+GROUPS = ("model", "policy", "quant", "task", "gate", "logger")
 
 
 def options(group: str) -> list[str]:

@@ -1,0 +1,100 @@
+"""Reports (Markdown, HTML, PNG plots) and the W&B offline round trip."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from evalkit.report import pareto, report
+from tests.conftest import compose_config
+from tests.test_gate import rows
+
+
+def needle_rows():
+    cell = lambda i: {"context_length": [1024, 2048][i % 2], "depth": [0.0, 0.5, 1.0][i % 3]}  # noqa: E731
+    out = rows(
+        [1] * 12,
+        [0 if i % 3 == 1 else 1 for i in range(12)],
+        "streaming_llm@0.25",
+        cell=cell,
+        retained=lambda i: [0.0, 0.1],
+    )
+    out += [r for r in rows([1] * 12, [1] * 12, "snapkv@0.5", cell=cell, kv=(50, 100)) if r["variant"] != "baseline"]
+    return out
+
+
+def write_run(path, records):
+    path.mkdir(parents=True)
+    (path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_pareto_front_keeps_the_undominated_points():
+    pts = [(0.75, 0.2, "a"), (0.5, 1.0, "b"), (0.5, 0.5, "c"), (0.0, 1.0, "base")]
+    assert [p[2] for p in pareto(pts)] == ["b", "a"]
+
+
+def test_report_writes_markdown_html_and_plots_merging_runs(tmp_path):
+    recs = needle_rows()
+    one = write_run(tmp_path / "multirun" / "0", [r for r in recs if r["variant"] != "snapkv@0.5"])
+    write_run(tmp_path / "multirun" / "1", [r for r in recs if r["variant"] == "snapkv@0.5"])
+    files = report([tmp_path / "multirun"], tmp_path / "out")
+    names = {f.name for f in files}
+    assert {"report.md", "report.html", "heatmaps.png", "tradeoff.png", "flips.png"} <= names
+    assert all(f.stat().st_size > 1000 for f in files if f.suffix == ".png")
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| streaming_llm@0.25 | 12 | 1.00 | 0.67 |" in md and "| snapkv@0.5 | 12 |" in md
+    assert "(4/0)" in md  # 4 lost, all with the evidence evicted
+    assert '<img src="heatmaps.png">' in (tmp_path / "out" / "report.html").read_text()
+    assert one.exists()
+
+
+def wandb_records(path):
+    """The records of an offline W&B run file: a 7-byte header, then LevelDB-style log blocks of protobufs."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, block, pending = path.read_bytes(), 7, 32768, b""
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        if left < 7 or (length == 0 and kind == 0):  # block trailer or padding
+            pos += left
+            continue
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):  # a full record, or the last piece of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+
+
+def test_wandb_offline_round_trip(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="pip install wandb for logger=wandb")
+    from evalkit.wandb_log import log_run
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = write_run(tmp_path / "run", needle_rows())
+    cfg = compose_config("logger=wandb", "model=tiny-random")
+    local = log_run(cfg, run_dir)
+    assert local.name.startswith("offline-run-")
+    (log,) = local.glob("run-*.wandb")
+    summary, config = {}, {}
+    for record in wandb_records(log):
+        kind = record.WhichOneof("record_type")
+        if kind == "summary":
+            summary.update({u.key or "/".join(u.nested_key): json.loads(u.value_json) for u in record.summary.update})
+        if kind == "run":
+            config.update({u.key: json.loads(u.value_json) for u in record.run.config.update})
+            group = record.run.run_group
+    assert summary["streaming_llm@0.25/accuracy"] == pytest.approx(8 / 12)
+    assert summary["snapkv@0.5/kv_ratio"] == pytest.approx(0.5)
+    assert config["model"]["name"] == "tiny-random" and group == "needle"
+    (table,) = (local / "files" / "media" / "table").glob("samples_*.table.json")
+    assert len(json.loads(table.read_text())["data"]) == len(needle_rows())
+    assert {p.name.split("_")[0] for p in (local / "files" / "media" / "images" / "plots").glob("*.png")} >= {
+        "heatmaps",
+        "tradeoff",
+    }
