@@ -67,9 +67,34 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "kv_bytes_baseline": _mean([r["kv_bytes_baseline"] for r in rs]),
             "kv_ratio": _mean([r["kv_bytes"] / r["kv_bytes_baseline"] for r in rs]),
             "peak_kv_bytes": max(r["peak_kv_bytes"] for r in rs),
+            # the full cache exists while the context is prefilled, before any compression
+            "peak_prefill_kv_bytes": max(r["kv_bytes_baseline"] for r in rs),
+            "nominal_budget": _nominal(rs[0]),
+            "kv_bytes_per_token": _mean([r["kv_bytes"] / r["context_tokens"] for r in rs if r.get("context_tokens")]),
             **{k: _mean([r[k] for r in rs]) for k in FIDELITY if k in rs[0]},
             "splits": _grouped(rs, lambda r: r["cell"].get("split")),
             "cells": _grouped(rs, lambda r: cell_key(r["cell"])),
+        }
+    return out
+
+
+def _nominal(row: dict[str, Any]) -> float | None:
+    """The budget a variant asked for as a share of the context (None for token budgets and the baseline)."""
+    budget = (row.get("policy") or {}).get("budget")
+    return float(budget) if isinstance(budget, float) else None
+
+
+def capacity(summary: dict[str, Any], weights_bytes: int, gpu_gib: float, context: int) -> dict[str, Any]:
+    """How many sequences of `context` tokens fit in `gpu_gib` of accelerator memory after the weights, per variant,
+    from the KV bytes per context token measured in the run (in the dtype the run used)."""
+    free = gpu_gib * 2**30 - weights_bytes
+    out = {}
+    for name, s in summary.items():
+        per_seq = s["kv_bytes_per_token"] * context
+        out[name] = {
+            "kv_bytes_per_token": s["kv_bytes_per_token"],
+            "kv_bytes_per_sequence": per_seq,
+            "sequences": int(free // per_seq) if per_seq > 0 and free > 0 else 0,
         }
     return out
 

@@ -40,12 +40,16 @@ class EvictingLayer(DynamicLayer):
         self.is_initialized = True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        b, h, q, _ = key_states.shape
+        self.advance(key_states.shape[2])
+        return super().update(key_states, value_states)
+
+    def advance(self, q: int) -> None:
+        """Account for q new tokens: their absolute positions, zero per-token state, the tokens seen."""
+        b, h = self.positions.shape[:2]
         new = torch.arange(self.seen, self.seen + q, device=self.positions.device).expand(b, h, q)
         self.positions = torch.cat([self.positions, new], dim=-1)
         self.state = {k: torch.cat([v, v.new_zeros(b, h, q)], dim=-1) for k, v in self.state.items()}
         self.seen += q
-        return super().update(key_states, value_states)
 
     def get_seq_length(self) -> int:
         return self.seen

@@ -42,6 +42,10 @@ def quant_spec(node: DictConfig) -> QuantSpec | None:
     """The storage a conf/quant config asks for; None for full precision."""
     if node.get("bits") is None:
         return None
+    if node.get("format") == "e4m3":
+        spec = QuantSpec(name=node.name, bits=8, format="e4m3")
+        spec.validate()
+        return spec
     spec = QuantSpec(name=node.name, bits=int(node.bits), group=int(node.group), residual=int(node.residual))
     spec.validate()
     return spec

@@ -20,7 +20,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from evalkit.analysis import BASELINE, summarize
+from evalkit.analysis import BASELINE, capacity, summarize
 from evalkit.errors import ConfigError
 from evalkit.records import RUN, SAMPLES, read_rows, write_json
 
@@ -37,6 +37,7 @@ class Thresholds:
     max_mean_kl: float | None = 0.1  # nats, fidelity rows
     min_samples: int = 20
     min_compression: float = 0.99  # a compressing variant must hold less than this share of the baseline's bytes
+    capacity: dict[str, float] = field(default_factory=lambda: {"gpu_gib": 80, "context": 32768})  # report only
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Verdict:
     reasons: list[str] = field(default_factory=list)
     variants: dict[str, Any] = field(default_factory=dict)
     runs: list[str] = field(default_factory=list)
+    capacity: dict[str, Any] = field(default_factory=dict)
 
 
 def load_thresholds(name_or_path: str) -> Thresholds:
@@ -128,12 +130,16 @@ def judge(rows: list[dict], infos: list[dict], t: Thresholds) -> Verdict:
             reasons.append(
                 f"{name}: compression was asked but the measured KV bytes are {s['kv_ratio']:.3f}x the baseline's"
             )
-    return Verdict(not reasons, reasons, summary)
+    weights = max((_field(i, "weights") or 0 for i in infos), default=0)
+    cap = capacity(summary, weights, float(t.capacity["gpu_gib"]), int(t.capacity["context"]))
+    return Verdict(not reasons, reasons, summary, capacity=cap)
 
 
 def _field(info: dict, key: str) -> Any:
     if key == "model":
         return (info.get("model") or {}).get("fingerprint")
+    if key == "weights":
+        return (info.get("model") or {}).get("weights_bytes")
     if key == "versions":
         return {k: v for k, v in (info.get("versions") or {}).items() if k in ("torch", "transformers", "evalkit")}
     return info.get(key)
@@ -163,6 +169,22 @@ def write_outputs(verdict: Verdict, out_dir: Path, t: Thresholds) -> None:
             f"| {name} | {s['n']} | {p['baseline']:.2f} | {p['policy']:.2f} | {p['drop']:+.3f} "
             f"[{p['drop_ci95'][0]:+.3f}, {p['drop_ci95'][1]:+.3f}] | {p['mcnemar_p']:.3g} | {s['lost']} | "
             f"{s['kv_ratio']:.3f}x |"
+        )
+    gib, ctx = t.capacity["gpu_gib"], t.capacity["context"]
+    lines += [
+        "",
+        f"Capacity: sequences of {ctx} tokens that fit in {gib} GiB after the weights, from the KV bytes",
+        "per context token measured here (in the run's dtype).",
+        "",
+        "| variant | KV bytes per token | sequences | nominal budget | measured KV ratio | peak KV (prefill) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, c in verdict.capacity.items():
+        s = verdict.variants[name]
+        nominal = "-" if s["nominal_budget"] is None else f"{s['nominal_budget']:g}"
+        lines.append(
+            f"| {name} | {c['kv_bytes_per_token']:.0f} | {c['sequences']} | {nominal} | "
+            f"{s['kv_ratio']:.3f}x | {s['peak_prefill_kv_bytes'] / 2**20:.1f} MB |"
         )
     lines += ["", "Thresholds: " + ", ".join(f"{k}={v}" for k, v in asdict(t).items()), ""]
     (out_dir / REPORT).write_text("\n".join(lines))

@@ -24,14 +24,22 @@ from evalkit.errors import ConfigError
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """How a cache is stored: `bits` per value (8, 4 or 2), `group` size, `residual` full-precision tokens."""
+    """How a cache is stored: `bits` per value (8, 4 or 2), `group` size, `residual` full-precision tokens; or,
+    with `format: e4m3`, FP8 with one fp16 scale per token and head."""
 
     name: str
     bits: int
     group: int = 64
     residual: int = 32
+    format: str = "int"  # int (KIVI) or e4m3 (FP8)
 
     def validate(self, head_dim: int | None = None) -> None:
+        if self.format == "e4m3":
+            if not hasattr(torch, "float8_e4m3fn"):
+                raise ConfigError(f"quant={self.name}: this torch ({torch.__version__}) has no float8_e4m3fn")
+            return
+        if self.format != "int":
+            raise ConfigError(f"quant.format={self.format!r} is not one of ['int', 'e4m3']")
         if self.bits not in kernels.BITS:
             raise ConfigError(f"quant.bits={self.bits} is not one of {list(kernels.BITS)}")
         if self.group < 8 or self.group & (self.group - 1):
@@ -129,7 +137,47 @@ class QuantizedLayer(EvictingLayer):
         raise NotImplementedError("eviction from a quantized store: evict first, then quantize")
 
 
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def to_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(B, H, T, D) -> FP8 e4m3 codes and an fp16 scale per token and head (B, H, T, 1): x ~ codes * scale."""
+    scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(1e-12).half()
+    return (x.float() / scale.float()).to(torch.float8_e4m3fn), scale
+
+
+class Fp8Layer(EvictingLayer):
+    """A full-attention layer whose held tokens, new ones included, are stored as FP8 (e4m3) codes."""
+
+    def __init__(self, layer: EvictingLayer, spec: QuantSpec):
+        super().__init__(layer.keys[:, :, :0], layer.values[:, :, :0], layer.seen, observations=layer.observations)
+        self.spec, self.dtype, self.positions = spec, layer.keys.dtype, layer.positions
+        (self.k8, self.k_scale), (self.v8, self.v_scale) = to_fp8(layer.keys), to_fp8(layer.values)
+
+    @property
+    def held(self) -> int:
+        return self.k8.shape[2]
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        self.advance(key_states.shape[2])
+        (k8, ks), (v8, vs) = to_fp8(key_states), to_fp8(value_states)
+        self.k8, self.k_scale = torch.cat([self.k8, k8], dim=2), torch.cat([self.k_scale, ks], dim=2)
+        self.v8, self.v_scale = torch.cat([self.v8, v8], dim=2), torch.cat([self.v_scale, vs], dim=2)
+        return self.keys, self.values  # empty: `attend` reads the FP8 store
+
+    def attend(self, module, query: Tensor, attention_mask: Tensor | None, **kwargs) -> tuple[Tensor, None]:
+        keys = (self.k8.float() * self.k_scale.float()).to(self.dtype)
+        values = (self.v8.float() * self.v_scale.float()).to(self.dtype)
+        return sdpa_attention_forward(module, query, keys, values, fit_mask(attention_mask, query, keys), **kwargs)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k8, self.k_scale, self.v8, self.v_scale))
+
+    def keep(self, idx: Tensor) -> None:
+        raise NotImplementedError("eviction from an FP8 store: evict first, then quantize")
+
+
 def quantize_cache(cache: Cache, spec: QuantSpec) -> Cache:
     """Store the held tokens of every evicting layer quantized; sliding-window layers stay as they are."""
-    layers = [QuantizedLayer(layer, spec) if isinstance(layer, EvictingLayer) else layer for layer in cache.layers]
-    return Cache(layers=layers)
+    kind = Fp8Layer if spec.format == "e4m3" else QuantizedLayer
+    return Cache(layers=[kind(layer, spec) if isinstance(layer, EvictingLayer) else layer for layer in cache.layers])

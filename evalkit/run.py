@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from evalkit import models
+from evalkit import attention, models
 from evalkit.analysis import BASELINE, format_summary, summarize
 from evalkit.config import validate
 from evalkit.config import variants as configured_variants
@@ -51,9 +51,15 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     torch.manual_seed(int(cfg.seed))
     loaded = models.load(cfg.model, cfg.device)
     _check_model(run_info, loaded)
+    needs = sorted({n for v in variants for n in v.policy.needs})
+    if needs and loaded.model.config._attn_implementation != attention.NAME:
+        raise ConfigError(f"the policies need {needs} observed in attention, which evalkit does through SDPA; "
+                          f"model.attn_implementation={cfg.model.get('attn_implementation')!r}: use sdpa")
     run_info["model"] = {
         "name": loaded.name,
         "fingerprint": loaded.fingerprint,
+        "weights_bytes": sum(p.numel() * p.element_size() for p in loaded.model.parameters()),
+        "dtype": str(loaded.model.dtype).removeprefix("torch."),
         "source": loaded.source,
         "load_seconds": round(loaded.load_seconds, 3),
     }

@@ -56,15 +56,16 @@ def log_run(cfg: DictConfig, out_dir: Path) -> Path:
         config=OmegaConf.to_container(cfg, resolve=True),
         reinit="finish_previous",
     )
+    metrics = {}
     for variant, s in summary.items():
         for key in ("accuracy", "baseline_accuracy", "lost", "gained", "kv_ratio", "kv_bytes", "kl_mean"):
             if key in s:
-                run.summary[f"{variant}/{key}"] = s[key]
-        run.summary[f"{variant}/drop"] = s["paired"]["drop"]
-        run.summary[f"{variant}/drop_ci95_high"] = s["paired"]["drop_ci95"][1]
-        run.summary[f"{variant}/mcnemar_p"] = s["paired"]["mcnemar_p"]
+                metrics[f"{variant}/{key}"] = s[key]
+        metrics[f"{variant}/drop"] = s["paired"]["drop"]
+        metrics[f"{variant}/drop_ci95_high"] = s["paired"]["drop_ci95"][1]
+        metrics[f"{variant}/mcnemar_p"] = s["paired"]["mcnemar_p"]
     table = wandb.Table(columns=COLUMNS, data=[[_cell(r.get(c)) for c in COLUMNS] for r in rows])
-    run.log({"samples": table, **{f"plots/{p.stem}": wandb.Image(str(p)) for p in images}})
+    run.log({**metrics, "samples": table, **{f"plots/{p.stem}": wandb.Image(str(p)) for p in images}})
     local = Path(run.dir).parent
     run.finish()
     return local

@@ -23,6 +23,10 @@ def test_every_policy_config_composes_and_instantiates(name):
 def test_every_task_config_composes_and_validates(name):
     task = instantiate(compose_config(f"task={name}").task, _convert_="all")
     assert isinstance(task, Task) and task.name == name
+    if name == "jsonl":  # the user's file is the one required setting
+        with pytest.raises(ConfigError, match="needs task.path=FILE"):
+            task.validate()
+        return
     task.validate()
 
 
@@ -46,3 +50,24 @@ def test_unknown_names_list_the_valid_ones_and_suggest_the_nearest():
     with pytest.raises(ConfigError, match=r"unknown model 'nope'"):
         check_choices(["task=needle", "model=tiny-random,nope"])
     check_choices(["policy=none", "task.depths=[0.5]", "model=tiny-random"])
+
+
+@pytest.mark.parametrize("name", options("quant"))
+def test_every_quant_config_composes_into_a_storage_spec(name):
+    from evalkit.config import quant_spec
+
+    spec = quant_spec(compose_config(f"quant={name}").quant)
+    assert (spec is None) == (name == "none") and (spec is None or spec.name == name)
+
+
+@pytest.mark.parametrize("name", options("gate"))
+def test_every_gate_config_composes_into_thresholds(name):
+    from evalkit.gate import load_thresholds
+
+    assert load_thresholds(name) is not None
+    assert compose_config(f"gate={name}").gate.name == name
+
+
+@pytest.mark.parametrize("name", options("logger"))
+def test_every_logger_config_composes(name):
+    assert compose_config(f"logger={name}").logger.name == name

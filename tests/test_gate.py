@@ -24,6 +24,7 @@ def rows(base: list[float], pol: list[float], variant="snapkv@0.25", cell=None, 
             "kv_bytes_baseline": kv[1],
             "peak_kv_bytes": kv[1],
             "baseline_score": b,
+            "context_tokens": 100,
         }
         out.append(
             {
@@ -127,3 +128,13 @@ def test_gate_after_a_run_sets_the_exit_code(tmp_path):
     assert result.returncode == 1, result.stderr  # 1 sample < 20 required: fails closed
     assert "evalkit gate: FAIL" in result.stdout and "fewer than the 20 required" in result.stdout
     assert (tmp_path / "verdict.json").exists() and (tmp_path / "report.md").exists()
+
+
+def test_capacity_counts_sequences_that_fit_after_the_weights():
+    t = Thresholds(capacity={"gpu_gib": 1, "context": 1000})
+    v = judge(rows([1] * 30, [1] * 30, kv=(25, 100)), [{"model": {"weights_bytes": 2**29}}], t)
+    assert v.capacity["baseline"]["kv_bytes_per_token"] == 1.0
+    assert v.capacity["baseline"]["sequences"] == 2**29 // 1000
+    assert v.capacity["snapkv@0.25"]["sequences"] == 2**29 // 250  # a quarter of the bytes: four times the sequences
+    assert v.variants["snapkv@0.25"]["nominal_budget"] == 0.25
+    assert v.variants["snapkv@0.25"]["peak_prefill_kv_bytes"] == 100

@@ -123,3 +123,21 @@ def test_question_chunk_attends_over_the_dequantized_history(tiny, ids):
     with torch.inference_mode():
         out = tiny.model(input_ids=ids[:, CTX:], cache=cache, use_cache=True).logits
     assert out.shape[1] == QUESTION and torch.isfinite(out).all()
+
+
+def test_fp8_storage_holds_codes_and_a_scale_per_token(tiny, ids):
+    from evalkit.cache import share
+    from evalkit.quantized import Fp8Layer
+
+    fp8 = QuantSpec("fp8", 8, format="e4m3")
+    full, cache = compressed(tiny.model, ids, policy("none", 1.0))
+    cache = quantize_cache(cache, fp8)
+    cfg = tiny.model.config
+    h, d, layers = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
+    assert all(isinstance(layer, Fp8Layer) for layer in cache.layers)
+    assert kv_bytes(cache) == layers * 2 * h * CTX * (d * 1 + 2)  # one byte a value, an fp16 scale a token
+    base = greedy(tiny.model, share(full), ids[:, CTX:], 4, set())
+    got = greedy(tiny.model, cache, ids[:, CTX:], 4, set())
+    assert held_per_layer(cache) == [CTX + QUESTION + 3] * layers  # new tokens are stored as FP8 too
+    for a, b in zip(got.logits, base.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0.1)

@@ -84,8 +84,8 @@ def test_wandb_offline_round_trip(tmp_path, monkeypatch):
     summary, config = {}, {}
     for record in wandb_records(log):
         kind = record.WhichOneof("record_type")
-        if kind == "summary":
-            summary.update({u.key or "/".join(u.nested_key): json.loads(u.value_json) for u in record.summary.update})
+        if kind == "history":  # what run.log wrote, as written
+            summary.update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
         if kind == "run":
             config.update({u.key: json.loads(u.value_json) for u in record.run.config.update})
             group = record.run.run_group
