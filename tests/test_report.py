@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -62,6 +63,8 @@ def wandb_records(path):
         if left < 7 or (length == 0 and kind == 0):  # block trailer or padding
             pos += left
             continue
+        if pos + 7 + length > len(data):  # a record still being written
+            return
         chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         pending = chunk if kind in (1, 2) else pending + chunk
         if kind in (1, 4):  # a full record, or the last piece of one
@@ -81,6 +84,9 @@ def test_wandb_offline_round_trip(tmp_path, monkeypatch):
     local = log_run(cfg, run_dir)
     assert local.name.startswith("offline-run-")
     (log,) = local.glob("run-*.wandb")
+    deadline = time.time() + 60  # W&B's writer process may still be flushing the file when finish() returns
+    while time.time() < deadline and "exit" not in {r.WhichOneof("record_type") for r in wandb_records(log)}:
+        time.sleep(0.5)
     summary, config = {}, {}
     for record in wandb_records(log):
         kind = record.WhichOneof("record_type")
