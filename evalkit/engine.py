@@ -16,6 +16,7 @@ from transformers.cache_utils import Cache
 
 from evalkit.attention import DecodeObserver, PrefillObserver, observe
 from evalkit.cache import compress, enforce, fp16_bytes, held_per_layer, kv_bytes, retained_fraction, share
+from evalkit.errors import ConfigError
 from evalkit.policies import KVPolicy
 from evalkit.prompt import Prompt
 from evalkit.quantized import QuantSpec, quantize_cache
@@ -31,6 +32,18 @@ class Variant:
     @property
     def name(self) -> str:
         return f"{self.policy.name}@{self.policy.budget}" + (f"+{self.quant.name}" if self.quant else "")
+
+    def check(self, n_context: int, where: str) -> None:
+        """ConfigError, naming `where`, when the budget cannot hold on a context of n_context tokens."""
+        try:
+            self.policy.validate(n_context)
+        except ConfigError as err:
+            raise ConfigError(f"{where} ({n_context} context tokens): {err}") from None
+
+    def apply(self, full: Cache, observations: dict[int, dict[str, Tensor]]) -> Cache:
+        """The variant's cache over a prefilled full cache: the policy's choice, stored as `quant` says."""
+        cache = compress(full, self.policy, observations)
+        return quantize_cache(cache, self.quant) if self.quant is not None else cache
 
 
 @dataclass
@@ -166,9 +179,7 @@ def run_sample(
     outcomes = []
     for variant in variants:
         t = time.perf_counter()
-        cache = compress(full, variant.policy, observations)
-        if variant.quant is not None:
-            cache = quantize_cache(cache, variant.quant)
+        cache = variant.apply(full, observations)
         compress_s = time.perf_counter() - t
         policy = variant.policy
         after = (lambda c=cache, p=policy: enforce(c, p)) if policy.decode else (lambda: None)

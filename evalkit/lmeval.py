@@ -30,12 +30,11 @@ from tqdm import tqdm
 
 from evalkit import models
 from evalkit.attention import DecodeObserver, observe
-from evalkit.cache import compress, enforce, fp16_bytes, held_per_layer, kv_bytes, share
+from evalkit.cache import enforce, fp16_bytes, held_per_layer, kv_bytes, share
 from evalkit.config import variants as parse_variants
 from evalkit.engine import Variant, prefill, run_sample, teacher_forced
 from evalkit.errors import ConfigError
 from evalkit.prompt import Prompt
-from evalkit.quantized import quantize_cache
 
 TASKS = ("evalkit_recall",)
 
@@ -106,23 +105,22 @@ class EvalkitLM(LM):
 
     def _compressed(self, ids: torch.Tensor, where: str, request=None):
         """(full cache, variant cache) after prefilling ids (1, n); their bytes are noted for the request's doc."""
-        try:
-            self.variant.policy.validate(ids.shape[1])
-        except ConfigError as err:
-            raise ConfigError(f"{where} ({ids.shape[1]} context tokens): {err}") from None
+        self.variant.check(ids.shape[1], where)
         full, obs = prefill(self.model, ids, [self.variant.policy])
-        cache = compress(full, self.variant.policy, obs)
-        if self.variant.quant is not None:
-            cache = quantize_cache(cache, self.variant.quant)
+        cache = self.variant.apply(full, obs)
         if request is not None:
-            self.kv[(request.task_name, request.doc_id)] = {
-                "kv_bytes": kv_bytes(cache),
-                "kv_bytes_baseline": kv_bytes(full),
-                "kv_bytes_fp16_same_tokens": fp16_bytes(cache),
-                "tokens_held_per_layer": held_per_layer(cache),
-                "context_tokens": ids.shape[1],
-            }
+            self._note(request, kv_bytes(cache), kv_bytes(full), fp16_bytes(cache), held_per_layer(cache), ids.shape[1])
         return full, cache
+
+    def _note(self, request, held: int, baseline: int, fp16: int, tokens_held: list[int], n_context: int) -> None:
+        """The KV bytes of a request's compressed context, recorded for its document."""
+        self.kv[(request.task_name, request.doc_id)] = {
+            "kv_bytes": held,
+            "kv_bytes_baseline": baseline,
+            "kv_bytes_fp16_same_tokens": fp16,
+            "tokens_held_per_layer": tokens_held,
+            "context_tokens": n_context,
+        }
 
     @torch.inference_mode()
     def _score(self, cache, chunk: torch.Tensor, targets: torch.Tensor) -> tuple[float, bool]:
@@ -186,19 +184,10 @@ class EvalkitLM(LM):
             until = [until] if isinstance(until, str) else list(until)
             ids = torch.tensor([self._ids(context)])
             prompt = Prompt(ids, ids.shape[1] - 1, [], "query_agnostic")
-            try:
-                self.variant.policy.validate(prompt.n_context)
-            except ConfigError as err:
-                raise ConfigError(f"generate_until context ({prompt.n_context} tokens): {err}") from None
+            self.variant.check(prompt.n_context, "generate_until context")
             max_new = int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
             base, (var,) = run_sample(self.model, prompt, [self.variant], max_new, stop)
-            self.kv[(req.task_name, req.doc_id)] = {
-                "kv_bytes": var.kv_bytes,
-                "kv_bytes_baseline": base.kv_bytes,
-                "kv_bytes_fp16_same_tokens": var.kv_bytes_fp16,
-                "tokens_held_per_layer": var.tokens_held,
-                "context_tokens": prompt.n_context,
-            }
+            self._note(req, var.kv_bytes, base.kv_bytes, var.kv_bytes_fp16, var.tokens_held, prompt.n_context)
             texts = [self._cut(self.tok.decode(o.tokens, skip_special_tokens=True), until) for o in (var, base)]
             out.append(texts[0])
             self.baseline_answers[_key("generate_until", req.args)] = texts[1]

@@ -53,8 +53,10 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     _check_model(run_info, loaded)
     needs = sorted({n for v in variants for n in v.policy.needs})
     if needs and loaded.model.config._attn_implementation != attention.NAME:
-        raise ConfigError(f"the policies need {needs} observed in attention, which evalkit does through SDPA; "
-                          f"model.attn_implementation={cfg.model.get('attn_implementation')!r}: use sdpa")
+        raise ConfigError(
+            f"the policies need {needs} observed in attention, which evalkit does through SDPA; "
+            f"model.attn_implementation={cfg.model.get('attn_implementation')!r}: use sdpa"
+        )
     run_info["model"] = {
         "name": loaded.name,
         "fingerprint": loaded.fingerprint,
@@ -74,11 +76,12 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     if done:
         print(f"evalkit: resuming {out_dir}: {len(samples) - len(pending)} of {len(samples)} samples already done")
     stop_ids = _stop_ids(loaded)
+    limit = models.max_context(cfg.model)  # read once: for an hf model it reads its config
     writer = RecordWriter(rows_path)
     try:
         for sample in tqdm(pending, desc=f"{task.name} x {', '.join(names[1:])}", unit="sample", file=sys.stderr):
             prompt = build_prompt(loaded.tokenizer, sample, cfg.protocol)
-            check_sample(sample, prompt, cfg, task, variants)
+            check_sample(sample, prompt, limit, cfg, task, variants)
             baseline, outcomes = run_sample(
                 loaded.model, prompt, variants, task.max_new_tokens, stop_ids, forced=task.teacher_forced
             )
@@ -156,19 +159,18 @@ def flip(score: float, base_score: float) -> str | None:
     return None if score == base_score else ("lost" if score < base_score else "gained")
 
 
-def check_sample(sample: Sample, prompt: Prompt, cfg: DictConfig, task: Task, variants: list[Variant]) -> None:
-    """What only a tokenized sample can tell: does it fit the model, and can every budget hold on it?"""
+def check_sample(
+    sample: Sample, prompt: Prompt, limit: int, cfg: DictConfig, task: Task, variants: list[Variant]
+) -> None:
+    """What only a tokenized sample can tell: does it fit the model (`limit` tokens), can every budget hold on it?"""
     need = int(prompt.ids.shape[1]) + task.max_new_tokens
-    if need > models.max_context(cfg.model):
+    if need > limit:
         raise ConfigError(
             f"sample {sample.id!r}: {prompt.ids.shape[1]} prompt tokens + {task.max_new_tokens} to "
-            f"generate exceed {cfg.model.name}'s {models.max_context(cfg.model)}; shorten its context"
+            f"generate exceed {cfg.model.name}'s {limit}; shorten its context"
         )
     for v in variants:
-        try:
-            v.policy.validate(prompt.n_context)
-        except ConfigError as err:
-            raise ConfigError(f"sample {sample.id!r} ({prompt.n_context} context tokens): {err}") from None
+        v.check(prompt.n_context, f"sample {sample.id!r}")
 
 
 def _start(out_dir: Path, config: dict, resume: bool) -> dict[str, Any]:
