@@ -1,26 +1,57 @@
 """`python -m evalkit policy=streaming_llm task=needle`: compose the Hydra config, run, exit with a code.
 
 Exit codes: 0 done (or, with gate=..., PASS), 1 the gate's FAIL, 2 a usage or configuration error (printed on one
-line, before any model is loaded).
+line, before any model is loaded), 130 stopped by Ctrl-C after the sample in flight (the command to resume is
+printed). `-m` runs a sweep through Hydra's launcher (`hydra/launcher=joblib` for parallel jobs); its jobs' records
+are merged into one report, and judged by one gate.
 """
 
 from __future__ import annotations
 
+import os
+import shlex
 import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from evalkit import interrupt
 from evalkit.config import check_choices
 from evalkit.errors import ConfigError
 
-OmegaConf.register_new_resolver("evalkit_or", lambda value, default: value or default, replace=True)
 # The run folder is named after the policy, or "variants" for a sweep of several.
 OmegaConf.register_new_resolver(
     "evalkit_label", lambda policy, variants: "variants" if variants else policy, replace=True
 )
+
+# Overrides left out of a run's folder name: they do not change its records (or, for the group choices, the folder
+# path names them already).
+SAME_RECORDS = ("resume", "results_root", "device", "model", "task", "policy")
+NOT_RECORDS = ("gate", "logger", "hydra")
+
+
+def dirname(overrides) -> str:
+    """The run folder's last part: the sorted overrides that change the records, `k=v,k=v`, or `default`."""
+    keep = []
+    for item in overrides:
+        key = str(item).lstrip("+~").split("=", 1)[0]
+        if key in SAME_RECORDS or key.split(".", 1)[0] in NOT_RECORDS or key.startswith("hydra/"):
+            continue
+        keep.append(str(item).lstrip("+~"))
+    return ",".join(sorted(keep)) or "default"
+
+
+OmegaConf.register_new_resolver("evalkit_dirname", dirname, replace=True)
+
+NOT_RUNNING = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion")
+
+
+class JobError(BaseException):
+    """A job's configuration error. A BaseException so that it ends a sweep (whatever the launcher) with one clean
+    line, instead of being recorded as a failed job and re-raised by Hydra with a traceback."""
 
 
 def fail(err: ConfigError) -> None:
@@ -32,14 +63,17 @@ def fail(err: ConfigError) -> None:
 def _job(cfg: DictConfig) -> None:
     from evalkit.run import run  # torch and transformers load only once the config is known good
 
-    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    hc = HydraConfig.get()
+    out_dir = Path(hc.runtime.output_dir)
+    sweeping = hc.mode == RunMode.MULTIRUN
     try:
-        run(cfg, out_dir)
+        with interrupt.deferred():
+            run(cfg, out_dir)
         if cfg.logger.name == "wandb":
             from evalkit.wandb_log import log_run
 
             print(f"evalkit: W&B run written to {log_run(cfg, out_dir)}")
-        if cfg.gate.name != "none":
+        if cfg.gate.name != "none" and not sweeping:  # a sweep is gated once, on all its jobs (evalkit.sweep)
             from evalkit.gate import Thresholds, gate, print_verdict
 
             thresholds = Thresholds(**{k: v for k, v in OmegaConf.to_container(cfg.gate).items() if k != "name"})
@@ -47,15 +81,66 @@ def _job(cfg: DictConfig) -> None:
             print_verdict(verdict)
             sys.exit(0 if verdict.passed else 1)
     except ConfigError as err:
-        fail(err)
+        where = f"[{' '.join(hc.overrides.task)}] " if sweeping else ""
+        raise JobError(f"{where}{err}") from None
+    except interrupt.Interrupted as stop:
+        # the sweep folder, for the resume command (only the launching process knows the user's command)
+        raise interrupt.Interrupted(str(stop), hc.sweep.dir if sweeping else None) from None
+
+
+def results_folder(argv: list[str]) -> Path:
+    """The folder a run (or sweep) writes under, read from the command line before Hydra creates it."""
+    values = dict(arg.split("=", 1) for arg in argv if "=" in arg and not arg.startswith("-"))
+    key = "hydra.sweep.dir" if ("-m" in argv or "--multirun" in argv) else "hydra.run.dir"
+    folder = values.get(key) or values.get("results_root") or "results"
+    parts = Path(folder).parts
+    fixed = [p for p in parts[: next((i for i, p in enumerate(parts) if "$" in p), len(parts))]]
+    return Path(*fixed) if fixed else Path(".")
+
+
+def check_writable(folder: Path) -> None:
+    """Create the results folder and a file in it now: an unwritable place fails here, in one line, not in Hydra."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".evalkit-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(
+            f"cannot write results under {folder} ({err.strerror or err}); choose a writable folder with "
+            "results_root=PATH, or fix its permissions or free space"
+        ) from None
+
+
+def resume_command(argv: list[str], sweep_dir: str | None) -> str:
+    args = [a for a in argv if not a.startswith("resume=")] + ["resume=true"]
+    if sweep_dir and not any(a.startswith("hydra.sweep.dir=") for a in args):
+        args.append(f"hydra.sweep.dir={sweep_dir}")
+    return "python -m evalkit " + " ".join(shlex.quote(a) for a in args)
 
 
 def main() -> None:
+    argv = sys.argv[1:]
     try:
-        check_choices(sys.argv[1:])
+        check_choices(argv)
+        if not any(a in NOT_RUNNING for a in argv):
+            check_writable(results_folder(argv))
     except ConfigError as err:
         fail(err)
-    _job()
+    try:
+        with interrupt.deferred():  # the first Ctrl-C lets every job finish the sample in flight
+            _job()
+    except JobError as err:
+        print(f"evalkit: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except interrupt.Interrupted as stop:
+        sweep_dir = stop.args[1] if len(stop.args) > 1 else None
+        print(f"evalkit: {stop.args[0]}\nevalkit: to resume: {resume_command(argv, sweep_dir)}", file=sys.stderr)
+        sys.exit(130)
+    from evalkit import sweep
+
+    if sweep.exit_code is not None:
+        sys.exit(sweep.exit_code)
 
 
 if __name__ == "__main__":

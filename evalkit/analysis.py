@@ -2,13 +2,114 @@
 
 from __future__ import annotations
 
+import json
+import os
 from collections import Counter, defaultdict
+from pathlib import Path
 from typing import Any
 
 from evalkit.stats import flip_cause, mcnemar_exact, paired_bootstrap_ci
 
 BASELINE = "baseline"
 FIDELITY = ("kl_mean", "top1_agreement", "ppl_ratio")
+
+
+def is_baseline(label: str) -> bool:
+    """True for `baseline`, and for the baseline of a merged run (`smollm2-135m/baseline`, `baseline [job]`)."""
+    return label.split(" [")[0].rsplit("/", 1)[-1] == BASELINE
+
+
+def label_order(label: str) -> tuple:
+    """Sort key: per model/task prefix, the baseline first, then the variants by name."""
+    prefix, _, name = label.split(" [")[0].rpartition("/")
+    return prefix, not is_baseline(label), name, label
+
+
+def merge(runs: list[tuple[Path, dict, list[dict]]]) -> list[dict]:
+    """One table from the rows of several runs (folder, run.json, rows), e.g. the jobs of a Hydra multirun.
+
+    Variants are labelled so that rows that are not the same measurement never mix: when the runs differ in model
+    or task, labels get a `model/` or `task/` prefix; a label measured with different settings (policy options,
+    storage, prefill, protocol) in different runs gets its run folder appended, `h2o@0.5 [policy.recent=0.2]`.
+    The same measurement in several runs (the baseline that every job of a sweep repeats) is kept once per sample.
+    """
+    if len(runs) == 1:
+        return runs[0][2]
+
+    def model(info: dict) -> str:
+        return (info.get("model") or {}).get("name") or str((info.get("config") or {}).get("model", {}).get("name"))
+
+    models = {model(info) for _, info, _ in runs}
+    tasks = {r.get("task") for _, _, rows in runs for r in rows}
+    common = Path(os.path.commonpath([folder for folder, _, _ in runs]))
+    labelled: list[tuple[str, str, dict, str]] = []  # (label, settings, row, folder)
+    for folder, info, rows in runs:
+        prefix = "/".join(
+            [
+                *([str(rows[0].get("task"))] if len(tasks) > 1 and rows else []),
+                *([model(info)] if len(models) > 1 else []),
+            ]
+        )
+        for r in rows:
+            settings = json.dumps([r.get(k) for k in ("policy", "quant", "prefill", "protocol")], sort_keys=True)
+            label = f"{prefix}/{r['variant']}" if prefix else r["variant"]
+            labelled.append((label, settings, r, str(folder.relative_to(common)) if folder != common else folder.name))
+    distinct: dict[str, set[str]] = defaultdict(set)
+    for label, settings, _, _ in labelled:
+        distinct[label].add(settings)
+    out, seen = [], set()
+    for label, _, r, folder in labelled:
+        if len(distinct[label]) > 1:
+            label = f"{label} [{folder}]"
+        if (label, r["sample_id"]) not in seen:
+            seen.add((label, r["sample_id"]))
+            out.append({**r, "variant": label})
+    return out
+
+
+def chunked_vs_oneshot(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each chunked variant (`h2o@1024:chunk512`) beside the same policy prefilled in one shot (`h2o@1024`), paired
+    on the samples both ran: accuracies, chunked minus one-shot with its 95% CI, and the peak KV bytes of each."""
+    by_label: dict[str, dict[str, dict]] = defaultdict(dict)
+    for r in rows:
+        by_label[r["variant"]][r["sample_id"]] = r
+    out = []
+    for label in sorted(by_label, key=label_order):
+        name, sep, chunk = label.partition(":chunk")
+        if not sep:
+            continue
+        chunk, _, suffix = chunk.partition(" [")
+        oneshot = by_label.get(name + (f" [{suffix}" if suffix else "")) or by_label.get(name)
+        if not oneshot:
+            continue
+        ids = [i for i in by_label[label] if i in oneshot]
+        if not ids:
+            continue
+        chunked, base = by_label[label], oneshot
+        stats = paired([base[i]["score"] for i in ids], [chunked[i]["score"] for i in ids])
+        out.append(
+            {
+                "variant": name,
+                "chunk": int(chunk),
+                "n": len(ids),
+                "baseline": _mean([base[i]["baseline_score"] for i in ids]),
+                "oneshot": stats["baseline"],
+                "chunked": stats["policy"],
+                "difference": -stats["drop"],
+                "difference_ci95": [-stats["drop_ci95"][1], -stats["drop_ci95"][0]],
+                "chunked_lost": stats["lost"],
+                "chunked_gained": stats["gained"],
+                "oneshot_peak_kv_bytes": max(_peak_prefill(base[i]) for i in ids),
+                "chunked_peak_kv_bytes": max(chunked[i]["peak_kv_bytes"] for i in ids),
+                "chunked_peak_tokens": max(chunked[i].get("prefill_peak_tokens") or 0 for i in ids),
+            }
+        )
+    return out
+
+
+def _peak_prefill(row: dict[str, Any]) -> int:
+    """The most KV bytes held while the context was prefilled (rows written before chunked prefill: the baseline's)."""
+    return row.get("prefill_peak_kv_bytes") or row["kv_bytes_baseline"]
 
 
 def cell_key(cell: dict[str, Any]) -> str:
@@ -53,7 +154,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for r in rows:
         by_variant[r["variant"]].append(r)
     out = {}
-    for variant, rs in sorted(by_variant.items(), key=lambda kv: (kv[0] != BASELINE, kv[0])):
+    for variant, rs in sorted(by_variant.items(), key=lambda kv: label_order(kv[0])):
         overall = paired([r["baseline_score"] for r in rs], [r["score"] for r in rs])
         out[variant] = {
             "n": len(rs),
@@ -67,8 +168,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "kv_bytes_baseline": _mean([r["kv_bytes_baseline"] for r in rs]),
             "kv_ratio": _mean([r["kv_bytes"] / r["kv_bytes_baseline"] for r in rs]),
             "peak_kv_bytes": max(r["peak_kv_bytes"] for r in rs),
-            # the full cache exists while the context is prefilled, before any compression
-            "peak_prefill_kv_bytes": max(r["kv_bytes_baseline"] for r in rs),
+            # one-shot: the full cache exists while the context is prefilled; chunked: at most budget + chunk
+            "peak_prefill_kv_bytes": max(_peak_prefill(r) for r in rs),
             "nominal_budget": _nominal(rs[0]),
             "kv_bytes_per_token": _mean([r["kv_bytes"] / r["context_tokens"] for r in rs if r.get("context_tokens")]),
             **{k: _mean([r[k] for r in rs]) for k in FIDELITY if k in rs[0]},
@@ -118,16 +219,16 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{s['kv_bytes'] / 2**20:>9.2f} MB{s['kv_ratio']:>7.3f}x"
         )
     for name, s in summary.items():
-        if name != BASELINE and "kl_mean" in s:
+        if not is_baseline(name) and "kl_mean" in s:
             lines.append(
                 f"{name}: mean KL {s['kl_mean']:.4f} nats, top-1 agreement {s['top1_agreement']:.3f}, "
                 f"perplexity ratio {s['ppl_ratio']:.3f}"
             )
-        if name != BASELINE and s["splits"]:
+        if not is_baseline(name) and s["splits"]:
             parts = [f"{k} {v['baseline']:.2f} -> {v['policy']:.2f} (n={v['n']})" for k, v in s["splits"].items()]
             lines.append(f"{name}: " + " | ".join(parts))
     for name, s in summary.items():
-        if name == BASELINE:
+        if is_baseline(name):
             continue
         lines += ["", f"{name}: accuracy per cell (baseline -> policy)"]
         lines += [

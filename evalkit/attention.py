@@ -7,7 +7,8 @@ that the extra memory stays bounded (no (T, T) attention matrix, no eager attent
 - `attn_mass` (H2O): for every key, the attention it received, summed over queries and over the query heads
   that share its KV head. During prefill it is returned per layer; after compression it accumulates into the
   `attn_mass` state of each evicting layer.
-- `window_queries` (SnapKV, PyramidKV): the last `window` queries of the context, scaled, per layer.
+- `window_queries` (SnapKV, PyramidKV): the last `window` queries of the context, scaled, per layer (with a
+  chunked prefill: of the latest chunk).
 """
 
 from __future__ import annotations
@@ -78,13 +79,32 @@ class PrefillObserver:
             obs["window_positions"] = torch.arange(max(0, tk - self.window), tk, device=key.device)  # (W,)
 
 
-class DecodeObserver:
-    """Adds each new query's attention to the running `attn_mass` of the evicting layers that keep one."""
+@dataclass
+class StepObserver:
+    """Observes forwards on a cache that already evicts (decode steps, and chunks after the first):
+
+    - adds each new query's attention to the running `attn_mass` of the evicting layers that keep one;
+    - with `window`, replaces each evicting layer's `window_queries` by the last `window` queries of this
+      forward, at their absolute positions (SnapKV's window, taken from the latest chunk).
+    """
+
+    window: int = 0
 
     def record(self, layer_idx: int, layer, query: Tensor, key: Tensor, scaling: float) -> None:
-        state = getattr(layer, "state", {})
+        state = getattr(layer, "state", None)
+        if state is None:  # a plain (sliding-window) layer
+            return
         if "attn_mass" in state:
             state["attn_mass"] = state["attn_mass"] + attention_mass(query, key, scaling)
+        if self.window:
+            w = min(self.window, query.shape[-2])
+            positions = torch.arange(layer.seen - w, layer.seen, device=key.device)
+            # a new dict: caches that share this layer's tensors keep their own observations
+            layer.observations = {
+                **layer.observations,
+                "window_queries": query[:, :, -w:].float() * scaling,
+                "window_positions": positions,
+            }
 
 
 @contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from importlib.resources import files
 
@@ -16,7 +17,7 @@ from evalkit.prompt import PROTOCOLS
 from evalkit.quantized import QuantSpec
 from evalkit.tasks import Task
 
-GROUPS = ("model", "policy", "quant", "task", "gate", "logger")
+GROUPS = ("model", "policy", "quant", "prefill", "task", "gate", "logger")
 
 
 def options(group: str) -> list[str]:
@@ -61,40 +62,50 @@ def _named(group: str, name: str, spec: str) -> DictConfig:
 
 
 def variants(cfg: DictConfig) -> list[Variant]:
-    """The variants a run evaluates: `variants=[snapkv@0.25,h2o@0.5+int4,...]` when given, else `policy` + `quant`.
+    """The variants a run evaluates: `variants=[snapkv@0.25,h2o@0.5+int4,h2o@1024:chunk512]` when given, else
+    `policy` + `quant`.
 
-    Each is its policy's YAML with the budget after '@' (a fraction like 0.25 or a token count like 512) and,
-    after '+', a conf/quant storage.
+    Each is its policy's YAML with the budget after '@' (a fraction like 0.25 or a token count like 512), after
+    '+' a conf/quant storage, and after ':chunk' the chunk size of a chunked prefill. `prefill=chunked` prefills
+    every variant in chunks of `prefill.chunk` tokens and, with `prefill.compare_oneshot`, also runs each one-shot,
+    on the same samples, for the side-by-side comparison.
     """
     if not cfg.get("variants"):
         out = [Variant(instantiate(cfg.policy, _convert_="all"), quant_spec(cfg.quant))]
     else:
-        out = []
-        for spec in cfg.variants:
-            head, _, quant = str(spec).partition("+")
-            name, sep, budget = head.partition("@")
-            node = OmegaConf.create({"seed": cfg.seed, "policy": _named("policy", name, spec)})
-            if sep:
-                try:
-                    node.policy.budget = int(budget) if budget.isdigit() else float(budget)
-                except ValueError:
-                    raise ConfigError(f"variants: {spec!r} needs NAME@BUDGET with a number, e.g. snapkv@0.25") from None
-            out.append(
-                Variant(
-                    instantiate(node.policy, _convert_="all"),
-                    quant_spec(_named("quant", quant, spec)) if quant else None,
-                )
-            )
+        out = [_parse_variant(cfg, str(spec)) for spec in cfg.variants]
+    prefill = cfg.get("prefill") or {}
+    if prefill.get("name", "oneshot") not in ("oneshot", "chunked"):
+        raise ConfigError(f"prefill={prefill.get('name')!r} is not one of ['chunked', 'oneshot']")
+    if prefill.get("name") == "chunked":
+        chunked = [dataclasses.replace(v, chunk=prefill.get("chunk") if v.chunk is None else v.chunk) for v in out]
+        out = ([v for v in out if v.chunk is None] if prefill.get("compare_oneshot") else []) + chunked
+    for v in out:
+        v.validate()
     names = [v.name for v in out]
     if len(set(names)) != len(names):
         raise ConfigError(f"variants: {sorted({n for n in names if names.count(n) > 1})} are listed more than once")
-    for v in out:
-        if v.quant is not None and v.policy.decode:
-            raise ConfigError(
-                f"{v.name}: evicting while decoding is not supported on quantized storage (tokens are "
-                "packed in groups); set policy.decode=false or use quant=none"
-            )
     return out
+
+
+def _parse_variant(cfg: DictConfig, spec: str) -> Variant:
+    """`NAME@BUDGET[+QUANT][:chunkN]` -> Variant."""
+    head, _, chunk = spec.partition(":")
+    head, _, quant = head.partition("+")
+    name, sep, budget = head.partition("@")
+    node = OmegaConf.create({"seed": cfg.seed, "policy": _named("policy", name, spec)})
+    if sep:
+        try:
+            node.policy.budget = int(budget) if budget.isdigit() else float(budget)
+        except ValueError:
+            raise ConfigError(f"variants: {spec!r} needs NAME@BUDGET with a number, e.g. snapkv@0.25") from None
+    if chunk and not (chunk.startswith("chunk") and chunk[5:].isdigit()):
+        raise ConfigError(f"variants: {spec!r}: write a chunked prefill as ':chunkN', e.g. h2o@1024:chunk512")
+    return Variant(
+        instantiate(node.policy, _convert_="all"),
+        quant_spec(_named("quant", quant, spec)) if quant else None,
+        int(chunk[5:]) if chunk else None,
+    )
 
 
 def validate(cfg: DictConfig, task: Task, policies: list[KVPolicy]) -> None:

@@ -1,5 +1,8 @@
 """Prefill once, compress many: per sample, one full-cache prefill of the context serves the baseline and every
 policy variant, each decoding greedily on its own (shared or compressed) view of that cache.
+
+A chunked variant instead prefills the context itself, `chunk` tokens at a time, compressing after each chunk, so
+its cache never holds more than its budget plus one chunk: the full cache never exists.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
-from evalkit.attention import DecodeObserver, PrefillObserver, observe
+from evalkit.attention import PrefillObserver, StepObserver, observe
 from evalkit.cache import compress, enforce, fp16_bytes, held_per_layer, kv_bytes, retained_fraction, share
 from evalkit.errors import ConfigError
 from evalkit.policies import KVPolicy
@@ -24,14 +27,42 @@ from evalkit.quantized import QuantSpec, quantize_cache
 
 @dataclass
 class Variant:
-    """A policy at a budget, optionally stored quantized; named as in records: `snapkv@0.25`, `none@1.0+int4`."""
+    """A policy at a budget, optionally stored quantized, optionally prefilled in chunks; named as in records:
+    `snapkv@0.25`, `none@1.0+int4`, `h2o@1024:chunk512`."""
 
     policy: KVPolicy
     quant: QuantSpec | None = None
+    chunk: int | None = None  # prefill the context this many tokens at a time, compressing after each chunk
 
     @property
     def name(self) -> str:
-        return f"{self.policy.name}@{self.policy.budget}" + (f"+{self.quant.name}" if self.quant else "")
+        quant = f"+{self.quant.name}" if self.quant else ""
+        return f"{self.policy.name}@{self.policy.budget}{quant}" + (f":chunk{self.chunk}" if self.chunk else "")
+
+    def validate(self) -> None:
+        """ConfigError for a combination that cannot run, whatever the context."""
+        if self.quant is not None and self.policy.decode:
+            raise ConfigError(
+                f"{self.name}: evicting while decoding is not supported on quantized storage (tokens are "
+                "packed in groups); set policy.decode=false or use quant=none"
+            )
+        if self.chunk is None:
+            return
+        if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1:
+            raise ConfigError(f"prefill.chunk={self.chunk!r}: give a whole number of tokens such as 512")
+        if self.policy.name not in CHUNKABLE:
+            raise ConfigError(
+                f"{self.name}: {self.policy.name} does not support a chunked prefill (it compresses once, "
+                f"after the whole prompt); use one of {list(CHUNKABLE)} or prefill=oneshot"
+            )
+        if self.quant is not None:
+            raise ConfigError(f"{self.name}: a chunked prefill stores keys in full precision; drop +{self.quant.name}")
+        window = getattr(self.policy, "window", 0)
+        if "window_queries" in self.policy.needs and self.chunk < window:
+            raise ConfigError(
+                f"{self.name}: the chunk ({self.chunk} tokens) is shorter than {self.policy.name}'s observation "
+                f"window ({window}); raise prefill.chunk or lower policy.window"
+            )
 
     def check(self, n_context: int, where: str) -> None:
         """ConfigError, naming `where`, when the budget cannot hold on a context of n_context tokens."""
@@ -44,6 +75,10 @@ class Variant:
         """The variant's cache over a prefilled full cache: the policy's choice, stored as `quant` says."""
         cache = compress(full, self.policy, observations)
         return quantize_cache(cache, self.quant) if self.quant is not None else cache
+
+
+# Policies whose choice can be made again after every chunk, from what the chunks so far showed them.
+CHUNKABLE = ("none", "streaming_llm", "h2o", "snapkv", "knorm", "random")
 
 
 @dataclass
@@ -63,7 +98,9 @@ class Outcome:
     kv_bytes: int  # held right after compressing the context
     kv_bytes_fp16: int  # what the same held tokens would take as fp16 keys and values
     kv_bytes_final: int  # held when decoding ended
-    peak_kv_bytes: int
+    peak_kv_bytes: int  # the most held at any point: prefill, compression or decode
+    prefill_peak_kv_bytes: int  # the most held while the context went through the model
+    prefill_peak_tokens: int  # the most tokens any layer held (per KV head) during the prefill
     tokens_held: list[int]  # per layer, right after compressing the context
     evidence_retained: list[float]  # per layer, fraction of the evidence tokens still held
     seconds: dict[str, float] = field(default_factory=dict)
@@ -89,13 +126,39 @@ def prefill(
 
 
 @torch.inference_mode()
+def chunked_prefill(model: torch.nn.Module, ids: Tensor, policy: KVPolicy, chunk: int) -> tuple[Cache, int, int]:
+    """Feed the context `chunk` tokens at a time; after each chunk the policy evicts down to its budget for the
+    tokens seen so far. The first chunk is observed like a one-shot prefill; later chunks add their attention to
+    H2O's running mass, and SnapKV scores with the last `window` queries of the latest chunk.
+
+    Returns the cache and the most KV bytes and tokens (per layer and head) it held, measured after every chunk's
+    forward, before eviction: at most the budget plus one chunk.
+    """
+    cache: Cache = DynamicCache(config=model.config)
+    window = policy.window if "window_queries" in policy.needs else 0
+    peak_bytes = peak_tokens = 0
+    for start in range(0, ids.shape[1], chunk):
+        first = start == 0
+        observer = PrefillObserver(mass="attn_mass" in policy.needs, window=window) if first else StepObserver(window)
+        with observe(observer, cache):
+            model(input_ids=ids[:, start : start + chunk], cache=cache, use_cache=True, logits_to_keep=1)
+        peak_bytes = max(peak_bytes, kv_bytes(cache))
+        peak_tokens = max(peak_tokens, *held_per_layer(cache))
+        if first:
+            cache = compress(cache, policy, observer.observations)
+        else:
+            enforce(cache, policy)
+    return cache, peak_bytes, peak_tokens
+
+
+@torch.inference_mode()
 def greedy(
     model: torch.nn.Module,
     cache: Cache,
     ids: Tensor,
     max_new_tokens: int,
     stop_ids: set[int],
-    after_forward: Callable[[], None] = lambda: None,
+    after_forward: Callable[[], None] | None = None,
 ) -> Decoded:
     """Feed `ids` (the question) then decode greedily; `after_forward` runs after every forward (eviction).
 
@@ -103,10 +166,11 @@ def greedy(
     """
     tokens, logits, peak = [], [], 0
     for _ in range(max_new_tokens):
-        with observe(DecodeObserver(), cache):
+        with observe(StepObserver(), cache):
             out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         peak = max(peak, kv_bytes(cache))  # before eviction: what the step really held
-        after_forward()
+        if after_forward is not None:
+            after_forward()
         step = out.logits[0, -1].float()
         token = int(step.argmax())
         tokens.append(token)
@@ -119,7 +183,7 @@ def greedy(
 
 @torch.inference_mode()
 def teacher_forced(
-    model: torch.nn.Module, cache: Cache, tokens: Tensor, after_forward: Callable[[], None] = lambda: None
+    model: torch.nn.Module, cache: Cache, tokens: Tensor, after_forward: Callable[[], None] | None = None
 ) -> Decoded:
     """Feed `tokens` (1, M) one at a time, whatever the model would have said; logits[j] predicts tokens[j + 1].
 
@@ -127,10 +191,11 @@ def teacher_forced(
     """
     logits, peak = [], 0
     for j in range(tokens.shape[1] - 1):
-        with observe(DecodeObserver(), cache):
+        with observe(StepObserver(), cache):
             out = model(input_ids=tokens[:, j : j + 1], cache=cache, use_cache=True, logits_to_keep=1)
         peak = max(peak, kv_bytes(cache))
-        after_forward()
+        if after_forward is not None:
+            after_forward()
         logits.append(out.logits[0, -1].float())
     return Decoded([], logits, peak)
 
@@ -150,10 +215,12 @@ def run_sample(
     ids = prompt.ids.to(model.device)
     context, question = ids[:, : prompt.n_context], ids[:, prompt.n_context :]
     t0 = time.perf_counter()
-    full, observations = prefill(model, context, [v.policy for v in variants])
+    oneshot = [v.policy for v in variants if v.chunk is None]
+    full, observations = prefill(model, context, oneshot)
     prefill_s = time.perf_counter() - t0
+    full_bytes = kv_bytes(full)
 
-    def run(name: str, cache: Cache, compress_s: float, after: Callable[[], None]) -> Outcome:
+    def run(name: str, cache: Cache, seconds: dict[str, float], after, prefill_peak: tuple[int, int]) -> Outcome:
         held, held_layers, fp16 = kv_bytes(cache), held_per_layer(cache), fp16_bytes(cache)
         retained = retained_fraction(cache, prompt.evidence)
         t = time.perf_counter()
@@ -161,7 +228,7 @@ def run_sample(
             dec = teacher_forced(model, cache, question, after)
         else:
             dec = greedy(model, cache, question, max_new_tokens, stop_ids, after)
-        seconds = {"prefill": prefill_s, "compress": compress_s, "decode": time.perf_counter() - t}
+        seconds = {**seconds, "decode": time.perf_counter() - t}
         return Outcome(
             name,
             dec.tokens,
@@ -169,19 +236,28 @@ def run_sample(
             held,
             fp16,
             kv_bytes(cache),
-            max(dec.peak_bytes, held),
+            max(dec.peak_bytes, held, prefill_peak[0]),
+            prefill_peak[0],
+            prefill_peak[1],
             held_layers,
             retained,
             seconds,
         )
 
-    baseline = run("baseline", share(full), 0.0, lambda: None)
+    baseline = run(
+        "baseline", share(full), {"prefill": prefill_s, "compress": 0.0}, None, (full_bytes, prompt.n_context)
+    )
     outcomes = []
     for variant in variants:
         t = time.perf_counter()
-        cache = variant.apply(full, observations)
-        compress_s = time.perf_counter() - t
+        if variant.chunk is None:
+            cache = variant.apply(full, observations)
+            seconds = {"prefill": prefill_s, "compress": time.perf_counter() - t}
+            peak = (full_bytes, prompt.n_context)
+        else:
+            cache, *peak = chunked_prefill(model, context, variant.policy, variant.chunk)
+            seconds = {"prefill": time.perf_counter() - t, "compress": 0.0}  # compression runs inside the prefill
         policy = variant.policy
-        after = (lambda c=cache, p=policy: enforce(c, p)) if policy.decode else (lambda: None)
-        outcomes.append(run(variant.name, cache, compress_s, after))
+        after = (lambda c=cache, p=policy: enforce(c, p)) if policy.decode else None
+        outcomes.append(run(variant.name, cache, seconds, after, tuple(peak)))
     return baseline, outcomes

@@ -20,7 +20,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from evalkit.analysis import BASELINE, capacity, summarize
+from evalkit.analysis import BASELINE, capacity, chunked_vs_oneshot, is_baseline, merge, summarize
 from evalkit.errors import ConfigError
 from evalkit.records import RUN, SAMPLES, read_rows, write_json
 
@@ -47,6 +47,7 @@ class Verdict:
     variants: dict[str, Any] = field(default_factory=dict)
     runs: list[str] = field(default_factory=list)
     capacity: dict[str, Any] = field(default_factory=dict)
+    chunked: list[dict[str, Any]] = field(default_factory=list)  # chunked vs one-shot prefill, side by side
 
 
 def load_thresholds(name_or_path: str) -> Thresholds:
@@ -64,17 +65,19 @@ def load_thresholds(name_or_path: str) -> Thresholds:
 
 
 def read_runs(run_dirs: list[Path]) -> tuple[list[dict], list[dict]]:
-    """All rows and run.json files under the given folders (a Hydra multirun folder holds several runs)."""
-    rows, infos = [], []
+    """All rows and run.json files under the given folders (a Hydra multirun folder holds several runs), the rows
+    merged into one table with variant labels that keep different measurements apart (see analysis.merge)."""
+    runs, infos = [], []
     for d in run_dirs:
         found = [d] if (d / SAMPLES).exists() else sorted(p.parent for p in d.rglob(SAMPLES))
         if not found:
             raise ConfigError(f"{d}: no {SAMPLES} found; give an evalkit run folder (results/...)")
         for run in found:
-            rows += read_rows(run / SAMPLES)
-            if (run / RUN).exists():
-                infos.append(json.loads((run / RUN).read_text()))
-    return rows, infos
+            info = json.loads((run / RUN).read_text()) if (run / RUN).exists() else {}
+            runs.append((run.resolve(), info, read_rows(run / SAMPLES)))
+            if info:
+                infos.append(info)
+    return merge(runs), infos
 
 
 def _compression_asked(row: dict) -> bool:
@@ -87,20 +90,24 @@ def _compression_asked(row: dict) -> bool:
 def judge(rows: list[dict], infos: list[dict], t: Thresholds) -> Verdict:
     """Every reason a variant fails, in words; PASS only when there is none."""
     reasons: list[str] = []
-    for key, what in (("model", "model fingerprint"), ("protocol", "protocol"), ("versions", "library versions")):
+    for key, what in (("protocol", "protocol"), ("versions", "library versions")):
         seen = {json.dumps(_field(i, key), sort_keys=True) for i in infos}
         if len(seen) > 1:
             reasons.append(f"the runs differ in {what} ({len(seen)} different); gate runs of one configuration")
+    for name in sorted({(i.get("model") or {}).get("name") for i in infos} - {None}):
+        prints = {_field(i, "model") for i in infos if (i.get("model") or {}).get("name") == name}
+        if len(prints) > 1:
+            reasons.append(f"the runs of model {name} used different weights ({len(prints)} fingerprints)")
     if not rows:
         return Verdict(False, [*reasons, "no records"])
-    if not any(r["variant"] == BASELINE for r in rows):
+    if not any(is_baseline(r["variant"]) for r in rows):
         reasons.append("no baseline rows: every variant must be compared with the full cache on the same samples")
     summary = summarize(rows)
     by_variant: dict[str, list[dict]] = {}
     for r in rows:
         by_variant.setdefault(r["variant"], []).append(r)
     for name, s in summary.items():
-        if name == BASELINE:
+        if is_baseline(name):
             continue
         p = s["paired"]
         if s["n"] < t.min_samples:
@@ -130,9 +137,10 @@ def judge(rows: list[dict], infos: list[dict], t: Thresholds) -> Verdict:
             reasons.append(
                 f"{name}: compression was asked but the measured KV bytes are {s['kv_ratio']:.3f}x the baseline's"
             )
+    # capacity is a figure per model: with several, each is counted against the largest model's weights
     weights = max((_field(i, "weights") or 0 for i in infos), default=0)
     cap = capacity(summary, weights, float(t.capacity["gpu_gib"]), int(t.capacity["context"]))
-    return Verdict(not reasons, reasons, summary, capacity=cap)
+    return Verdict(not reasons, reasons, summary, capacity=cap, chunked=chunked_vs_oneshot(rows))
 
 
 def _field(info: dict, key: str) -> Any:
@@ -154,6 +162,7 @@ def write_outputs(verdict: Verdict, out_dir: Path, t: Thresholds) -> None:
             "thresholds": asdict(t),
             "runs": verdict.runs,
             "variants": verdict.variants,
+            "chunked_vs_oneshot": verdict.chunked,
         },
     )
     lines = [f"# evalkit gate: {'PASS' if verdict.passed else 'FAIL'}", ""]
@@ -186,8 +195,32 @@ def write_outputs(verdict: Verdict, out_dir: Path, t: Thresholds) -> None:
             f"| {name} | {c['kv_bytes_per_token']:.0f} | {c['sequences']} | {nominal} | "
             f"{s['kv_ratio']:.3f}x | {s['peak_prefill_kv_bytes'] / 2**20:.1f} MB |"
         )
+    lines += chunked_table(verdict.chunked)
     lines += ["", "Thresholds: " + ", ".join(f"{k}={v}" for k, v in asdict(t).items()), ""]
     (out_dir / REPORT).write_text("\n".join(lines))
+
+
+def chunked_table(comparisons: list[dict[str, Any]]) -> list[str]:
+    """Markdown: each chunked variant beside its one-shot twin (empty when the runs hold none)."""
+    if not comparisons:
+        return []
+    lines = [
+        "",
+        "Chunked vs one-shot prefill, paired on the same samples (difference = chunked - one-shot).",
+        "",
+        "| variant | chunk | n | baseline | one-shot | chunked | difference [95% CI] | chunked lost/gained | "
+        "peak KV one-shot | peak KV chunked | peak tokens chunked |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in comparisons:
+        lo, hi = c["difference_ci95"]
+        lines.append(
+            f"| {c['variant']} | {c['chunk']} | {c['n']} | {c['baseline']:.2f} | {c['oneshot']:.2f} | "
+            f"{c['chunked']:.2f} | {c['difference']:+.3f} [{lo:+.3f}, {hi:+.3f}] | {c['chunked_lost']}/"
+            f"{c['chunked_gained']} | {c['oneshot_peak_kv_bytes'] / 2**20:.2f} MB | "
+            f"{c['chunked_peak_kv_bytes'] / 2**20:.2f} MB | {c['chunked_peak_tokens']} |"
+        )
+    return lines
 
 
 def gate(run_dirs: list[Path], thresholds: Thresholds, out_dir: Path | None = None) -> Verdict:

@@ -29,7 +29,7 @@ from platformdirs import user_cache_dir
 from tqdm import tqdm
 
 from evalkit import models
-from evalkit.attention import DecodeObserver, observe
+from evalkit.attention import StepObserver, observe
 from evalkit.cache import enforce, fp16_bytes, held_per_layer, kv_bytes, share
 from evalkit.config import variants as parse_variants
 from evalkit.engine import Variant, prefill, run_sample, teacher_forced
@@ -126,7 +126,7 @@ class EvalkitLM(LM):
     def _score(self, cache, chunk: torch.Tensor, targets: torch.Tensor) -> tuple[float, bool]:
         """Log-likelihood of `targets` when `chunk` (which ends one token before them) is fed on a copy of cache."""
         cache = share(cache)
-        with observe(DecodeObserver(), cache):
+        with observe(StepObserver(), cache):
             logits = self.model(input_ids=chunk, cache=cache, use_cache=True).logits[0].float().log_softmax(-1)
         return float(logits.gather(1, targets[0, :, None]).sum()), bool((logits.argmax(-1) == targets[0]).all())
 

@@ -54,27 +54,57 @@ def pick_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+ATTENTION = ("sdpa", "flash_attention_2")
+
+
+def check_attention(cfg: DictConfig) -> None:
+    """ConfigError for an attention implementation evalkit cannot run, before any weights load."""
+    impl = cfg.get("attn_implementation", "sdpa")
+    if impl not in ATTENTION:
+        raise ConfigError(f"model.attn_implementation={impl!r} is not one of {list(ATTENTION)}")
+    if impl == "flash_attention_2":
+        if importlib.util.find_spec("flash_attn") is None:
+            raise ConfigError(
+                "model.attn_implementation=flash_attention_2 needs the flash-attn package (pip install flash-attn "
+                "--no-build-isolation, on a CUDA machine); or use model.attn_implementation=sdpa"
+            )
+        if not torch.cuda.is_available():
+            raise ConfigError("model.attn_implementation=flash_attention_2 runs on CUDA GPUs only; use sdpa here")
+
+
 def load(cfg: DictConfig, device: str = "auto") -> LoadedModel:
-    """Load the model described by a `conf/model/*.yaml` config, in eval mode, on `device`."""
+    """Load the model described by a `conf/model/*.yaml` config, in eval mode, on `device`; with
+    `model.device_map` (hf models: `auto`, `balanced`, ...), accelerate places it across the available GPUs."""
     start = time.perf_counter()
     loaders = {"gguf": _load_gguf, "hf": _load_hf, "tiny-random": _load_tiny_random}
     if cfg.kind not in loaders:
         raise ConfigError(f"model.kind={cfg.kind!r} is not one of {sorted(loaders)}")
+    check_attention(cfg)
     model, tokenizer, fingerprint, source = loaders[cfg.kind](cfg)
     if model.config._attn_implementation == "sdpa":
         model.set_attn_implementation(attention.register())  # SDPA that policies can observe
-    model.to(pick_device(device)).eval()
+    if not cfg.get("device_map"):
+        model.to(pick_device(device))
+    model.eval()
     return LoadedModel(cfg.name, model, tokenizer, fingerprint, time.perf_counter() - start, source)
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
 def _dtype(cfg: DictConfig) -> torch.dtype:
-    return getattr(torch, cfg.get("dtype", "float32"))
+    name = cfg.get("dtype", "float32")
+    if name not in DTYPES:
+        raise ConfigError(f"model.dtype={name!r} is not one of {list(DTYPES)}")
+    return getattr(torch, name)
 
 
 def _load_hf(cfg: DictConfig):
     kwargs = {"dtype": _dtype(cfg), "attn_implementation": cfg.get("attn_implementation", "sdpa")}
     if cfg.get("revision"):
         kwargs["revision"] = cfg.revision
+    if cfg.get("device_map"):
+        kwargs["device_map"] = cfg.device_map
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, revision=cfg.get("revision"))
         model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs)

@@ -1,7 +1,8 @@
 """Append-only results: `samples.jsonl` (one row per sample x variant, flushed as each finishes) and `run.json`.
 
 A killed run loses at most the row in flight: rows are written whole, flushed and fsynced; a torn last line
-left by a kill is cut off when the run resumes.
+left by a kill is cut off when the run resumes. A write that fails (a full disk, a folder made read-only) is undone
+to the last whole row and reported as a ConfigError that names the file and the fix.
 """
 
 from __future__ import annotations
@@ -43,27 +44,61 @@ def read_rows(path: Path, repair: bool = False) -> list[dict[str, Any]]:
     return rows
 
 
+def write_failed(path: Path, err: OSError) -> ConfigError:
+    return ConfigError(
+        f"could not write {path} ({err.strerror or err}); the rows already written are intact: free disk space "
+        "or fix the folder's permissions, then add resume=true to continue"
+    )
+
+
 class RecordWriter:
     """Appends rows to samples.jsonl, each flushed to disk before the next sample starts."""
 
     def __init__(self, path: Path):
         self.path = path
-        self._file = path.open("a", encoding="utf-8")
+        try:
+            self._file = path.open("ab")
+        except OSError as err:
+            raise write_failed(path, err) from None
 
     def write(self, row: dict[str, Any]) -> None:
-        self._file.write(json.dumps(row, sort_keys=True) + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        start = self._file.tell()
+        try:
+            self._file.write((json.dumps(row, sort_keys=True) + "\n").encode())
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as err:
+            self._undo(start)
+            raise write_failed(self.path, err) from None
+
+    def _undo(self, start: int) -> None:
+        """Cut what a failed write left after the last whole row (a torn line is also cut when the run resumes)."""
+        try:
+            self._file.close()
+        except OSError:
+            pass  # the buffered bytes could not be flushed either: nothing more reached the file
+        try:
+            os.truncate(self.path, start)
+        except OSError:
+            pass
 
     def close(self) -> None:
-        self._file.close()
+        if not self._file.closed:
+            try:
+                self._file.close()
+            except OSError:
+                pass
 
 
 def write_json(path: Path, obj: Any) -> None:
     """Write JSON atomically: a crash leaves either the old file or the new one, never half of either."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise write_failed(path, err) from None
 
 
 def versions() -> dict[str, str]:

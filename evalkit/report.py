@@ -19,9 +19,9 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from evalkit.analysis import BASELINE, summarize  # noqa: E402
+from evalkit.analysis import chunked_vs_oneshot, is_baseline, label_order, summarize  # noqa: E402
 from evalkit.errors import ConfigError  # noqa: E402
-from evalkit.gate import read_runs  # noqa: E402
+from evalkit.gate import chunked_table, read_runs  # noqa: E402
 
 
 def pareto(points: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
@@ -44,7 +44,7 @@ def heatmaps(rows: list[dict], out: Path) -> Path | None:
     if axes is None:
         return None
     xk, yk = axes
-    variants = [BASELINE] + sorted({r["variant"] for r in rows} - {BASELINE})
+    variants = sorted({r["variant"] for r in rows}, key=label_order)
     xs = sorted({r["cell"][xk] for r in rows})
     ys = sorted({r["cell"][yk] for r in rows})
     fig, axs = plt.subplots(1, len(variants), figsize=(3.2 * len(variants), 3.2), squeeze=False)
@@ -98,7 +98,7 @@ def tradeoff(summary: dict[str, Any], out: Path) -> Path:
 def bars(summary: dict[str, Any], out: Path) -> list[Path]:
     """Easy vs hard accuracy, and lost samples split by cause (evicted or ignored evidence)."""
     paths = []
-    names = [n for n in summary if n != BASELINE]
+    names = [n for n in summary if not is_baseline(n)]
     if any(summary[n]["splits"] for n in names):
         fig, ax = plt.subplots(figsize=(1.6 * len(names) + 3, 4))
         for k, split in enumerate(("easy", "hard")):
@@ -126,7 +126,7 @@ def bars(summary: dict[str, Any], out: Path) -> list[Path]:
     return paths
 
 
-def markdown(summary: dict[str, Any], images: list[Path], runs: list[Path]) -> str:
+def markdown(summary: dict[str, Any], images: list[Path], runs: list[Path], chunked: list[dict] = ()) -> str:
     lines = [
         "# evalkit report",
         "",
@@ -142,6 +142,7 @@ def markdown(summary: dict[str, Any], images: list[Path], runs: list[Path]) -> s
             f"[{p['drop_ci95'][0]:+.3f}, {p['drop_ci95'][1]:+.3f}] | {p['mcnemar_p']:.3g} | {s['lost']} "
             f"({c.get('evicted', 0)}/{c.get('ignored', 0)}) | {s['kv_ratio']:.3f}x |"
         )
+    lines += chunked_table(list(chunked))
     lines.append("")
     lines += [f"![{img.stem}]({img.name})" for img in images]
     return "\n".join(lines) + "\n"
@@ -185,7 +186,7 @@ def report(runs: list[Path], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(rows)
     images = [p for p in [heatmaps(rows, out), tradeoff(summary, out), *bars(summary, out)] if p is not None]
-    md = markdown(summary, images, runs)
+    md = markdown(summary, images, runs, chunked_vs_oneshot(rows))
     (out / "report.md").write_text(md)
     (out / "report.html").write_text(to_html(md))
     return [out / "report.md", out / "report.html", *images]

@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from evalkit import attention, models
+from evalkit import attention, interrupt, models
 from evalkit.analysis import BASELINE, format_summary, summarize
 from evalkit.config import validate
 from evalkit.config import variants as configured_variants
@@ -41,6 +41,8 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     task: Task = instantiate(cfg.task, _convert_="all")
     variants = configured_variants(cfg)
     validate(cfg, task, [v.policy for v in variants])
+    if task.external and any(v.chunk for v in variants):
+        raise ConfigError(f"task={task.name}: lm-eval drives its own forwards, so prefill=chunked is not supported")
 
     out_dir.mkdir(parents=True, exist_ok=True)
     rows_path = out_dir / SAMPLES
@@ -48,6 +50,8 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     run_info = _start(out_dir, config, bool(cfg.resume))
     done = {(r["sample_id"], r["variant"]) for r in read_rows(rows_path, repair=True)}
 
+    if interrupt.requested():  # a sweep's job that starts after Ctrl-C
+        raise interrupt.Interrupted(f"stopped before {out_dir} started")
     torch.manual_seed(int(cfg.seed))
     loaded = models.load(cfg.model, cfg.device)
     _check_model(run_info, loaded)
@@ -80,6 +84,9 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     writer = RecordWriter(rows_path)
     try:
         for sample in tqdm(pending, desc=f"{task.name} x {', '.join(names[1:])}", unit="sample", file=sys.stderr):
+            if interrupt.requested():
+                left = len(pending) - pending.index(sample)
+                raise interrupt.Interrupted(f"stopped: {left} of {len(samples)} samples left to run in {out_dir}")
             prompt = build_prompt(loaded.tokenizer, sample, cfg.protocol)
             check_sample(sample, prompt, limit, cfg, task, variants)
             baseline, outcomes = run_sample(
@@ -173,6 +180,9 @@ def check_sample(
         v.check(prompt.n_context, f"sample {sample.id!r}")
 
 
+READ_ONLY = ("gate", "logger")
+
+
 def _start(out_dir: Path, config: dict, resume: bool) -> dict[str, Any]:
     """Create run.json, or check that the run being resumed had the same config and versions."""
     rows_path, run_path = out_dir / SAMPLES, out_dir / RUN
@@ -186,7 +196,10 @@ def _start(out_dir: Path, config: dict, resume: bool) -> dict[str, Any]:
     now = versions()
     if resume and run_path.exists():
         old = json.loads(run_path.read_text())
-        diffs = config_differences(old["config"], comparable)
+        # the gate and the logger read the records, they do not change them: a resumed run may use others
+        diffs = config_differences(
+            *({k: v for k, v in c.items() if k not in READ_ONLY} for c in (old["config"], comparable))
+        )
         diffs += [
             f"versions.{k}: {old['versions'].get(k)!r} -> {now[k]!r}"
             for k in ("torch", "transformers")
@@ -253,6 +266,9 @@ def _row(
         "kv_bytes_fp16_same_tokens": outcome.kv_bytes_fp16,
         "kv_bytes_final": outcome.kv_bytes_final,
         "peak_kv_bytes": outcome.peak_kv_bytes,
+        "prefill": {"mode": "chunked", "chunk": variant.chunk} if variant and variant.chunk else {"mode": "oneshot"},
+        "prefill_peak_kv_bytes": outcome.prefill_peak_kv_bytes,
+        "prefill_peak_tokens": outcome.prefill_peak_tokens,
         "tokens_held_per_layer": outcome.tokens_held,
         "evidence_retained_per_layer": outcome.evidence_retained,
         "context_tokens": prompt.n_context,

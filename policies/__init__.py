@@ -55,10 +55,14 @@ class KVPolicy:
         return 1
 
     def target(self, seen: int) -> int:
-        """Tokens each head holds once `seen` tokens have gone through the layer."""
-        if isinstance(self.budget, float):
-            return min(seen, math.ceil(self.budget * seen))
-        return min(seen, self.budget)
+        """Tokens each head holds once `seen` tokens have gone through the layer; never fewer than the policy's
+        protected tokens plus one (which matters early in a chunked prefill, when a fraction of few tokens is
+        smaller than, say, SnapKV's window)."""
+        return min(seen, max(self.asked(seen), self.min_tokens()))
+
+    def asked(self, seen: int) -> int:
+        """Tokens the budget itself names for `seen` tokens: ceil(f * seen), or the token count."""
+        return math.ceil(self.budget * seen) if isinstance(self.budget, float) else self.budget
 
     def keep_per_layer(self, seen: int, n_layers: int) -> list[int]:
         """Tokens held per layer; uniform here, layer-dependent policies override it."""
@@ -86,7 +90,7 @@ class KVPolicy:
             )
         if shortest_context is None:
             return
-        kept = self.target(shortest_context)
+        kept = min(shortest_context, self.asked(shortest_context))
         if kept < min(self.min_tokens(), shortest_context):
             what = f"{b} tokens" if isinstance(b, int) else f"a fraction {b} of {shortest_context} tokens"
             raise ConfigError(

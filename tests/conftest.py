@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-import evalkit.__main__  # noqa: F401  (registers the evalkit_or resolver used by the run-dir pattern)
+import evalkit.__main__  # noqa: F401  (registers the resolvers of the run-folder pattern)
 from evalkit import models
 from evalkit.cache import compress
 from evalkit.engine import prefill

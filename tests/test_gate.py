@@ -95,8 +95,8 @@ def test_gate_fails_with_every_reason_in_words():
         (rows([1] * 30, [1] * 30, kv=(100, 100)), [], "compression was asked but the measured KV bytes are 1.000x"),
         (
             rows([1] * 30, [1] * 30),
-            [{"model": {"fingerprint": "a"}}, {"model": {"fingerprint": "b"}}],
-            "the runs differ in model fingerprint",
+            [{"model": {"name": "m", "fingerprint": "a"}}, {"model": {"name": "m", "fingerprint": "b"}}],
+            "the runs of model m used different weights",
         ),
         (rows([1] * 30, [1] * 30), [{"protocol": "query_aware"}, {"protocol": "query_agnostic"}], "differ in protocol"),
         ([], [], "no records"),

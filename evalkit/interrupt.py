@@ -1,0 +1,42 @@
+"""Ctrl-C without losing work: the first SIGINT asks the run to stop once the sample in flight has its rows written;
+a second one stops at once (rows are written whole, so even that loses at most the sample in flight).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+
+_requested = False
+
+
+class Interrupted(BaseException):
+    """The run stopped early on request. A BaseException, like KeyboardInterrupt, so that it ends a Hydra sweep
+    instead of being recorded as one failed job among many."""
+
+
+def requested() -> bool:
+    return _requested
+
+
+def _handler(signum, frame) -> None:
+    global _requested
+    if _requested:
+        raise KeyboardInterrupt
+    _requested = True
+    print("\nevalkit: stopping after the sample in flight (Ctrl-C again to stop now)", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def deferred():
+    """Within the block, SIGINT sets `requested()` instead of raising (in the main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, _handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

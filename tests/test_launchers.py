@@ -1,0 +1,126 @@
+"""Sweeps through Hydra's launchers (joblib in parallel here; the shipped Slurm config composes), merged into one
+report and one gate; an interrupted sweep resumes job by job; large-model options on the hf loader."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+
+from evalkit.records import SAMPLES, read_rows
+from tests.conftest import ROOT, run_cli
+
+SWEEP = [
+    "-m",
+    "model=tiny-random",
+    "task.context_lengths=[128]",
+    "task.depths=[0.0,0.5,1.0]",
+    "policy=h2o,streaming_llm",
+    "policy.budget=0.25,0.5",
+]
+
+
+def job_folders(sweep) -> dict[str, object]:
+    return {str(p.parent.relative_to(sweep)): p.parent for p in sorted(sweep.rglob(SAMPLES))}
+
+
+def test_joblib_sweep_merges_its_jobs_into_one_report_and_one_gate_and_resumes_job_by_job(tmp_path):
+    sweep = tmp_path / "sweep"
+    args = [*SWEEP, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={sweep}"]
+    result = run_cli(*args, "gate=default", "gate.min_samples=3")
+    verdict = json.loads((sweep / "verdict.json").read_text())
+    assert result.returncode == (0 if verdict["verdict"] == "PASS" else 1), result.stderr
+    jobs = job_folders(sweep)
+    rest = "task.context_lengths=[128],task.depths=[0.0,0.5,1.0]"  # the gate's options are not in the name
+    assert sorted(jobs) == [
+        f"needle/tiny-random/{p}/policy.budget={b},{rest}" for p in ("h2o", "streaming_llm") for b in (0.25, 0.5)
+    ]
+    md = (sweep / "report" / "report.md").read_text()
+    for name in ("baseline", "h2o@0.25", "h2o@0.5", "streaming_llm@0.25", "streaming_llm@0.5"):
+        assert f"| {name} | 3 |" in md  # the baseline that every job repeats is counted once
+    assert set(verdict["variants"]) == {"baseline", "h2o@0.25", "h2o@0.5", "streaming_llm@0.25", "streaming_llm@0.5"}
+
+    # An interrupted sweep: one job lost its last row mid-write, one never started; the rest finished.
+    done, torn, lost = (jobs[k] for k in sorted(jobs)[:3])
+    rows_done = (done / SAMPLES).read_bytes()
+    data = (torn / SAMPLES).read_bytes()
+    (torn / SAMPLES).write_bytes(data[: data.rstrip(b"\n").rfind(b"\n") + 1] + b'{"sample_id": "tor')
+    for f in lost.iterdir():
+        if f.is_file():
+            f.unlink()
+    result = run_cli(*args, "resume=true")
+    assert result.returncode == 0, result.stderr
+    assert (done / SAMPLES).read_bytes() == rows_done  # a finished job is not run again
+    for job in jobs.values():
+        rows = read_rows(job / SAMPLES)
+        assert len(rows) == 6 and len({(r["sample_id"], r["variant"]) for r in rows}) == 6
+    assert len(json.loads((torn / "run.json").read_text())["resumed"]) == 1
+
+
+def test_ctrl_c_stops_a_parallel_sweep_and_prints_how_to_resume_it(tmp_path):
+    sweep = tmp_path / "sweep"
+    args = [*SWEEP, "task.samples_per_cell=40", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "evalkit", *args, f"hydra.sweep.dir={sweep}"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # its own process group, as a terminal's Ctrl-C reaches every job
+    )
+    deadline = time.time() + 120
+    while not any(p.stat().st_size for p in sweep.rglob(SAMPLES)) and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=180)
+    err = err.decode()
+    assert proc.returncode == 130, err
+    assert f"resume=true hydra.sweep.dir={sweep}" in err or ("resume=true" in err and f"hydra.sweep.dir={sweep}" in err)
+    for job in job_folders(sweep).values():
+        data = (job / SAMPLES).read_bytes()
+        rows = read_rows(job / SAMPLES)
+        assert len(rows) % 2 == 0 and len(rows) < 240  # whole samples only, stopped early
+        assert not data or data.endswith(b"\n")
+
+
+def test_the_shipped_slurm_launcher_config_composes_on_submitit():
+    with initialize_config_module(config_module="evalkit.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["hydra/launcher=slurm"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    assert launcher.gpus_per_node == 1 and launcher.max_num_timeout == 2 and launcher.timeout_min == 240
+
+
+@pytest.fixture(scope="module")
+def saved_tiny(tiny, tmp_path_factory):
+    """The tiny model saved as a Hugging Face folder, loaded back through model=hf."""
+    folder = tmp_path_factory.mktemp("tiny-hf")
+    tiny.model.save_pretrained(folder)
+    tiny.tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_hf_model_with_device_map_auto_in_bfloat16(saved_tiny, tmp_path):
+    args = ["model=hf", f"model.name_or_path={saved_tiny}", "model.device_map=auto", "model.dtype=bfloat16"]
+    result = run_cli(*args, "task.context_lengths=[128]", "task.depths=[0.5]", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "run.json").read_text())["model"]["dtype"] == "bfloat16"
+    base = next(r for r in read_rows(tmp_path / SAMPLES) if r["variant"] == "baseline")
+    cfg = json.loads((saved_tiny / "config.json").read_text())
+    per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2  # keys+values, bf16
+    assert base["kv_bytes"] == base["context_tokens"] * per_token
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where flash attention cannot run")
+def test_flash_attention_where_it_cannot_run_is_a_one_line_error(saved_tiny):
+    result = run_cli("model=hf", f"model.name_or_path={saved_tiny}", "model.attn_implementation=flash_attention_2")
+    assert result.returncode == 2 and "flash_attention_2" in result.stderr and "sdpa" in result.stderr
+    assert "Traceback" not in result.stderr

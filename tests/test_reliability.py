@@ -1,0 +1,132 @@
+"""Long runs: the same command gives the same records; Ctrl-C stops after the sample in flight and says how to
+resume; a full disk or an unwritable results folder is a one-line error that leaves the records whole."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from evalkit.errors import ConfigError
+from evalkit.records import SAMPLES, read_rows
+from tests.conftest import ROOT, compose_config, run_cli
+
+TINY = ["model=tiny-random", "task.context_lengths=[128]", "task.depths=[0.0,0.5,1.0]"]
+
+
+def comparable(rows: list[dict]) -> list[dict]:
+    """Rows without what may differ between two runs of one command: timings and the run's random id."""
+    return [{k: v for k, v in r.items() if k not in ("seconds", "run_id")} for r in rows]
+
+
+def test_the_same_command_twice_gives_identical_records(tmp_path):
+    args = [*TINY, "variants=[h2o@0.5,random@0.5,snapkv@0.5:chunk48,streaming_llm@64:chunk32]"]
+    for name in ("a", "b"):
+        result = run_cli(*args, f"hydra.run.dir={tmp_path / name}")
+        assert result.returncode == 0, result.stderr
+    a, b = (read_rows(tmp_path / name / SAMPLES) for name in ("a", "b"))
+    assert len(a) == 3 * 5 and comparable(a) == comparable(b)
+
+
+def test_ctrl_c_stops_after_the_sample_in_flight_and_the_printed_command_resumes(tmp_path):
+    out = tmp_path / "run"
+    args = [*TINY, "task.samples_per_cell=40", "policy=h2o", f"hydra.run.dir={out}"]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "evalkit", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    deadline = time.time() + 120
+    while not ((out / SAMPLES).exists() and (out / SAMPLES).stat().st_size) and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    err = err.decode()
+    assert proc.returncode == 130, err
+    rows = read_rows(out / SAMPLES)
+    data = (out / SAMPLES).read_bytes()
+    assert data.endswith(b"\n") and len(data.splitlines()) == len(rows)  # whole rows only
+    assert 0 < len(rows) < 2 * 120 and len(rows) % 2 == 0  # each sample: its baseline and its variant row
+    command = err.split("to resume: ", 1)[1].strip()
+    assert command.startswith("python -m evalkit ") and command.endswith("resume=true")
+    resumed = subprocess.run(
+        [sys.executable, *shlex.split(command)[1:]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    after = read_rows(out / SAMPLES)
+    assert len(after) == 2 * 120 and after[: len(rows)] == rows
+    assert len({(r["sample_id"], r["variant"]) for r in after}) == len(after)
+
+
+def test_a_full_disk_is_a_clear_error_and_the_records_stay_whole(tmp_path, monkeypatch):
+    from evalkit import records
+    from evalkit.run import run
+
+    cfg = compose_config(*TINY, "policy=h2o")
+    calls = {"n": 0}
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        calls["n"] += 1
+        if calls["n"] > 3:  # the fourth row finds the disk full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_fsync(fd)
+
+    monkeypatch.setattr(records.os, "fsync", fsync)
+    with pytest.raises(ConfigError, match="No space left on device.*intact.*resume=true"):
+        run(cfg, tmp_path)
+    data = (tmp_path / SAMPLES).read_bytes()
+    assert data.endswith(b"\n") and len(read_rows(tmp_path / SAMPLES)) == 3 == len(data.splitlines())
+    monkeypatch.setattr(records.os, "fsync", real_fsync)
+    cfg.resume = True
+    run(cfg, tmp_path)
+    assert len(read_rows(tmp_path / SAMPLES)) == 6
+
+
+@pytest.mark.parametrize("where", ["file-in-the-way", "sysfs"])
+def test_an_unwritable_results_folder_is_a_one_line_error(tmp_path, where):
+    if where == "sysfs":
+        if not Path("/sys/kernel").is_dir():
+            pytest.skip("needs Linux sysfs, where nobody, root included, may create folders")
+        root = Path("/sys/evalkit-results")
+    else:
+        (tmp_path / "taken").write_text("a file, not a folder")
+        root = tmp_path / "taken" / "results"
+    result = run_cli(*TINY, f"results_root={root}")
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"evalkit: error: cannot write results under {root}")
+    assert "results_root=PATH" in result.stderr and "Traceback" not in result.stderr
+
+
+class TornFile:
+    """A file whose next write puts half the row on disk, then finds the disk full."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, data: bytes):
+        self.f.flush()
+        os.write(self.f.fileno(), data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+def test_a_torn_write_is_undone_to_the_last_whole_row(tmp_path):
+    from evalkit.records import RecordWriter
+
+    path = tmp_path / SAMPLES
+    writer = RecordWriter(path)
+    writer.write({"a": 1})
+    writer._file = TornFile(writer._file)
+    with pytest.raises(ConfigError, match="could not write"):
+        writer.write({"b": 2, "padding": "x" * 100})
+    assert path.read_text() == json.dumps({"a": 1}) + "\n"
