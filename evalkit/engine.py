@@ -18,7 +18,16 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from evalkit.attention import PrefillObserver, StepObserver, observe
-from evalkit.cache import compress, enforce, fp16_bytes, held_per_layer, kv_bytes, retained_fraction, share
+from evalkit.cache import (
+    compress,
+    enforce,
+    fp16_bytes,
+    full_attention_layers,
+    held_per_layer,
+    kv_bytes,
+    retained_fraction,
+    share,
+)
 from evalkit.errors import ConfigError
 from evalkit.policies import KVPolicy
 from evalkit.prompt import Prompt
@@ -100,7 +109,7 @@ class Outcome:
     kv_bytes_final: int  # held when decoding ended
     peak_kv_bytes: int  # the most held at any point: prefill, compression or decode
     prefill_peak_kv_bytes: int  # the most held while the context went through the model
-    prefill_peak_tokens: int  # the most tokens any layer held (per KV head) during the prefill
+    prefill_peak_tokens: int  # the most tokens an evicting layer held (per KV head) during the prefill
     tokens_held: list[int]  # per layer, right after compressing the context
     evidence_retained: list[float]  # per layer, fraction of the evidence tokens still held
     seconds: dict[str, float] = field(default_factory=dict)
@@ -131,8 +140,8 @@ def chunked_prefill(model: torch.nn.Module, ids: Tensor, policy: KVPolicy, chunk
     tokens seen so far. The first chunk is observed like a one-shot prefill; later chunks add their attention to
     H2O's running mass, and SnapKV scores with the last `window` queries of the latest chunk.
 
-    Returns the cache and the most KV bytes and tokens (per layer and head) it held, measured after every chunk's
-    forward, before eviction: at most the budget plus one chunk.
+    Returns the cache, the most KV bytes it held (all layers) and the most tokens an evicting layer held per KV head,
+    measured after every chunk's forward, before eviction: at most the budget plus one chunk.
     """
     cache: Cache = DynamicCache(config=model.config)
     window = policy.window if "window_queries" in policy.needs else 0
@@ -143,7 +152,8 @@ def chunked_prefill(model: torch.nn.Module, ids: Tensor, policy: KVPolicy, chunk
         with observe(observer, cache):
             model(input_ids=ids[:, start : start + chunk], cache=cache, use_cache=True, logits_to_keep=1)
         peak_bytes = max(peak_bytes, kv_bytes(cache))
-        peak_tokens = max(peak_tokens, *held_per_layer(cache))
+        held = held_per_layer(cache)
+        peak_tokens = max(peak_tokens, *(held[i] for i in full_attention_layers(cache)))
         if first:
             cache = compress(cache, policy, observer.observations)
         else:

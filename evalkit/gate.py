@@ -131,6 +131,15 @@ def judge(rows: list[dict], infos: list[dict], t: Thresholds) -> Verdict:
                         f"{name}: cell {cell}: accuracy {c['policy']:.2f} (baseline {c['baseline']:.2f}) "
                         f"is below {t.min_cell_accuracy}"
                     )
+        over = [
+            r for r in by_variant[name] if (r.get("prefill_peak_tokens") or 0) > (r.get("prefill_bound_tokens") or 1e18)
+        ]
+        if over:
+            r = max(over, key=lambda r: r["prefill_peak_tokens"])
+            reasons.append(
+                f"{name}: the chunked prefill held {r['prefill_peak_tokens']} tokens in a layer, over its bound of "
+                f"{r['prefill_bound_tokens']} (budget + chunk), on {len(over)} samples"
+            )
         if t.max_mean_kl is not None and s.get("kl_mean") is not None and s["kl_mean"] > t.max_mean_kl:
             reasons.append(f"{name}: mean KL {s['kl_mean']:.4f} nats over {t.max_mean_kl}")
         if any(_compression_asked(r) for r in by_variant[name]) and s["kv_ratio"] >= t.min_compression:

@@ -30,13 +30,22 @@ def _handler(signum, frame) -> None:
 
 
 @contextmanager
-def deferred():
-    """Within the block, SIGINT sets `requested()` instead of raising (in the main thread only)."""
+def _sigint(handler):
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, _handler)
+    previous = signal.signal(signal.SIGINT, handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def deferred():
+    """Within the block, SIGINT sets `requested()` instead of raising (in the main thread only)."""
+    return _sigint(_handler)
+
+
+def immediate():
+    """Within the block, SIGINT raises KeyboardInterrupt at once: for work that cannot stop between samples."""
+    return _sigint(signal.default_int_handler)

@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from evalkit import attention, interrupt, models
+from evalkit import interrupt, models
 from evalkit.analysis import BASELINE, format_summary, summarize
 from evalkit.config import validate
 from evalkit.config import variants as configured_variants
@@ -52,15 +52,10 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
 
     if interrupt.requested():  # a sweep's job that starts after Ctrl-C
         raise interrupt.Interrupted(f"stopped before {out_dir} started")
+    _check_attention(cfg, variants)
     torch.manual_seed(int(cfg.seed))
     loaded = models.load(cfg.model, cfg.device)
     _check_model(run_info, loaded)
-    needs = sorted({n for v in variants for n in v.policy.needs})
-    if needs and loaded.model.config._attn_implementation != attention.NAME:
-        raise ConfigError(
-            f"the policies need {needs} observed in attention, which evalkit does through SDPA; "
-            f"model.attn_implementation={cfg.model.get('attn_implementation')!r}: use sdpa"
-        )
     run_info["model"] = {
         "name": loaded.name,
         "fingerprint": loaded.fingerprint,
@@ -125,7 +120,8 @@ def _run_external(task, loaded, variants, run_info, rows_path: Path, done: set, 
     """lm-eval tasks: lm-eval drives the requests; evalkit records one row per document and variant."""
     from evalkit import lmeval
 
-    rows, results = lmeval.evaluate(task, loaded, variants)
+    with interrupt.immediate():  # lm-eval runs every request in one call: Ctrl-C stops it at once
+        rows, results = lmeval.evaluate(task, loaded, variants)
     write_json(rows_path.parent / "lm_eval_results.json", results)
     writer = RecordWriter(rows_path)
     try:
@@ -217,9 +213,25 @@ def _start(out_dir: Path, config: dict, resume: bool) -> dict[str, Any]:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "protocol": config["protocol"],
         "seed": config["seed"],
+        "torch_threads": torch.get_num_threads(),
     }
     write_json(run_path, info)
     return info
+
+
+def _check_attention(cfg: DictConfig, variants: list[Variant]) -> None:
+    """Before the weights load: what needs evalkit's observed SDPA (attention scores, packed quantized history)."""
+    impl = cfg.model.get("attn_implementation", "sdpa")
+    models.check_attention(cfg.model)
+    needs = sorted({n for v in variants for n in v.policy.needs})
+    if impl != "sdpa" and needs:
+        raise ConfigError(
+            f"the policies need {needs} observed in attention, which evalkit does through SDPA; "
+            f"model.attn_implementation={impl!r}: use sdpa, or a policy that needs no scores (streaming_llm, knorm)"
+        )
+    quantized = [v.name for v in variants if v.quant is not None]
+    if impl != "sdpa" and quantized:
+        raise ConfigError(f"{quantized} attend over packed keys through SDPA: use model.attn_implementation=sdpa")
 
 
 def _check_model(run_info: dict, loaded: models.LoadedModel) -> None:
@@ -269,6 +281,10 @@ def _row(
         "prefill": {"mode": "chunked", "chunk": variant.chunk} if variant and variant.chunk else {"mode": "oneshot"},
         "prefill_peak_kv_bytes": outcome.prefill_peak_kv_bytes,
         "prefill_peak_tokens": outcome.prefill_peak_tokens,
+        # what a chunked prefill promises: an evicting layer never holds more than its final budget plus one chunk
+        "prefill_bound_tokens": variant.policy.target(prompt.n_context) + variant.chunk
+        if variant and variant.chunk
+        else None,
         "tokens_held_per_layer": outcome.tokens_held,
         "evidence_retained_per_layer": outcome.evidence_retained,
         "context_tokens": prompt.n_context,

@@ -143,3 +143,33 @@ def test_chunked_config_errors_name_the_fix(overrides, message):
 def test_a_variant_validates_its_chunk():
     with pytest.raises(ConfigError, match="whole number"):
         Variant(policy("h2o", 64), chunk=2.5).validate()
+
+
+def test_a_chunked_run_records_its_bounded_peak_and_the_gate_report_sets_it_beside_one_shot(tmp_path):
+    from evalkit.gate import Thresholds, gate
+    from evalkit.records import SAMPLES, read_rows
+    from evalkit.run import run
+
+    cfg = compose_config(
+        "model=tiny-random", "task.context_lengths=[256]", "task.depths=[0.0,1.0]", "policy=h2o", "policy.budget=64"
+    )
+    cfg.prefill = compose_config("prefill=chunked").prefill
+    cfg.prefill.chunk = 32
+    run(cfg, tmp_path)
+    rows = {
+        r["variant"]: r
+        for r in read_rows(tmp_path / SAMPLES)
+        if r["sample_id"] == read_rows(tmp_path / SAMPLES)[0]["sample_id"]
+    }
+    assert set(rows) == {"baseline", "h2o@64", "h2o@64:chunk32"}
+    chunked, oneshot = rows["h2o@64:chunk32"], rows["h2o@64"]
+    per_token = oneshot["kv_bytes_baseline"] / oneshot["context_tokens"]
+    assert chunked["prefill"] == {"mode": "chunked", "chunk": 32} and oneshot["prefill"] == {"mode": "oneshot"}
+    assert 64 < chunked["prefill_peak_tokens"] <= chunked["prefill_bound_tokens"] == 64 + 32
+    assert chunked["prefill_peak_kv_bytes"] <= (64 + 32) * per_token < oneshot["prefill_peak_kv_bytes"]
+    assert oneshot["prefill_peak_kv_bytes"] == oneshot["kv_bytes_baseline"]  # one shot: the full cache existed
+    verdict = gate([tmp_path], Thresholds(min_samples=1))
+    (c,) = verdict.chunked
+    assert (c["variant"], c["chunk"], c["n"]) == ("h2o@64", 32, 2)
+    md = (tmp_path / "report.md").read_text()
+    assert "Chunked vs one-shot prefill" in md and "| h2o@64 | 32 | 2 |" in md

@@ -100,8 +100,13 @@ def test_gate_fails_with_every_reason_in_words():
         ),
         (rows([1] * 30, [1] * 30), [{"protocol": "query_aware"}, {"protocol": "query_agnostic"}], "differ in protocol"),
         ([], [], "no records"),
+        (
+            [{**r, "prefill_peak_tokens": 90, "prefill_bound_tokens": 80} for r in rows([1] * 30, [1] * 30)],
+            [],
+            "held 90 tokens in a layer, over its bound of 80",
+        ),
     ],
-    ids=["no-baseline", "too-few-samples", "no-compression", "mixed-models", "mixed-protocols", "empty"],
+    ids=["no-baseline", "too-few-samples", "no-compression", "mixed-models", "mixed-protocols", "empty", "over-bound"],
 )
 def test_gate_fails_closed(records, infos, message):
     v = judge(records, infos, Thresholds())

@@ -66,3 +66,18 @@ def test_identity_on_the_hybrid_model(gemma, prompt):
         assert out.tokens == baseline.tokens
         for a, b in zip(out.logits, baseline.logits, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["streaming_llm", "h2o", "snapkv"])
+def test_chunked_prefill_on_hybrid_layers(gemma, prompt, name):
+    """Chunks through sliding-window and evicting global layers: keeping everything matches one shot; a budget
+    bounds the global layers by budget + chunk while the sliding layers keep their window."""
+    keep_all, chunked = Variant(policy(name, 1.0), chunk=16), Variant(policy(name, 24), chunk=16)
+    baseline, (same, bounded) = run_sample(gemma.model, prompt, [keep_all, chunked], 4, set())
+    assert same.tokens == baseline.tokens
+    for a, b in zip(baseline.logits, same.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    cfg = gemma.model.config
+    for layer_type, held in zip(cfg.layer_types, bounded.tokens_held, strict=True):
+        assert held == (24 if layer_type == "full_attention" else cfg.sliding_window - 1)
+    assert 24 < bounded.prefill_peak_tokens <= 24 + 16  # over the evicting (global) layers

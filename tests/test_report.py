@@ -104,3 +104,24 @@ def test_wandb_offline_round_trip(tmp_path, monkeypatch):
         "heatmaps",
         "tradeoff",
     }
+
+
+def test_merging_runs_of_two_models_keeps_their_variants_apart(tmp_path):
+    from evalkit.analysis import merge
+
+    recs = needle_rows()
+    runs = [
+        (
+            tmp_path / name,
+            {"model": {"name": name}},
+            [r for r in recs if r["variant"] in ("baseline", "streaming_llm@0.25")],
+        )
+        for name in ("model-a", "model-b")
+    ]
+    merged = merge(runs)
+    labels = {r["variant"] for r in merged}
+    assert labels == {f"{m}/{v}" for m in ("model-a", "model-b") for v in ("baseline", "streaming_llm@0.25")}
+    assert len(merged) == 2 * sum(r["variant"] in ("baseline", "streaming_llm@0.25") for r in recs)
+    # the same model twice: the repeated baseline is kept once, and nothing is prefixed
+    same = merge([(tmp_path / "x", {"model": {"name": "m"}}, recs), (tmp_path / "y", {"model": {"name": "m"}}, recs)])
+    assert same == recs
