@@ -123,6 +123,9 @@ def main() -> None:
     argv = sys.argv[1:]
     try:
         check_choices(argv)
+        modes = {"-m", "--multirun", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion"} & set(argv)
+        if len({m.lstrip("-")[0] for m in modes}) > 1:
+            raise ConfigError(f"{' and '.join(sorted(modes))} cannot go together (Hydra runs one mode at a time)")
         if not any(a in NOT_RUNNING for a in argv):
             check_writable(results_folder(argv))
     except ConfigError as err:

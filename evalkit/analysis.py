@@ -95,8 +95,8 @@ def chunked_vs_oneshot(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "baseline": _mean([base[i]["baseline_score"] for i in ids]),
                 "oneshot": stats["baseline"],
                 "chunked": stats["policy"],
-                "difference": -stats["drop"],
-                "difference_ci95": [-stats["drop_ci95"][1], -stats["drop_ci95"][0]],
+                "difference": 0.0 - stats["drop"],  # 0.0 - x: never a negative zero
+                "difference_ci95": [0.0 - stats["drop_ci95"][1], 0.0 - stats["drop_ci95"][0]],
                 "chunked_lost": stats["lost"],
                 "chunked_gained": stats["gained"],
                 "oneshot_peak_kv_bytes": max(_peak_prefill(base[i]) for i in ids),
@@ -207,14 +207,15 @@ def _drop(p: dict[str, Any]) -> str:
 
 def format_summary(summary: dict[str, Any]) -> str:
     """The console table: variants, then each variant's per-cell accuracy beside the baseline's."""
+    w = max([24, *(len(name) + 2 for name in summary)])
     head = (
-        f"{'variant':<24}{'n':>5}{'baseline':>10}{'policy':>8}{'lost':>6}{'gained':>8}{'drop [95% CI]':>22}"
+        f"{'variant':<{w}}{'n':>5}{'baseline':>10}{'policy':>8}{'lost':>6}{'gained':>8}{'drop [95% CI]':>22}"
         f"{'McNemar p':>11}{'KV held':>12}{'ratio':>8}"
     )
     lines = [head, "-" * len(head)]
     for name, s in summary.items():
         lines.append(
-            f"{name:<24}{s['n']:>5}{s['baseline_accuracy']:>10.2f}{s['accuracy']:>8.2f}{s['lost']:>6}"
+            f"{name:<{w}}{s['n']:>5}{s['baseline_accuracy']:>10.2f}{s['accuracy']:>8.2f}{s['lost']:>6}"
             f"{s['gained']:>8}{_drop(s['paired']):>22}{s['paired']['mcnemar_p']:>11.3g}"
             f"{s['kv_bytes'] / 2**20:>9.2f} MB{s['kv_ratio']:>7.3f}x"
         )
