@@ -71,3 +71,23 @@ def compressed(model, ids, pol):
     """(full cache, compressed cache) after prefilling the context of `ids` for `pol`."""
     full, obs = prefill(model, ids[:, :CTX], [pol])
     return full, compress(full, pol, obs)
+
+
+@pytest.fixture(scope="module")
+def eager(tiny):
+    """The same weights under transformers' eager attention, which can return the attention matrices."""
+    import copy
+
+    model = copy.deepcopy(tiny.model)
+    model.set_attn_implementation("eager")
+    return model
+
+
+def by_kv_head(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """Sum (B, Hq, ...) over the query heads of each KV group -> (B, Hkv, ...)."""
+    return x.view(x.shape[0], hkv, x.shape[1] // hkv, *x.shape[2:]).sum(dim=2)
+
+
+def top_k(scores: torch.Tensor, protected: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending indices of the k highest scores per head, protected tokens first: the plain reference's choice."""
+    return scores.masked_fill(protected, float("inf")).topk(k, dim=-1).indices.sort(dim=-1).values

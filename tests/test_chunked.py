@@ -8,8 +8,6 @@ from the materialised attention matrices.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,24 +17,9 @@ from evalkit.cache import held_per_layer, kv_bytes
 from evalkit.engine import CHUNKABLE, Variant, chunked_prefill, greedy, prefill
 from evalkit.errors import ConfigError
 from evalkit.policies import gather_tokens
-from tests.conftest import CTX, compose_config, policy
+from tests.conftest import CTX, by_kv_head, compose_config, policy, top_k
 
 BUDGET, CHUNK = 40, 16
-
-
-@pytest.fixture(scope="module")
-def eager(tiny):
-    model = copy.deepcopy(tiny.model)
-    model.set_attn_implementation("eager")
-    return model
-
-
-def by_kv_head(x: torch.Tensor, hkv: int) -> torch.Tensor:
-    return x.view(x.shape[0], hkv, x.shape[1] // hkv, *x.shape[2:]).sum(dim=2)
-
-
-def top_k(scores: torch.Tensor, protected: torch.Tensor, k: int) -> torch.Tensor:
-    return scores.masked_fill(protected, float("inf")).topk(k, dim=-1).indices.sort(dim=-1).values
 
 
 def reference_positions(eager, ids: torch.Tensor, name: str, pol, chunk: int) -> list[torch.Tensor]:

@@ -3,8 +3,6 @@ with output_attentions), on small inputs: kept indices must be equal, exactly.""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,17 +12,9 @@ from evalkit.cache import compress, share
 from evalkit.engine import greedy, prefill
 from evalkit.errors import ConfigError
 from evalkit.policies.pyramidkv import pyramid
-from tests.conftest import CTX, QUESTION, compressed, policy
+from tests.conftest import CTX, QUESTION, by_kv_head, compressed, policy, top_k
 
 BUDGET = 24
-
-
-@pytest.fixture(scope="module")
-def eager(tiny):
-    """The same weights under transformers' eager attention, which can return the attention matrices."""
-    model = copy.deepcopy(tiny.model)
-    model.set_attn_implementation("eager")
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +22,6 @@ def reference(eager, ids):
     with torch.inference_mode():
         out = eager(input_ids=ids[:, :CTX], output_attentions=True, use_cache=True)
     return out.attentions, [layer.keys for layer in out.past_key_values.layers]  # (B, Hq, T, T), (B, Hkv, T, D)
-
-
-def by_kv_head(x: torch.Tensor, hkv: int) -> torch.Tensor:
-    """Sum (B, Hq, ...) over the query heads of each KV group -> (B, Hkv, ...)."""
-    return x.view(x.shape[0], hkv, x.shape[1] // hkv, *x.shape[2:]).sum(dim=2)
-
-
-def top_k(scores: torch.Tensor, protected: torch.Tensor, k: int) -> torch.Tensor:
-    return scores.masked_fill(protected, float("inf")).topk(k, dim=-1).indices.sort(dim=-1).values
 
 
 def reference_keep(name, pol, attn, keys, k) -> torch.Tensor:
