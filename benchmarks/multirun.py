@@ -40,6 +40,23 @@ def threads(folder: Path) -> list[int]:
     return sorted(json.loads(p.read_text()).get("torch_threads", 0) for p in folder.rglob("run.json"))
 
 
+def ways(task: list[str], out: Path) -> dict:
+    """The three ways to run the two jobs, each writing under `out`."""
+    two = ("h2o", "streaming_llm")
+    return {
+        "joblib": lambda: evalkit(
+            "-m",
+            *task,
+            "policy=h2o,streaming_llm",
+            "hydra/launcher=joblib",
+            "hydra.launcher.n_jobs=2",
+            f"hydra.sweep.dir={out / 'joblib'}",
+        ),
+        "basic -m": lambda: evalkit("-m", *task, "policy=h2o,streaming_llm", f"hydra.sweep.dir={out / 'basic'}"),
+        "two runs": lambda: [evalkit(*task, f"policy={p}", f"hydra.run.dir={out / 'two' / p}") for p in two],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=3)
@@ -52,36 +69,18 @@ def main() -> None:
     for rep in range(args.reps):
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp)
-            ways = {
-                "joblib": lambda: evalkit(
-                    "-m",
-                    *task,
-                    "policy=h2o,streaming_llm",
-                    "hydra/launcher=joblib",
-                    "hydra.launcher.n_jobs=2",
-                    f"hydra.sweep.dir={out / 'joblib'}",
-                ),
-                "basic -m": lambda: evalkit(
-                    "-m", *task, "policy=h2o,streaming_llm", f"hydra.sweep.dir={out / 'basic'}"
-                ),
-                "two runs": lambda: [
-                    evalkit(*task, f"policy={p}", f"hydra.run.dir={out / 'two' / p}") for p in ("h2o", "streaming_llm")
-                ],
-            }
-            order = list(ways) if rep % 2 == 0 else list(reversed(ways))
-            this = {name: timed(ways[name]) for name in order}
+            run = ways(task, out)
+            order = list(run) if rep % 2 == 0 else list(reversed(run))
+            this = {name: timed(run[name]) for name in order}
             for name, t in this.items():
                 times[name].append(t)
             for name in ratios:
                 ratios[name].append(this[name] / this["two runs"])
-            seen_threads = {
-                name: threads(out / folder)
-                for name, folder in (("joblib", "joblib"), ("basic -m", "basic"), ("two runs", "two"))
-            }
+            folders = {"joblib": "joblib", "basic -m": "basic", "two runs": "two"}
+            seen_threads = {name: threads(out / folder) for name, folder in folders.items()}
     print(f"machine: {os.cpu_count()} CPUs; {args.reps} repetitions; each job: 3 needles at {args.length} tokens")
-    print(
-        f"{'way':<10} {'median s':>9} {'min s':>7} {'max s':>7} {'ratio to two runs (median)':>27} {'torch threads per job':>22}"
-    )
+    head = f"{'way':<10} {'median s':>9} {'min s':>7} {'max s':>7} {'ratio to two runs (median)':>27}"
+    print(head + f" {'torch threads per job':>22}")
     for name, ts in times.items():
         r = f"{statistics.median(ratios[name]):.2f}x" if name in ratios else "1.00x"
         print(
