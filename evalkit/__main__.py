@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -20,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from evalkit import interrupt
 from evalkit.config import check_choices
-from evalkit.errors import ConfigError
+from evalkit.errors import ConfigError, JobError
 
 # The run folder is named after the policy, or "variants" for a sweep of several.
 OmegaConf.register_new_resolver(
@@ -47,11 +48,6 @@ def dirname(overrides) -> str:
 OmegaConf.register_new_resolver("evalkit_dirname", dirname, replace=True)
 
 NOT_RUNNING = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion")
-
-
-class JobError(BaseException):
-    """A job's configuration error. A BaseException so that it ends a sweep (whatever the launcher) with one clean
-    line, instead of being recorded as a failed job and re-raised by Hydra with a traceback."""
 
 
 def fail(err: ConfigError) -> None:
@@ -119,8 +115,25 @@ def resume_command(argv: list[str], sweep_dir: str | None) -> str:
     return "python -m evalkit " + " ".join(shlex.quote(a) for a in args)
 
 
+def name_the_sweep(argv: list[str]) -> list[str]:
+    """A sweep without hydra.sweep.dir gets Hydra's default folder, named here, so that this process can print the
+    command that resumes it whatever happens to the jobs."""
+    if not ({"-m", "--multirun"} & set(argv)) or any(a.startswith("hydra.sweep.dir=") for a in argv):
+        return argv
+    root = dict(a.split("=", 1) for a in argv if "=" in a and not a.startswith("-")).get("results_root", "results")
+    return [*argv, f"hydra.sweep.dir={root}/multirun/{time.strftime('%Y-%m-%d_%H-%M-%S')}"]
+
+
+def stopped(message: str, argv: list[str], sweep_dir: str | None) -> None:
+    print(f"evalkit: {message}\nevalkit: to resume: {resume_command(argv, sweep_dir)}", file=sys.stderr)
+    sys.exit(130)
+
+
 def main() -> None:
-    argv = sys.argv[1:]
+    argv = name_the_sweep(sys.argv[1:])
+    sys.argv[1:] = argv
+    # Sweep jobs in worker processes (joblib) defer Ctrl-C from the moment they import evalkit.interrupt
+    os.environ[interrupt.DEFER_ENV] = "1"
     try:
         check_choices(argv)
         modes = {"-m", "--multirun", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion"} & set(argv)
@@ -137,9 +150,12 @@ def main() -> None:
         print(f"evalkit: error: {err}", file=sys.stderr)
         sys.exit(2)
     except interrupt.Interrupted as stop:
-        sweep_dir = stop.args[1] if len(stop.args) > 1 else None
-        print(f"evalkit: {stop.args[0]}\nevalkit: to resume: {resume_command(argv, sweep_dir)}", file=sys.stderr)
-        sys.exit(130)
+        stopped(stop.args[0], argv, stop.args[1] if len(stop.args) > 1 else None)
+    except KeyboardInterrupt:
+        if not interrupt.requested():
+            raise
+        # a second Ctrl-C, or one that reached a worker before it could defer it: rows are whole all the same
+        stopped("stopped; every row written is whole", argv, None)
     from evalkit import sweep
 
     if sweep.exit_code is not None:

@@ -4,12 +4,18 @@ a second one stops at once (rows are written whole, so even that loses at most t
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
 from contextlib import contextmanager
 
 _requested = False
+# Set by the evalkit command for its sweep's worker processes (joblib): they defer Ctrl-C from the moment they import
+# this module, which they do while unpickling their job, before anything else of evalkit runs.
+DEFER_ENV = "EVALKIT_DEFER_SIGINT"
+# Set when a stop is asked: worker processes a sweep starts after the Ctrl-C (which they never received) inherit it.
+STOP_ENV = "EVALKIT_STOP_REQUESTED"
 
 
 class Interrupted(BaseException):
@@ -18,7 +24,7 @@ class Interrupted(BaseException):
 
 
 def requested() -> bool:
-    return _requested
+    return _requested or bool(os.environ.get(STOP_ENV))
 
 
 def _handler(signum, frame) -> None:
@@ -26,6 +32,7 @@ def _handler(signum, frame) -> None:
     if _requested:
         raise KeyboardInterrupt
     _requested = True
+    os.environ[STOP_ENV] = "1"
     print("\nevalkit: stopping after the sample in flight (Ctrl-C again to stop now)", file=sys.stderr, flush=True)
 
 
@@ -41,6 +48,12 @@ def _sigint(handler):
         signal.signal(signal.SIGINT, previous)
 
 
+def defer() -> None:
+    """For the rest of this process (a sweep's worker), SIGINT sets `requested()` instead of raising."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _handler)
+
+
 def deferred():
     """Within the block, SIGINT sets `requested()` instead of raising (in the main thread only)."""
     return _sigint(_handler)
@@ -49,3 +62,7 @@ def deferred():
 def immediate():
     """Within the block, SIGINT raises KeyboardInterrupt at once: for work that cannot stop between samples."""
     return _sigint(signal.default_int_handler)
+
+
+if os.environ.get(DEFER_ENV):
+    defer()

@@ -64,7 +64,8 @@ def test_joblib_sweep_merges_its_jobs_into_one_report_and_one_gate_and_resumes_j
     assert len(json.loads((torn / "run.json").read_text())["resumed"]) == 1
 
 
-def test_ctrl_c_stops_a_parallel_sweep_and_prints_how_to_resume_it(tmp_path):
+@pytest.mark.parametrize("when", ["workers-starting", "rows-written"])
+def test_ctrl_c_stops_a_parallel_sweep_and_prints_how_to_resume_it(tmp_path, when):
     sweep = tmp_path / "sweep"
     args = [*SWEEP, "task.samples_per_cell=40", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
@@ -77,18 +78,30 @@ def test_ctrl_c_stops_a_parallel_sweep_and_prints_how_to_resume_it(tmp_path):
         start_new_session=True,  # its own process group, as a terminal's Ctrl-C reaches every job
     )
     deadline = time.time() + 120
-    while not any(p.stat().st_size for p in sweep.rglob(SAMPLES)) and time.time() < deadline:
-        time.sleep(0.05)
+    if when == "workers-starting":  # the sweep folder exists: Hydra is launching the jobs
+        ready = lambda: sweep.exists()  # noqa: E731
+    else:
+        ready = lambda: any(p.stat().st_size for p in sweep.rglob(SAMPLES))  # noqa: E731
+    while not ready() and time.time() < deadline:
+        time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=180)
     err = err.decode()
     assert proc.returncode == 130, err
-    assert f"resume=true hydra.sweep.dir={sweep}" in err or ("resume=true" in err and f"hydra.sweep.dir={sweep}" in err)
+    assert "Traceback" not in err
+    assert "resume=true" in err and f"hydra.sweep.dir={sweep}" in err
     for job in job_folders(sweep).values():
         data = (job / SAMPLES).read_bytes()
         rows = read_rows(job / SAMPLES)
         assert len(rows) % 2 == 0 and len(rows) < 240  # whole samples only, stopped early
         assert not data or data.endswith(b"\n")
+
+
+def test_a_config_error_in_a_parallel_job_is_one_line(tmp_path):
+    args = ["-m", "model=tiny-random", "policy=pyramidkv,h2o", "prefill=chunked", "hydra/launcher=joblib"]
+    result = run_cli(*args, "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={tmp_path}")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "evalkit: error: [model=tiny-random policy=pyramidkv prefill=chunked]" in result.stderr
 
 
 def test_the_shipped_slurm_launcher_config_composes_on_submitit():
