@@ -50,9 +50,18 @@ OmegaConf.register_new_resolver("evalkit_dirname", dirname, replace=True)
 NOT_RUNNING = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion")
 
 
-def fail(err: ConfigError) -> None:
+def fail(err: ConfigError | JobError) -> None:
     print(f"evalkit: error: {err}", file=sys.stderr)
     sys.exit(2)
+
+
+def overrides(argv: list[str]) -> dict[str, str]:
+    """`key=value` arguments of the command line."""
+    return dict(arg.split("=", 1) for arg in argv if "=" in arg and not arg.startswith("-"))
+
+
+def sweeping(argv: list[str]) -> bool:
+    return bool({"-m", "--multirun"} & set(argv))
 
 
 @hydra.main(version_base="1.3", config_path="pkg://evalkit.conf", config_name="config")
@@ -61,7 +70,7 @@ def _job(cfg: DictConfig) -> None:
 
     hc = HydraConfig.get()
     out_dir = Path(hc.runtime.output_dir)
-    sweeping = hc.mode == RunMode.MULTIRUN
+    in_sweep = hc.mode == RunMode.MULTIRUN
     try:
         with interrupt.deferred():
             run(cfg, out_dir)
@@ -69,25 +78,21 @@ def _job(cfg: DictConfig) -> None:
             from evalkit.wandb_log import log_run
 
             print(f"evalkit: W&B run written to {log_run(cfg, out_dir)}")
-        if cfg.gate.name != "none" and not sweeping:  # a sweep is gated once, on all its jobs (evalkit.sweep)
-            from evalkit.gate import Thresholds, gate, print_verdict
+        if cfg.gate.name != "none" and not in_sweep:  # a sweep is gated once, on all its jobs (evalkit.sweep)
+            from evalkit.gate import gate, print_verdict, thresholds
 
-            thresholds = Thresholds(**{k: v for k, v in OmegaConf.to_container(cfg.gate).items() if k != "name"})
-            verdict = gate([out_dir], thresholds)
+            verdict = gate([out_dir], thresholds(cfg.gate, repr(cfg.gate.name)))
             print_verdict(verdict)
             sys.exit(0 if verdict.passed else 1)
     except ConfigError as err:
-        where = f"[{' '.join(hc.overrides.task)}] " if sweeping else ""
+        where = f"[{' '.join(hc.overrides.task)}] " if in_sweep else ""
         raise JobError(f"{where}{err}") from None
-    except interrupt.Interrupted as stop:
-        # the sweep folder, for the resume command (only the launching process knows the user's command)
-        raise interrupt.Interrupted(str(stop), hc.sweep.dir if sweeping else None) from None
 
 
 def results_folder(argv: list[str]) -> Path:
     """The folder a run (or sweep) writes under, read from the command line before Hydra creates it."""
-    values = dict(arg.split("=", 1) for arg in argv if "=" in arg and not arg.startswith("-"))
-    key = "hydra.sweep.dir" if ("-m" in argv or "--multirun" in argv) else "hydra.run.dir"
+    values = overrides(argv)
+    key = "hydra.sweep.dir" if sweeping(argv) else "hydra.run.dir"
     folder = values.get(key) or values.get("results_root") or "results"
     parts = Path(folder).parts
     fixed = [p for p in parts[: next((i for i, p in enumerate(parts) if "$" in p), len(parts))]]
@@ -108,24 +113,23 @@ def check_writable(folder: Path) -> None:
         ) from None
 
 
-def resume_command(argv: list[str], sweep_dir: str | None) -> str:
+def resume_command(argv: list[str]) -> str:
     args = [a for a in argv if not a.startswith("resume=")] + ["resume=true"]
-    if sweep_dir and not any(a.startswith("hydra.sweep.dir=") for a in args):
-        args.append(f"hydra.sweep.dir={sweep_dir}")
     return "python -m evalkit " + " ".join(shlex.quote(a) for a in args)
 
 
 def name_the_sweep(argv: list[str]) -> list[str]:
-    """A sweep without hydra.sweep.dir gets Hydra's default folder, named here, so that this process can print the
-    command that resumes it whatever happens to the jobs."""
-    if not ({"-m", "--multirun"} & set(argv)) or any(a.startswith("hydra.sweep.dir=") for a in argv):
+    """A sweep without hydra.sweep.dir gets Hydra's default folder, named here, so that the command this process
+    prints to resume it names its folder, whatever happens to the jobs."""
+    values = overrides(argv)
+    if not sweeping(argv) or "hydra.sweep.dir" in values:
         return argv
-    root = dict(a.split("=", 1) for a in argv if "=" in a and not a.startswith("-")).get("results_root", "results")
+    root = values.get("results_root", "results")
     return [*argv, f"hydra.sweep.dir={root}/multirun/{time.strftime('%Y-%m-%d_%H-%M-%S')}"]
 
 
-def stopped(message: str, argv: list[str], sweep_dir: str | None) -> None:
-    print(f"evalkit: {message}\nevalkit: to resume: {resume_command(argv, sweep_dir)}", file=sys.stderr)
+def stopped(message: str, argv: list[str]) -> None:
+    print(f"evalkit: {message}\nevalkit: to resume: {resume_command(argv)}", file=sys.stderr)
     sys.exit(130)
 
 
@@ -147,15 +151,14 @@ def main() -> None:
         with interrupt.deferred():  # the first Ctrl-C lets every job finish the sample in flight
             _job()
     except JobError as err:
-        print(f"evalkit: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        fail(err)
     except interrupt.Interrupted as stop:
-        stopped(stop.args[0], argv, stop.args[1] if len(stop.args) > 1 else None)
+        stopped(str(stop), argv)
     except KeyboardInterrupt:
         if not interrupt.requested():
             raise
         # a second Ctrl-C, or one that reached a worker before it could defer it: rows are whole all the same
-        stopped("stopped; every row written is whole", argv, None)
+        stopped("stopped; every row written is whole", argv)
     from evalkit import sweep
 
     if sweep.exit_code is not None:

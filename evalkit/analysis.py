@@ -75,22 +75,21 @@ def chunked_vs_oneshot(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         by_label[r["variant"]][r["sample_id"]] = r
     out = []
     for label in sorted(by_label, key=label_order):
-        name, sep, chunk = label.partition(":chunk")
-        if not sep:
+        chunked = by_label[label]
+        chunk = (next(iter(chunked.values())).get("prefill") or {}).get("chunk")
+        if not chunk:
             continue
-        chunk, _, suffix = chunk.partition(" [")
-        oneshot = by_label.get(name + (f" [{suffix}" if suffix else "")) or by_label.get(name)
-        if not oneshot:
-            continue
-        ids = [i for i in by_label[label] if i in oneshot]
+        twin = label.replace(f":chunk{chunk}", "", 1)  # the same label, `[folder]` included, without the chunk
+        name = twin.split(" [")[0]
+        base = by_label.get(twin) or by_label.get(name) or {}
+        ids = [i for i in chunked if i in base]
         if not ids:
             continue
-        chunked, base = by_label[label], oneshot
         stats = paired([base[i]["score"] for i in ids], [chunked[i]["score"] for i in ids])
         out.append(
             {
                 "variant": name,
-                "chunk": int(chunk),
+                "chunk": chunk,
                 "n": len(ids),
                 "baseline": _mean([base[i]["baseline_score"] for i in ids]),
                 "oneshot": stats["baseline"],

@@ -265,9 +265,10 @@ def run_sample(
             seconds = {"prefill": prefill_s, "compress": time.perf_counter() - t}
             peak = (full_bytes, prompt.n_context)
         else:
-            cache, *peak = chunked_prefill(model, context, variant.policy, variant.chunk)
+            cache, peak_bytes, peak_tokens = chunked_prefill(model, context, variant.policy, variant.chunk)
             seconds = {"prefill": time.perf_counter() - t, "compress": 0.0}  # compression runs inside the prefill
+            peak = (peak_bytes, peak_tokens)
         policy = variant.policy
         after = (lambda c=cache, p=policy: enforce(c, p)) if policy.decode else None
-        outcomes.append(run(variant.name, cache, seconds, after, tuple(peak)))
+        outcomes.append(run(variant.name, cache, seconds, after, peak))
     return baseline, outcomes

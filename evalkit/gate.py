@@ -56,11 +56,15 @@ def load_thresholds(name_or_path: str) -> Thresholds:
         path = Path(str(files("evalkit.conf") / "gate" / f"{name_or_path}.yaml"))
     if not path.is_file():
         raise ConfigError(f"gate {name_or_path!r}: no such gate config (conf/gate/<name>.yaml or a YAML path)")
-    cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    cfg.pop("name", None)
+    return thresholds(OmegaConf.load(path), repr(name_or_path))
+
+
+def thresholds(node, where: str) -> Thresholds:
+    """Thresholds from a gate config (conf/gate/*.yaml, or the run's `gate` node); `where` names it in errors."""
+    cfg = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k != "name"}
     unknown = set(cfg) - set(Thresholds.__dataclass_fields__)
     if unknown:
-        raise ConfigError(f"gate {name_or_path!r}: unknown thresholds {sorted(unknown)}")
+        raise ConfigError(f"gate {where}: unknown thresholds {sorted(unknown)}")
     return Thresholds(**cfg)
 
 
@@ -132,7 +136,9 @@ def judge(rows: list[dict], infos: list[dict], t: Thresholds) -> Verdict:
                         f"is below {t.min_cell_accuracy}"
                     )
         over = [
-            r for r in by_variant[name] if (r.get("prefill_peak_tokens") or 0) > (r.get("prefill_bound_tokens") or 1e18)
+            r
+            for r in by_variant[name]
+            if r.get("prefill_bound_tokens") is not None and r["prefill_peak_tokens"] > r["prefill_bound_tokens"]
         ]
         if over:
             r = max(over, key=lambda r: r["prefill_peak_tokens"])

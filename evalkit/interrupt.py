@@ -10,11 +10,11 @@ import sys
 import threading
 from contextlib import contextmanager
 
-_requested = False
 # Set by the evalkit command for its sweep's worker processes (joblib): they defer Ctrl-C from the moment they import
 # this module, which they do while unpickling their job, before anything else of evalkit runs.
 DEFER_ENV = "EVALKIT_DEFER_SIGINT"
-# Set when a stop is asked: worker processes a sweep starts after the Ctrl-C (which they never received) inherit it.
+# Set when a stop is asked, the only record of it: worker processes a sweep starts after the Ctrl-C (which they never
+# received) inherit it.
 STOP_ENV = "EVALKIT_STOP_REQUESTED"
 
 
@@ -24,14 +24,12 @@ class Interrupted(BaseException):
 
 
 def requested() -> bool:
-    return _requested or bool(os.environ.get(STOP_ENV))
+    return bool(os.environ.get(STOP_ENV))
 
 
 def _handler(signum, frame) -> None:
-    global _requested
-    if _requested:
+    if requested():
         raise KeyboardInterrupt
-    _requested = True
     os.environ[STOP_ENV] = "1"
     print("\nevalkit: stopping after the sample in flight (Ctrl-C again to stop now)", file=sys.stderr, flush=True)
 

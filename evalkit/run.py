@@ -220,9 +220,9 @@ def _start(out_dir: Path, config: dict, resume: bool) -> dict[str, Any]:
 
 
 def _check_attention(cfg: DictConfig, variants: list[Variant]) -> None:
-    """Before the weights load: what needs evalkit's observed SDPA (attention scores, packed quantized history)."""
+    """Before the weights load: what needs evalkit's observed SDPA (attention scores, packed quantized history).
+    Whether the implementation itself can run here, models.load checks."""
     impl = cfg.model.get("attn_implementation", "sdpa")
-    models.check_attention(cfg.model)
     needs = sorted({n for v in variants for n in v.policy.needs})
     if impl != "sdpa" and needs:
         raise ConfigError(

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 # The gate's exit code for the sweep (0 PASS, 1 FAIL), read by evalkit.__main__ once Hydra returns; None: no gate.
 exit_code: int | None = None
@@ -20,7 +20,7 @@ class MergeJobs(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         global exit_code
         from evalkit.errors import ConfigError
-        from evalkit.gate import Thresholds, gate, print_verdict
+        from evalkit.gate import gate, print_verdict, thresholds
         from evalkit.report import report
 
         sweep = Path(config.hydra.sweep.dir)
@@ -31,7 +31,6 @@ class MergeJobs(Callback):
             return
         print(f"evalkit: merged report of the sweep: {written[0]}")
         if config.gate.name != "none":
-            thresholds = Thresholds(**{k: v for k, v in OmegaConf.to_container(config.gate).items() if k != "name"})
-            verdict = gate([sweep], thresholds)
+            verdict = gate([sweep], thresholds(config.gate, repr(config.gate.name)))
             print_verdict(verdict)
             exit_code = 0 if verdict.passed else 1
