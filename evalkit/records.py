@@ -73,10 +73,7 @@ class RecordWriter:
 
     def _undo(self, start: int) -> None:
         """Cut what a failed write left after the last whole row (a torn line is also cut when the run resumes)."""
-        try:
-            self._file.close()
-        except OSError:
-            pass  # the buffered bytes could not be flushed either: nothing more reached the file
+        self.close()
         try:
             os.truncate(self.path, start)
         except OSError:
@@ -87,7 +84,7 @@ class RecordWriter:
             try:
                 self._file.close()
             except OSError:
-                pass
+                pass  # the buffered bytes could not be flushed: nothing more reached the file
 
 
 def write_json(path: Path, obj: Any) -> None:
