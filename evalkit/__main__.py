@@ -8,10 +8,13 @@ are merged into one report, and judged by one gate.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import shlex
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import hydra
@@ -20,12 +23,13 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from evalkit import interrupt
+from evalkit.cli import BUG
 from evalkit.config import check_choices
-from evalkit.errors import ConfigError, JobError
+from evalkit.errors import EXIT_INTERNAL, ConfigError, InternalError, JobError
 
 # The run folder is named after the policy, or "variants" for a sweep of several.
 OmegaConf.register_new_resolver(
-    "evalkit_label", lambda policy, variants: "variants" if variants else policy, replace=True
+    "evalkit_label", lambda policy, variants: "variants" if variants else safe_name(policy), replace=True
 )
 
 # Overrides left out of a run's folder name: they do not change its records (or, for the group choices, the folder
@@ -34,18 +38,33 @@ SAME_RECORDS = ("resume", "results_root", "device", "model", "task", "policy")
 NOT_RECORDS = ("gate", "logger", "hydra")
 
 
+def safe_name(text: str) -> str:
+    """`text` as one folder name: path separators, `..`, shell glob and quoting characters and spaces become `_`
+    or go (brackets of lists), so an override value can never climb out of the results folder or need quoting."""
+    name = re.sub(r"[^A-Za-z0-9._=,@+%:-]", "_", str(text).replace("[", "").replace("]", ""))
+    name = re.sub(r"_{2,}", "_", re.sub(r"\.{2,}", "_", name)).strip("._") or "_"
+    if len(name) > MAX_NAME:  # a long sweep list: keep the start readable, make it unique by a digest
+        name = f"{name[: MAX_NAME - 13]}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
+    return name
+
+
+MAX_NAME = 200  # filesystems allow 255 bytes per name
+
+
 def dirname(overrides) -> str:
-    """The run folder's last part: the sorted overrides that change the records, `k=v,k=v`, or `default`."""
+    """The run folder's last part: the sorted overrides that change the records, `k=v,k=v`, or `default`, made safe
+    as one folder name (safe_name)."""
     keep = []
     for item in overrides:
         key = str(item).lstrip("+~").split("=", 1)[0]
         if key in SAME_RECORDS or key.split(".", 1)[0] in NOT_RECORDS or key.startswith("hydra/"):
             continue
         keep.append(str(item).lstrip("+~"))
-    return ",".join(sorted(keep)) or "default"
+    return safe_name(",".join(sorted(keep)) or "default")
 
 
 OmegaConf.register_new_resolver("evalkit_dirname", dirname, replace=True)
+OmegaConf.register_new_resolver("evalkit_safe", lambda text: safe_name(text), replace=True)
 
 NOT_RUNNING = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion")
 
@@ -72,6 +91,7 @@ def _job(cfg: DictConfig) -> None:
     out_dir = Path(hc.runtime.output_dir)
     in_sweep = hc.mode == RunMode.MULTIRUN
     try:
+        _inside_results_root(cfg, hc, out_dir)
         with interrupt.deferred():
             run(cfg, out_dir)
         if cfg.logger.name == "wandb":
@@ -87,6 +107,17 @@ def _job(cfg: DictConfig) -> None:
     except ConfigError as err:
         where = f"[{' '.join(hc.overrides.task)}] " if in_sweep else ""
         raise JobError(f"{where}{err}") from None
+    except Exception:  # a bug: Hydra would print it and exit 1, the gate's FAIL; carry it out as exit 3 instead
+        raise InternalError(traceback.format_exc()) from None
+
+
+def _inside_results_root(cfg: DictConfig, hc, out_dir: Path) -> None:
+    """A folder named by evalkit's pattern (not given with hydra.run.dir / hydra.sweep.dir) lies in results_root."""
+    if any(o.split("=", 1)[0] in ("hydra.run.dir", "hydra.sweep.dir") for o in hc.overrides.hydra):
+        return
+    root = Path(str(cfg.results_root)).resolve()
+    if not out_dir.resolve().is_relative_to(root):
+        raise ConfigError(f"the run folder {out_dir} lies outside results_root={root}; name it with hydra.run.dir=...")
 
 
 def results_folder(argv: list[str]) -> Path:
@@ -143,6 +174,9 @@ def main() -> None:
         modes = {"-m", "--multirun", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion"} & set(argv)
         if len({m.lstrip("-")[0] for m in modes}) > 1:
             raise ConfigError(f"{' and '.join(sorted(modes))} cannot go together (Hydra runs one mode at a time)")
+        from evalkit.hydra_errors import precheck
+
+        precheck(argv)  # Hydra's errors, unknown keys and bad values, as one line each, before Hydra runs
         if not any(a in NOT_RUNNING for a in argv):
             check_writable(results_folder(argv))
     except ConfigError as err:
@@ -152,6 +186,9 @@ def main() -> None:
             _job()
     except JobError as err:
         fail(err)
+    except InternalError as err:
+        print(f"{err}{BUG}", file=sys.stderr)
+        sys.exit(EXIT_INTERNAL)
     except interrupt.Interrupted as stop:
         stopped(str(stop), argv)
     except KeyboardInterrupt:

@@ -170,6 +170,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             # one-shot: the full cache exists while the context is prefilled; chunked: at most budget + chunk
             "peak_prefill_kv_bytes": max(_peak_prefill(r) for r in rs),
             "nominal_budget": _nominal(rs[0]),
+            # samples whose context is shorter than the token budget: the variant kept everything there
+            "budget_clipped": sum(bool(r.get("budget_clipped")) for r in rs),
             "kv_bytes_per_token": _mean([r["kv_bytes"] / r["context_tokens"] for r in rs if r.get("context_tokens")]),
             **{k: _mean([r[k] for r in rs]) for k in FIDELITY if k in rs[0]},
             "splits": _grouped(rs, lambda r: r["cell"].get("split")),
@@ -219,6 +221,11 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{s['kv_bytes'] / 2**20:>9.2f} MB{s['kv_ratio']:>7.3f}x"
         )
     for name, s in summary.items():
+        if s.get("budget_clipped"):
+            lines.append(
+                f"{name}: the budget exceeds the context of {s['budget_clipped']} of {s['n']} samples "
+                "(budget_clipped): they kept every token"
+            )
         if not is_baseline(name) and "kl_mean" in s:
             lines.append(
                 f"{name}: mean KL {s['kl_mean']:.4f} nats, top-1 agreement {s['top1_agreement']:.3f}, "

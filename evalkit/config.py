@@ -1,4 +1,5 @@
-"""Config checks that run before any model is loaded: unknown names, impossible budgets and grids."""
+"""Config checks that run before any model is loaded: unknown names and keys, values of the wrong type, impossible
+budgets and grids, a device that is not there."""
 
 from __future__ import annotations
 
@@ -6,12 +7,14 @@ import dataclasses
 import difflib
 from importlib.resources import files
 
-from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from hydra.errors import InstantiationException
+from hydra.utils import get_class, instantiate
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from evalkit import models
 from evalkit.engine import Variant
 from evalkit.errors import ConfigError
+from evalkit.hydra_errors import check_fields, cli, describe, fits, init_fields, unknown_key
 from evalkit.policies import KVPolicy
 from evalkit.prompt import PROTOCOLS
 from evalkit.quantized import QuantSpec
@@ -39,10 +42,32 @@ def check_choices(overrides: list[str]) -> None:
                 raise ConfigError(f"unknown {key} {name!r}{hint}; valid names: {', '.join(valid)}")
 
 
+def build(node: DictConfig, group: str):
+    """Instantiate a policy or task config (`_target_` + its keys) into its dataclass; a key the class does not take,
+    or a target that does not load, is a one-line ConfigError."""
+    target = str(node.get("_target_") or "")
+    try:
+        cls = get_class(target)
+    except Exception as err:  # noqa: BLE001 - hydra wraps import errors in several types
+        raise ConfigError(f"{group}._target_={target!r} cannot be imported ({err}); fix _target_ in its YAML") from None
+    valid = init_fields(cls)
+    unknown = sorted(str(k) for k in node.keys() if k != "_target_" and k not in valid)
+    if unknown:
+        raise unknown_key(f"{group}.{unknown[0]}", valid, group)
+    try:
+        return instantiate(node, _convert_="all")
+    except InstantiationException as err:
+        cause = err.__cause__ or err
+        raise ConfigError(f"{group}: cannot build {cls.__name__} ({cause}); check the {group}.* values") from None
+
+
 def quant_spec(node: DictConfig) -> QuantSpec | None:
     """The storage a conf/quant config asks for; None for full precision."""
     if node.get("bits") is None:
         return None
+    for key in ("bits", "group", "residual"):
+        if key in node and not fits(node[key], int):
+            raise ConfigError(f"quant.{key}={node[key]!r} is not a whole number; give e.g. quant.{key}=64")
     if node.get("format") == "e4m3":
         spec = QuantSpec(name=node.name, bits=8, format="e4m3")
         spec.validate()
@@ -70,8 +95,11 @@ def variants(cfg: DictConfig) -> list[Variant]:
     every variant in chunks of `prefill.chunk` tokens and, with `prefill.compare_oneshot`, also runs each one-shot,
     on the same samples, for the side-by-side comparison.
     """
-    if not cfg.get("variants"):
-        out = [Variant(instantiate(cfg.policy, _convert_="all"), quant_spec(cfg.quant))]
+    listed = cfg.get("variants")
+    if listed and not isinstance(listed, (list, ListConfig)):
+        raise ConfigError(f"variants={listed!r} is not a list; write e.g. 'variants=[snapkv@0.25,h2o@0.5+int4]'")
+    if not listed:
+        out = [Variant(build(cfg.policy, "policy"), quant_spec(cfg.quant))]
     else:
         out = [_parse_variant(cfg, str(spec)) for spec in cfg.variants]
     prefill = cfg.get("prefill") or {}
@@ -102,17 +130,55 @@ def _parse_variant(cfg: DictConfig, spec: str) -> Variant:
     if chunk and not (chunk.startswith("chunk") and chunk[5:].isdigit()):
         raise ConfigError(f"variants: {spec!r}: write a chunked prefill as ':chunkN', e.g. h2o@1024:chunk512")
     return Variant(
-        instantiate(node.policy, _convert_="all"),
+        build(node.policy, "policy"),
         quant_spec(_named("quant", quant, spec)) if quant else None,
         int(chunk[5:]) if chunk else None,
     )
 
 
+# Top-level settings: their type, and an example to give.
+SETTINGS = {"seed": (int, 0), "reserve_tokens": (int, 256), "resume": (bool, False), "results_root": (str, "results")}
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """The top-level settings (seed, device, protocol, ...): types, ranges, and a device that is there."""
+    for key, (kind, default) in SETTINGS.items():
+        value = cfg.get(key, default)
+        if not fits(value, kind):
+            raise ConfigError(f"{key}={value!r} is not {describe(kind)}; give e.g. {key}={cli(default)}")
+    if cfg.get("reserve_tokens", 0) < 0:
+        raise ConfigError(f"reserve_tokens={cfg.reserve_tokens} is negative; give a number of tokens such as 256")
+    if cfg.get("protocol") not in PROTOCOLS:
+        raise ConfigError(f"protocol={cfg.get('protocol')!r} is not one of {list(PROTOCOLS)}")
+    models.check_device(cfg.get("device", "auto"))
+    limit = (cfg.get("model") or {}).get("max_context")
+    if not fits(limit, int | None) or (limit is not None and limit < 1):
+        raise ConfigError(
+            f"model.max_context={limit!r} is not a positive whole number of tokens (or null, to "
+            "read it from an hf model's config); give e.g. model.max_context=4096"
+        )
+    prefill = cfg.get("prefill") or {}
+    if not fits(prefill.get("compare_oneshot", False), bool):
+        raise ConfigError(
+            f"prefill.compare_oneshot={prefill.compare_oneshot!r} is not true or false; "
+            "give prefill.compare_oneshot=true"
+        )
+
+
+def check(cfg: DictConfig) -> None:
+    """Every check that needs no model, on a composed config: what `run` checks before it loads one, run up front
+    for every job of a command (evalkit.hydra_errors.precheck)."""
+    task = build(cfg.task, "task")
+    validate(cfg, task, [v.policy for v in variants(cfg)])
+
+
 def validate(cfg: DictConfig, task: Task, policies: list[KVPolicy]) -> None:
     """Everything that can be known wrong before the model loads."""
-    if cfg.protocol not in PROTOCOLS:
-        raise ConfigError(f"protocol={cfg.protocol!r} is not one of {list(PROTOCOLS)}")
+    check_settings(cfg)
+    check_fields(task, "task")  # whatever the task's own validate() checks
     task.validate()
+    models.check_source(cfg.model)
+    models.check_attention(cfg.model)
     if task.teacher_forced and cfg.protocol != "query_agnostic":
         raise ConfigError(
             f"task={task.name} teacher-forces a continuation that is never compressed: use protocol=query_agnostic"
@@ -121,7 +187,13 @@ def validate(cfg: DictConfig, task: Task, policies: list[KVPolicy]) -> None:
         for policy in policies:
             policy.validate(None)
         return
-    limit = models.max_context(cfg.model) - int(cfg.reserve_tokens)
+    try:
+        limit = models.max_context(cfg.model) - int(cfg.reserve_tokens)
+    except OSError as err:
+        raise ConfigError(
+            f"model.name_or_path={cfg.model.name_or_path!r}: its config could not be read ({_first(err)}); give a "
+            "local folder with config.json or a Hub id on a machine that reaches the Hub, or set model.max_context"
+        ) from None
     too_long = [n for n in task.lengths() if n > limit]
     if too_long:
         raise ConfigError(
@@ -130,3 +202,7 @@ def validate(cfg: DictConfig, task: Task, policies: list[KVPolicy]) -> None:
         )
     for policy in policies:
         policy.validate(min(task.lengths()))
+
+
+def _first(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]

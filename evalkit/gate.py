@@ -1,18 +1,21 @@
-"""The validation gate: thresholds on the paired results of one or more runs -> PASS or FAIL, with reasons.
+"""The validation gate: thresholds on the paired results of one or more runs -> PASS, FAIL or CANNOT JUDGE.
 
-    python -m evalkit.gate results/RUN [results/RUN2 ...] [--gate conf/gate/default.yaml]
+    python -m evalkit.gate results/RUN [results/RUN2 ...] [--gate conf/gate/default.yaml] [--out DIR]
     python -m evalkit gate=default policy=snapkv task=needle          # run, then gate
 
-Exit code 0 PASS, 1 FAIL, 2 usage or config error. It fails closed: no baseline, too few samples, a variant whose
-measured bytes show no compression although compression was asked, or runs whose model, protocol or library
-versions differ are each a FAIL with the reason. Writes verdict.json and report.md.
+Exit code 0 PASS, 1 FAIL, 2 cannot judge (or a usage error). FAIL: a variant was judged and is worse than the
+thresholds allow, too few samples, no compression although compression was asked, or runs whose model weights,
+protocol or library versions differ. CANNOT JUDGE, never a PASS: records that cannot support a verdict (torn, corrupt
+or repeated rows, several runs in one file, no policy rows, a variant not run on the baseline's samples, a missing
+run.json, a baseline too weak for the task). Writes verdict.json and report.md either way.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
+import os
+from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from importlib.resources import files
 from pathlib import Path
@@ -21,8 +24,9 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from evalkit.analysis import BASELINE, capacity, chunked_vs_oneshot, is_baseline, merge, summarize
-from evalkit.errors import ConfigError
-from evalkit.records import RUN, SAMPLES, read_rows, write_json
+from evalkit.cli import guarded
+from evalkit.errors import EXIT_FAIL, EXIT_OK, CannotJudge, ConfigError
+from evalkit.records import RUN, SAMPLES, scan_rows, torn_line
 
 VERDICT, REPORT = "verdict.json", "report.md"
 
@@ -34,6 +38,7 @@ class Thresholds:
     max_drop: float | None = 0.05  # non-inferiority margin on the accuracy drop, judged on the 95% CI upper bound
     max_flip_rate: float | None = 0.10  # lost samples / samples
     min_cell_accuracy: float | None = 0.5  # per cell, where the baseline reaches it
+    min_baseline_accuracy: float | None = 0.5  # below it overall: cannot judge; cells below it are not judged
     max_mean_kl: float | None = 0.1  # nats, fidelity rows
     min_samples: int = 20
     min_compression: float = 0.99  # a compressing variant must hold less than this share of the baseline's bytes
@@ -43,11 +48,26 @@ class Thresholds:
 @dataclass
 class Verdict:
     passed: bool
-    reasons: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)  # why it FAILs, or why it cannot be judged
     variants: dict[str, Any] = field(default_factory=dict)
     runs: list[str] = field(default_factory=list)
     capacity: dict[str, Any] = field(default_factory=dict)
     chunked: list[dict[str, Any]] = field(default_factory=list)  # chunked vs one-shot prefill, side by side
+    judged: bool = True  # False: CANNOT JUDGE (never passed), the reasons say why
+    not_judged: list[str] = field(default_factory=list)  # cells left out: the baseline is too weak there
+
+    @property
+    def status(self) -> str:
+        return "CANNOT JUDGE" if not self.judged else "PASS" if self.passed else "FAIL"
+
+
+@dataclass
+class Records:
+    """The rows of one or more runs, merged (see analysis.merge), and why they cannot be judged, if they cannot."""
+
+    rows: list[dict]  # the rows that could be read, each (sample, variant) once
+    infos: list[dict]  # the run.json of every run that has a readable one
+    problems: list[str] = field(default_factory=list)  # each names the file (and line) and the fix
 
 
 def load_thresholds(name_or_path: str) -> Thresholds:
@@ -68,20 +88,177 @@ def thresholds(node, where: str) -> Thresholds:
     return Thresholds(**cfg)
 
 
-def read_runs(run_dirs: list[Path]) -> tuple[list[dict], list[dict]]:
+# What the gate reads from every row, and must be numbers
+ROW_FIELDS = (
+    "sample_id",
+    "variant",
+    "score",
+    "baseline_score",
+    "cell",
+    "kv_bytes",
+    "kv_bytes_baseline",
+    "peak_kv_bytes",
+)
+NUMBERS = ("score", "baseline_score", "kv_bytes", "kv_bytes_baseline", "peak_kv_bytes")
+LISTED = 3  # bad lines named per file; the rest are counted
+
+
+def read_runs(run_dirs: list[Path]) -> Records:
     """All rows and run.json files under the given folders (a Hydra multirun folder holds several runs), the rows
-    merged into one table with variant labels that keep different measurements apart (see analysis.merge)."""
-    runs, infos = [], []
+    merged into one table with variant labels that keep different measurements apart (see analysis.merge), and every
+    reason, file by file, why they cannot be judged."""
+    runs, infos, problems = [], [], []
     for d in run_dirs:
         found = [d] if (d / SAMPLES).exists() else sorted(p.parent for p in d.rglob(SAMPLES))
         if not found:
             raise ConfigError(f"{d}: no {SAMPLES} found; give an evalkit run folder (results/...)")
         for run in found:
-            info = json.loads((run / RUN).read_text()) if (run / RUN).exists() else {}
-            runs.append((run.resolve(), info, read_rows(run / SAMPLES)))
-            if info:
+            info, problem = read_info(run / RUN)
+            if problem:
+                problems.append(problem)
+            else:
                 infos.append(info)
-    return merge(runs), infos
+            rows, bad = read_records(run / SAMPLES)
+            problems += bad or check_rows(rows, str(run / SAMPLES), info.get("run_id"))
+            runs.append((run.resolve(), info, _once(rows)))
+    return Records(merge(runs), infos, problems)
+
+
+def read_info(path: Path) -> tuple[dict, str | None]:
+    """A run's run.json, or ({}, why it cannot be used)."""
+    fix = (
+        "the gate needs the run.json its run wrote beside the rows (config, model, versions): judge the folder the "
+        "run wrote, or rerun it"
+    )
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}, f"{path}: missing; {fix}"
+    except (OSError, UnicodeDecodeError) as err:
+        return {}, f"{path}: cannot be read ({getattr(err, 'strerror', None) or err}); fix its permissions, or {fix}"
+    if not text.strip():
+        return {}, f"{path}: empty (a write was killed?); {fix}"
+    try:
+        info = json.loads(text)
+    except json.JSONDecodeError as err:
+        return {}, f"{path}: not valid JSON ({err.msg}, line {err.lineno}); {fix}"
+    if not isinstance(info, dict):
+        return {}, f"{path}: not a JSON object; {fix}"
+    return info, None
+
+
+def read_records(path: Path) -> tuple[list[dict], list[str]]:
+    """The rows of a samples.jsonl that the gate can read, and a problem for every line it cannot (torn included)."""
+    try:
+        rows, bad, torn, _ = scan_rows(path, ROW_FIELDS, _wrong)
+    except ConfigError as err:
+        return [], [str(err)]
+    if len(bad) > LISTED:
+        bad = [*bad[:LISTED], f"{path}: {_n(len(bad) - LISTED, 'more line')} like these"]
+    return rows, bad + ([torn_line(path, torn)] if torn is not None else [])
+
+
+def _wrong(row: dict) -> str | None:
+    for k in NUMBERS:
+        if isinstance(row[k], bool) or not isinstance(row[k], (int, float)):
+            return f"has {k}={row[k]!r}, not a number"
+    if not isinstance(row["cell"], dict):
+        return f"has cell={row['cell']!r}, not an object"
+    return None
+
+
+def _once(rows: list[dict]) -> list[dict]:
+    """The first row of every (sample, variant)."""
+    first: dict[tuple, dict] = {}
+    for r in rows:
+        first.setdefault((r["sample_id"], r["variant"]), r)
+    return list(first.values())
+
+
+def _n(k: int, noun: str) -> str:
+    return f"{k} {noun}" + ("" if k == 1 else "s")
+
+
+def _some(values, k: int = 3) -> str:
+    values = sorted(map(str, values))
+    return ", ".join(values[:k]) + (f" and {len(values) - k} more" if len(values) > k else "")
+
+
+def check_rows(rows: list[dict], where: str, run_id: str | None = None) -> list[str]:
+    """Why the rows of one records file (one run) cannot be judged: none, repeated (sample, variant) rows, rows of
+    several runs or configurations, no baseline or no policy rows, a variant not run on the baseline's samples."""
+    if not rows:
+        return [f"{where}: no rows; the run wrote none: finish it with resume=true, or give a finished run's folder"]
+    out = []
+    first: dict[tuple, int] = {}
+    repeats = []
+    for i, r in enumerate(rows, start=1):
+        key = (r["sample_id"], r["variant"])
+        if key in first:
+            repeats.append((key, first[key], i))
+        else:
+            first[key] = i
+    if repeats:
+        (sid, variant), a, b = repeats[0]
+        verb = "repeats" if len(repeats) == 1 else "repeat"
+        out.append(
+            f"{where}: {_n(len(repeats), 'row')} {verb} a (sample, variant) already recorded (first: sample {sid!r}, "
+            f"variant {variant!r}, lines {a} and {b}): rows were written twice (a run's rows appended to its own "
+            "file?); keep one row per sample and variant, or rerun into a new folder"
+        )
+    ids = {str(r["run_id"]) for r in rows if r.get("run_id") is not None}
+    if len(ids) > 1:
+        out.append(
+            f"{where}: rows of {len(ids)} runs in one file (run ids {_some(ids)}): several runs wrote the same "
+            "folder; give each run its own folder (hydra.run.dir=...) and rerun them"
+        )
+    else:
+        if ids and run_id is not None and ids != {str(run_id)}:
+            out.append(
+                f"{where}: the rows were written by run {ids.pop()}, but the run.json beside them is run {run_id}'s: "
+                "several runs wrote the same folder; give each run its own folder (hydra.run.dir=...) and rerun"
+            )
+        settings: dict[str, set[str]] = defaultdict(set)
+        for r in rows:
+            settings[r["variant"]].add(
+                json.dumps([r.get(k) for k in ("task", "protocol", "policy", "quant", "prefill")], sort_keys=True)
+            )
+        mixed = sorted(v for v, s in settings.items() if len(s) > 1)
+        if mixed:
+            out.append(
+                f"{where}: variants {_some(mixed)} recorded with different settings (task, protocol, policy, quant "
+                "or prefill) in one file: rows of several configurations; give each run its own folder and rerun them"
+            )
+    samples: dict[str, set] = defaultdict(set)
+    for r in rows:
+        samples[r["variant"]].add(r["sample_id"])
+    base = set().union(*(ids for v, ids in samples.items() if is_baseline(v)))
+    policies = sorted(v for v in samples if not is_baseline(v))
+    if not policies:
+        out.append(
+            f"{where}: only baseline rows ({_n(len(base), 'sample')}), no policy rows: nothing to judge; run a policy "
+            "(policy=... or variants=[...]), or finish the run with resume=true"
+        )
+    elif not base:
+        out.append(
+            f"{where}: no baseline rows: every variant must be compared with the full cache on the same samples; "
+            "rerun with evalkit, which runs the baseline on every sample"
+        )
+    else:
+        for v in policies:
+            missing, extra = base - samples[v], samples[v] - base
+            parts = (
+                [f"lacks {len(missing)} of the baseline's {_n(len(base), 'sample')} ({_some(missing)})"]
+                if missing
+                else []
+            )
+            parts += [f"has {_n(len(extra), 'sample')} the baseline lacks ({_some(extra)})"] if extra else []
+            if parts:
+                out.append(
+                    f"{where}: variant {v!r} {' and '.join(parts)}: it was not run on the baseline's samples; finish "
+                    "the run with resume=true, or rerun it"
+                )
+    return out
 
 
 def _compression_asked(row: dict) -> bool:
@@ -91,8 +268,33 @@ def _compression_asked(row: dict) -> bool:
     )
 
 
-def judge(rows: list[dict], infos: list[dict], t: Thresholds) -> Verdict:
-    """Every reason a variant fails, in words; PASS only when there is none."""
+def baseline_problems(summary: dict[str, Any], t: Thresholds) -> tuple[list[str], list[str]]:
+    """A baseline below min_baseline_accuracy (cannot judge), and the cells where it is (not judged)."""
+    if t.min_baseline_accuracy is None:
+        return [], []
+    problems, cells = [], []
+    for name, s in summary.items():
+        if not is_baseline(name):
+            continue
+        of = "" if name == BASELINE else f" ({name})"
+        if s["accuracy"] < t.min_baseline_accuracy:
+            problems.append(
+                f"the full-cache baseline{of} scores {s['accuracy']:.2f} on this task (gate.min_baseline_accuracy is "
+                f"{t.min_baseline_accuracy}): nothing can be learned about the policy; use a stronger model or an "
+                "easier task"
+            )
+            continue
+        cells += [
+            f"cell {cell}{of}: the baseline scores {c['baseline']:.2f} there, below {t.min_baseline_accuracy}"
+            for cell, c in s["cells"].items()
+            if c["baseline"] < t.min_baseline_accuracy
+        ]
+    return problems, cells
+
+
+def judge(rows: list[dict], infos: list[dict], t: Thresholds, problems: list[str] | None = None) -> Verdict:
+    """Every reason a variant fails, in words; PASS only when there is none. `problems`: why the records cannot be
+    judged, found while reading them (read_runs); None checks `rows` here, as the rows of one records file."""
     reasons: list[str] = []
     for key, what in (("protocol", "protocol"), ("versions", "library versions")):
         seen = {json.dumps(_field(i, key), sort_keys=True) for i in infos}
@@ -102,11 +304,17 @@ def judge(rows: list[dict], infos: list[dict], t: Thresholds) -> Verdict:
         prints = {_field(i, "model") for i in infos if (i.get("model") or {}).get("name") == name}
         if len(prints) > 1:
             reasons.append(f"the runs of model {name} used different weights ({len(prints)} fingerprints)")
-    if not rows:
-        return Verdict(False, [*reasons, "no records"])
-    if not any(is_baseline(r["variant"]) for r in rows):
-        reasons.append("no baseline rows: every variant must be compared with the full cache on the same samples")
-    summary = summarize(rows)
+    cannot = check_rows(rows, "the records") if problems is None else list(problems)
+    if not rows and not cannot:
+        cannot.append("no records")
+    summary = summarize(rows) if rows else {}
+    weak, not_judged = baseline_problems(summary, t)
+    # capacity is a figure per model: with several, each is counted against the largest model's weights
+    weights = max((_field(i, "weights") or 0 for i in infos), default=0)
+    cap = capacity(summary, weights, float(t.capacity["gpu_gib"]), int(t.capacity["context"]))
+    if cannot or weak:
+        chunked = chunked_vs_oneshot(rows) if rows else []
+        return Verdict(False, [*cannot, *weak, *reasons], summary, capacity=cap, chunked=chunked, judged=False)
     by_variant: dict[str, list[dict]] = {}
     for r in rows:
         by_variant.setdefault(r["variant"], []).append(r)
@@ -130,6 +338,8 @@ def judge(rows: list[dict], infos: list[dict], t: Thresholds) -> Verdict:
             )
         if t.min_cell_accuracy is not None:
             for cell, c in s["cells"].items():
+                if t.min_baseline_accuracy is not None and c["baseline"] < t.min_baseline_accuracy:
+                    continue  # not judged: the baseline cannot do this cell
                 if c["baseline"] >= t.min_cell_accuracy > c["policy"]:
                     reasons.append(
                         f"{name}: cell {cell}: accuracy {c['policy']:.2f} (baseline {c['baseline']:.2f}) "
@@ -149,13 +359,16 @@ def judge(rows: list[dict], infos: list[dict], t: Thresholds) -> Verdict:
         if t.max_mean_kl is not None and s.get("kl_mean") is not None and s["kl_mean"] > t.max_mean_kl:
             reasons.append(f"{name}: mean KL {s['kl_mean']:.4f} nats over {t.max_mean_kl}")
         if any(_compression_asked(r) for r in by_variant[name]) and s["kv_ratio"] >= t.min_compression:
+            clipped = s.get("budget_clipped")
             reasons.append(
                 f"{name}: compression was asked but the measured KV bytes are {s['kv_ratio']:.3f}x the baseline's"
+                + (
+                    f" (its budget exceeds the context of {clipped} of {s['n']} samples: budget_clipped)"
+                    if clipped
+                    else ""
+                )
             )
-    # capacity is a figure per model: with several, each is counted against the largest model's weights
-    weights = max((_field(i, "weights") or 0 for i in infos), default=0)
-    cap = capacity(summary, weights, float(t.capacity["gpu_gib"]), int(t.capacity["context"]))
-    return Verdict(not reasons, reasons, summary, capacity=cap, chunked=chunked_vs_oneshot(rows))
+    return Verdict(not reasons, reasons, summary, capacity=cap, chunked=chunked_vs_oneshot(rows), not_judged=not_judged)
 
 
 def _field(info: dict, key: str) -> Any:
@@ -168,21 +381,55 @@ def _field(info: dict, key: str) -> Any:
     return info.get(key)
 
 
+def output_folder(out: Path) -> Path:
+    """`out`, created if missing; a ConfigError when it is a file or cannot be created."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} is a file, not a folder: give --out a folder (it is created if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"cannot create {out} ({err.strerror or err}); give --out a writable folder") from None
+    return out
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write a file atomically (the old one or the new one, never half of either), or a ConfigError naming it."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise ConfigError(f"could not write {path} ({err.strerror or err}); give --out a writable folder") from None
+
+
 def write_outputs(verdict: Verdict, out_dir: Path, t: Thresholds) -> None:
-    write_json(
-        out_dir / VERDICT,
-        {
-            "verdict": "PASS" if verdict.passed else "FAIL",
-            "reasons": verdict.reasons,
-            "thresholds": asdict(t),
-            "runs": verdict.runs,
-            "variants": verdict.variants,
-            "chunked_vs_oneshot": verdict.chunked,
-        },
-    )
-    lines = [f"# evalkit gate: {'PASS' if verdict.passed else 'FAIL'}", ""]
+    output_folder(out_dir)
+    doc = {
+        "verdict": verdict.status,
+        "reasons": verdict.reasons,
+        "not_judged": verdict.not_judged,
+        "thresholds": asdict(t),
+        "runs": verdict.runs,
+        "variants": verdict.variants,
+        "chunked_vs_oneshot": verdict.chunked,
+    }
+    write_text(out_dir / VERDICT, json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    lines = [f"# evalkit gate: {verdict.status}", ""]
+    if not verdict.judged:
+        lines += ["These records cannot be judged (exit code 2); the tables below, if any, are not a verdict.", ""]
     lines += [f"- {r}" for r in verdict.reasons] or ["Every threshold holds."]
-    lines += [
+    if verdict.not_judged:
+        lines += ["", "Not judged: the full-cache baseline is below min_baseline_accuracy in these cells.", ""]
+        lines += [f"- not judged: {c}" for c in verdict.not_judged]
+    if verdict.variants:
+        lines += tables(verdict, t)
+    lines += ["", "Thresholds: " + ", ".join(f"{k}={v}" for k, v in asdict(t).items()), ""]
+    write_text(out_dir / REPORT, "\n".join(lines))
+
+
+def tables(verdict: Verdict, t: Thresholds) -> list[str]:
+    lines = [
         "",
         "| variant | n | baseline | policy | drop [95% CI] | McNemar p | lost | KV ratio |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -210,9 +457,7 @@ def write_outputs(verdict: Verdict, out_dir: Path, t: Thresholds) -> None:
             f"| {name} | {c['kv_bytes_per_token']:.0f} | {c['sequences']} | {nominal} | "
             f"{s['kv_ratio']:.3f}x | {s['peak_prefill_kv_bytes'] / 2**20:.1f} MB |"
         )
-    lines += chunked_table(verdict.chunked)
-    lines += ["", "Thresholds: " + ", ".join(f"{k}={v}" for k, v in asdict(t).items()), ""]
-    (out_dir / REPORT).write_text("\n".join(lines))
+    return lines + chunked_table(verdict.chunked)
 
 
 def chunked_table(comparisons: list[dict[str, Any]]) -> list[str]:
@@ -239,33 +484,48 @@ def chunked_table(comparisons: list[dict[str, Any]]) -> list[str]:
 
 
 def gate(run_dirs: list[Path], thresholds: Thresholds, out_dir: Path | None = None) -> Verdict:
-    rows, infos = read_runs(run_dirs)
-    verdict = judge(rows, infos, thresholds)
+    """Judge the runs and write verdict.json and report.md into `out_dir` (default: the first run folder); return a
+    PASS or FAIL verdict for the caller to print. Records that cannot be judged: the outputs are written (where the
+    folder is writable), the reasons printed (print_verdict), then CannotJudge is raised (exit code 2)."""
+    records = read_runs(run_dirs)
+    verdict = judge(records.rows, records.infos, thresholds, records.problems)
     verdict.runs = [str(d) for d in run_dirs]
-    write_outputs(verdict, out_dir or run_dirs[0], thresholds)
-    return verdict
+    out = out_dir or run_dirs[0]
+    if verdict.judged:
+        write_outputs(verdict, out, thresholds)
+        return verdict
+    try:
+        write_outputs(verdict, out, thresholds)
+    except ConfigError as err:
+        verdict.reasons.append(f"(verdict.json and report.md not written: {err})")
+    print_verdict(verdict)
+    more = len(verdict.reasons) - 1
+    raise CannotJudge(
+        f"the gate cannot judge these records: {verdict.reasons[0]}" + (f" (and {more} more, above)" if more else "")
+    )
 
 
 def print_verdict(verdict: Verdict) -> None:
-    print(f"\nevalkit gate: {'PASS' if verdict.passed else 'FAIL'}")
+    print(f"\nevalkit gate: {verdict.status}")
     for reason in verdict.reasons:
         print(f"  - {reason}")
+    for cell in verdict.not_judged:
+        print(f"  - not judged: {cell}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m evalkit.gate", description=__doc__.splitlines()[0])
-    ap.add_argument("runs", nargs="+", type=Path, help="evalkit run folders (or folders holding several)")
-    ap.add_argument("--gate", default="default", help="a conf/gate name or a YAML file of thresholds")
-    ap.add_argument("--out", type=Path, default=None, help="where verdict.json and report.md go (default: first run)")
-    args = ap.parse_args(argv)
-    try:
+    def run() -> int:
+        ap = argparse.ArgumentParser(prog="python -m evalkit.gate", description=__doc__.splitlines()[0])
+        ap.add_argument("runs", nargs="+", type=Path, help="evalkit run folders (or folders holding several)")
+        ap.add_argument("--gate", default="default", help="a conf/gate name or a YAML file of thresholds")
+        ap.add_argument("--out", type=Path, help="where verdict.json and report.md go (default: the first run)")
+        args = ap.parse_args(argv)
         verdict = gate(args.runs, load_thresholds(args.gate), args.out)
-    except ConfigError as err:
-        print(f"evalkit: error: {err}", file=sys.stderr)
-        return 2
-    print_verdict(verdict)
-    return 0 if verdict.passed else 1
+        print_verdict(verdict)
+        return EXIT_OK if verdict.passed else EXIT_FAIL
+
+    return guarded(run)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

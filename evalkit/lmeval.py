@@ -291,14 +291,23 @@ def _doc_metric(task: str, doc: dict) -> str:
     raise ConfigError(f"lm-eval task {task!r} logs no per-document numeric metric; evalkit's records need one")
 
 
-def main() -> None:
-    """lm-eval's own command line, with evalkit's model registered and its offline tasks on the include path."""
+def main() -> int:
+    """lm-eval's own command line, with evalkit's model registered and its offline tasks on the include path,
+    under evalkit's exit codes (lm-eval reports bad arguments, such as an unknown task, as ValueError: exit 2)."""
     from lm_eval.__main__ import cli_evaluate
 
     if "--include_path" not in sys.argv:
         sys.argv += ["--include_path", str(task_dir())]
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except ConfigError:
+        raise
+    except ValueError as err:
+        raise ConfigError(f"lm-eval: {str(err).splitlines()[0]}") from None
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    from evalkit.cli import guarded
+
+    sys.exit(guarded(main))

@@ -9,11 +9,14 @@ import importlib
 import importlib.util
 import json
 import os
+import pickle
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -22,6 +25,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from evalkit import attention
 from evalkit.errors import ConfigError
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -48,10 +53,72 @@ def max_context(cfg: DictConfig) -> int:
     raise ConfigError(f"model {cfg.name}: set model.max_context")
 
 
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def check_device(device: object) -> None:
+    """ConfigError, before anything loads, for a device that is not auto, cpu, cuda or cuda:N, or not here."""
+    text = str(device)
+    kind, colon, index = text.partition(":")
+    if kind not in DEVICES or (colon and not (kind == "cuda" and index.isdigit())):
+        raise ConfigError(f"device={text!r} is not one of {', '.join(DEVICES)} (or cuda:N); give e.g. device=auto")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={text} but no CUDA GPU is visible here; use device=cpu or auto")
+        if colon and int(index) >= torch.cuda.device_count():
+            n = torch.cuda.device_count()
+            raise ConfigError(f"device={text} but {n} CUDA GPU(s) are visible here; use cuda:0 to cuda:{n - 1}")
+
+
 def pick_device(device: str) -> torch.device:
+    check_device(device)
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def check_source(cfg: DictConfig) -> None:
+    """ConfigError, before anything loads, for an hf model in a local folder that asks to run its own code
+    (`auto_map` in config.json or tokenizer_config.json: transformers would need trust_remote_code, which evalkit
+    never passes). Hub ids are checked as they load (`_refused`)."""
+    if cfg.get("kind") != "hf" or not isinstance(cfg.get("name_or_path"), str):
+        return
+    folder = Path(cfg.name_or_path).expanduser()
+    for name in ("config.json", "tokenizer_config.json"):
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            raise ConfigError(
+                f"model.name_or_path={cfg.name_or_path!r}: {name} is not readable JSON ({err}); fix or replace it"
+            ) from None
+        if isinstance(data, dict) and data.get("auto_map"):
+            raise _remote_code(cfg, f"auto_map in {name}")
+
+
+def _remote_code(cfg: DictConfig, why: str) -> ConfigError:
+    return ConfigError(
+        f"model.name_or_path={cfg.name_or_path!r} asks to run its own Python code to load ({why}; trust_remote_code),"
+        " which evalkit never does; use a model whose architecture transformers implements"
+    )
+
+
+def _refused(cfg: DictConfig, err: Exception) -> ConfigError | None:
+    """The one-line ConfigError for a model transformers or torch refuse to load: one that needs its own code run,
+    or pickle weights (*.bin) that hold more than tensors and so cannot load with torch's weights_only unpickler.
+    None for any other error."""
+    if isinstance(err, pickle.UnpicklingError):
+        reason = next((ln.strip() for ln in str(err).splitlines() if "Unsupported global" in ln), "").split(" was ")[0]
+        return ConfigError(
+            f"model.name_or_path={cfg.name_or_path!r} holds pickle weights that torch refuses to load safely "
+            f"(weights_only{': ' + reason if reason else ''}); use a model with *.safetensors weights (convert these "
+            "once, only if you trust their source, with save_pretrained)"
+        )
+    if isinstance(err, ValueError) and "trust_remote_code" in str(err):
+        return _remote_code(cfg, "custom code in the repository")
+    return None
 
 
 ATTENTION = ("sdpa", "flash_attention_2")
@@ -89,6 +156,21 @@ def load(cfg: DictConfig, device: str = "auto") -> LoadedModel:
     return LoadedModel(cfg.name, model, tokenizer, fingerprint, time.perf_counter() - start, source)
 
 
+def load_tokenizer(cfg: DictConfig) -> PreTrainedTokenizerBase:
+    """The model's tokenizer alone, without its weights: samples are built and checked before the weights load.
+    (An embedded GGUF model is converted first, once, as `load` would.)"""
+    if cfg.kind == "tiny-random":
+        return byte_tokenizer()
+    if cfg.kind == "gguf":
+        cached = cache_root() / f"{cfg.name}-{cfg.package_version}"
+        if not (cached / "evalkit.json").exists():
+            _convert_gguf(cfg, cached)
+        return AutoTokenizer.from_pretrained(cached)
+    if cfg.kind == "hf":
+        return _from_hf(cfg, lambda: AutoTokenizer.from_pretrained(cfg.name_or_path, revision=cfg.get("revision")))
+    raise ConfigError(f"model.kind={cfg.kind!r} is not one of ['gguf', 'hf', 'tiny-random']")
+
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -105,16 +187,26 @@ def _load_hf(cfg: DictConfig):
         kwargs["revision"] = cfg.revision
     if cfg.get("device_map"):
         kwargs["device_map"] = cfg.device_map
+    tokenizer = load_tokenizer(cfg)
+    model = _from_hf(cfg, lambda: AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs))
+    fingerprint = getattr(model.config, "_commit_hash", None) or str(cfg.name_or_path)
+    return model, tokenizer, fingerprint, str(cfg.name_or_path)
+
+
+def _from_hf(cfg: DictConfig, load: Callable[[], T]) -> T:
+    """`load()` (a from_pretrained of model.name_or_path), its refusals and a missing folder as one-line errors."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, revision=cfg.get("revision"))
-        model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs)
+        return load()
+    except (ValueError, pickle.UnpicklingError) as err:
+        refused = _refused(cfg, err)
+        if refused is None:
+            raise
+        raise refused from None
     except OSError as err:
         raise ConfigError(
             f"model.name_or_path={cfg.name_or_path!r} could not be loaded ({str(err).splitlines()[0]}); "
-            "give a local folder with config.json and weights, or a Hub id on a machine that reaches the Hub"
+            "give a local folder with config.json, tokenizer and weights, or a Hub id on a machine that reaches the Hub"
         ) from err
-    fingerprint = getattr(model.config, "_commit_hash", None) or str(cfg.name_or_path)
-    return model, tokenizer, fingerprint, str(cfg.name_or_path)
 
 
 def _load_gguf(cfg: DictConfig):
@@ -157,7 +249,7 @@ def _convert_gguf(cfg: DictConfig, target: Path) -> None:
         tokenizer.save_pretrained(out)
         meta = {
             "gguf_file": gguf.name,
-            "gguf_sha256": _sha256(gguf),
+            "gguf_sha256": file_sha256(gguf),
             "package": cfg.package,
             "package_version": cfg.package_version,
         }
@@ -169,7 +261,7 @@ def _convert_gguf(cfg: DictConfig, target: Path) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

@@ -7,6 +7,7 @@ the baseline and every variant therefore see exactly the ids of the joined promp
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 from torch import Tensor
@@ -48,8 +49,7 @@ def build_prompt(tokenizer: PreTrainedTokenizerBase, sample: Sample, protocol: s
     text, q_start, chat = prompt_text(tokenizer, sample)
     ctx_start = text.index(sample.context)
     # A chat template already writes the special tokens it needs; a plain prompt gets the tokenizer's BOS.
-    enc = tokenizer(text, add_special_tokens=not chat, return_offsets_mapping=True)
-    offsets = enc["offset_mapping"]
+    ids, offsets = encode(tokenizer, text, user_spans(text, sample, ctx_start), add_special_tokens=not chat)
     n_context = next(i for i, (start, _) in enumerate(offsets) if start >= q_start)
     if protocol == "query_aware":
         n_context = len(offsets) - 1  # all but the last prompt token, whose logits start the answer
@@ -57,4 +57,40 @@ def build_prompt(tokenizer: PreTrainedTokenizerBase, sample: Sample, protocol: s
     spans = [(lo, lo + len(e)) for lo, e in zip(starts, sample.evidence, strict=True)]
     evidence = [i for i, (s, e) in enumerate(offsets) if any(s < hi and e > lo for lo, hi in spans)]
 
-    return Prompt(torch.tensor([enc["input_ids"]]), n_context, evidence, protocol)
+    return Prompt(torch.tensor([ids]), n_context, evidence, protocol)
+
+
+def user_spans(text: str, sample: Sample, ctx_start: int) -> list[tuple[int, int]]:
+    """(start, end) of the sample's own text in the prompt: context, question, continuation, answer prefix."""
+    spans, end = [(ctx_start, ctx_start + len(sample.context))], ctx_start + len(sample.context)
+    for part in (sample.question, sample.continuation, sample.answer_prefix.strip()):
+        if part:
+            lo = text.index(part, end)
+            spans.append((lo, lo + len(part)))
+            end = lo + len(part)
+    return spans
+
+
+def encode(
+    tokenizer: PreTrainedTokenizerBase, text: str, spans: list[tuple[int, int]], add_special_tokens: bool
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids and character offsets of `text`, where the characters in `spans` (the data's text) are tokenised
+    as text: a special token's string in the data (`<|im_end|>`, `<|im_start|>`) never becomes a control token,
+    so a sample cannot forge conversation turns. Text without such strings is tokenised whole, in one call."""
+    enc = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], [tuple(o) for o in enc["offset_mapping"]]
+    control = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    if not any(
+        i in control and any(lo <= s and e <= hi for lo, hi in spans) for i, (s, e) in zip(ids, offsets, strict=True)
+    ):
+        return ids, offsets
+    # Tokenise piece by piece: the template's text as it is, the data's text with special tokens split.
+    ids = tokenizer("", add_special_tokens=add_special_tokens)["input_ids"]  # the BOS a plain prompt opens with
+    offsets = [(0, 0)] * len(ids)
+    cuts = sorted({0, len(text), *(c for span in spans for c in span)})
+    for lo, hi in pairwise(cuts):
+        data = any(a <= lo and hi <= b for a, b in spans)
+        piece = tokenizer(text[lo:hi], add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=data)
+        ids += piece["input_ids"]
+        offsets += [(lo + s, lo + e) for s, e in piece["offset_mapping"]]
+    return ids, offsets

@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,26 +22,80 @@ RUN = "run.json"
 SUMMARY = "summary.json"
 
 
+KEYS = ("sample_id", "variant")  # what every row has: (sample_id, variant) names it
+CORRUPT = "the file was edited or corrupted: fix or delete that line, or move the file away to start the run afresh"
+
+
+def scan_rows(
+    path: Path, required: tuple[str, ...] = KEYS, check: Callable[[dict], str | None] | None = None
+) -> tuple[list[dict[str, Any]], list[str], int | None, int]:
+    """Every row of a samples.jsonl that is a JSON object with the `required` fields (and passes `check`, which says
+    what is wrong with a row, e.g. "has score='x', not a number", or None), and what is wrong with the rest.
+
+    Returns (rows, problems, torn, end): each problem names `file:line` and the fix; `torn` is the number of a final
+    line with no newline (a write that was killed), None when the file ends whole; `end` is the byte offset where the
+    whole lines end. Bad content raises nothing (read_rows raises, the gate lists it); an unreadable file is a
+    ConfigError.
+    """
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot be read ({err.strerror or err}); fix its permissions") from None
+    rows: list[dict[str, Any]] = []
+    problems: list[str] = []
+    torn, end = None, 0
+    for n, line in enumerate(data.splitlines(keepends=True), start=1):
+        if not line.endswith(b"\n"):
+            torn = n
+            break
+        end += len(line)
+        try:
+            row = json.loads(line)
+        except ValueError as err:  # JSONDecodeError, or bytes that are not UTF-8
+            why = err.msg if isinstance(err, json.JSONDecodeError) else "not UTF-8 text"
+            problems.append(f"{path}:{n}: line {n} is not valid JSON ({why}); {CORRUPT}")
+            continue
+        if not isinstance(row, dict) or not row:
+            what = "an empty object" if row == {} else f"{_json_kind(row)}, not an object"
+            need = ", ".join(required)
+            problems.append(f"{path}:{n}: line {n} is {what}: a row is a JSON object with {need}; {CORRUPT}")
+            continue
+        missing = [k for k in required if row.get(k) is None]
+        if missing:
+            need = ", ".join(required)
+            problems.append(f"{path}:{n}: line {n} has no {', '.join(missing)} (every row needs {need}); {CORRUPT}")
+            continue
+        wrong = next(
+            (f"has {k}={row[k]!r}, not a string" for k in KEYS if k in required and not isinstance(row[k], (str, int))),
+            None,
+        ) or (check(row) if check else None)
+        if wrong:
+            problems.append(f"{path}:{n}: line {n} {wrong}; {CORRUPT}")
+            continue
+        rows.append(row)
+    return rows, problems, torn, end
+
+
+def _json_kind(value: Any) -> str:
+    kinds = {type(None): "null", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return kinds.get(type(value), type(value).__name__)
+
+
+def torn_line(path: Path, n: int) -> str:
+    return f"{path}:{n}: line {n} is torn (a write was killed); finish the run with resume=true"
+
+
 def read_rows(path: Path, repair: bool = False) -> list[dict[str, Any]]:
-    """Rows of a samples.jsonl. A torn final line (a killed write) is dropped, and cut from the file if `repair`."""
+    """Rows of a samples.jsonl. A torn final line (a killed write) is dropped, and cut from the file if `repair`.
+    A whole line that is not a JSON object with sample_id and variant is a ConfigError naming `file:line`."""
     if not path.exists():
         return []
-    data = path.read_bytes()
-    rows, good_end = [], 0
-    for line in data.splitlines(keepends=True):
-        if not line.endswith(b"\n"):
-            break
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            raise ConfigError(
-                f"{path}: line {len(rows) + 1} is not valid JSON ({err.msg}); the file was edited or "
-                "corrupted: move it away to start the run afresh"
-            ) from err
-        good_end += len(line)
-    if repair and good_end < len(data):
+    rows, problems, torn, end = scan_rows(path)
+    if problems:
+        raise ConfigError(problems[0] + (f" ({len(problems) - 1} more bad lines)" if len(problems) > 1 else ""))
+    if repair and torn is not None:
         with path.open("r+b") as f:
-            f.truncate(good_end)
+            f.truncate(end)
     return rows
 
 

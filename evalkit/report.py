@@ -4,6 +4,8 @@
 
 Plots: accuracy per cell (context length x depth or position) per variant beside the baseline; accuracy (and
 KL, for fidelity) against the share of KV bytes saved, with the Pareto front; easy vs hard; flips by cause.
+Records the gate cannot judge (repeated, torn or corrupt rows, several runs in one file, no baseline or no policy
+rows, a weak baseline, ...) are still drawn, under a list of warnings at the top, also printed on stderr; exit code 0.
 """
 
 from __future__ import annotations
@@ -20,8 +22,16 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 from evalkit.analysis import chunked_vs_oneshot, is_baseline, label_order, summarize  # noqa: E402
+from evalkit.cli import guarded  # noqa: E402
 from evalkit.errors import ConfigError  # noqa: E402
-from evalkit.gate import chunked_table, read_runs  # noqa: E402
+from evalkit.gate import (  # noqa: E402
+    Thresholds,
+    baseline_problems,
+    chunked_table,
+    load_thresholds,
+    output_folder,
+    read_runs,
+)
 
 
 def pareto(points: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
@@ -126,10 +136,14 @@ def bars(summary: dict[str, Any], out: Path) -> list[Path]:
     return paths
 
 
-def markdown(summary: dict[str, Any], images: list[Path], runs: list[Path], chunked: list[dict] = ()) -> str:
-    lines = [
-        "# evalkit report",
-        "",
+def markdown(
+    summary: dict[str, Any], images: list[Path], runs: list[Path], chunked: list[dict] = (), warnings: list[str] = ()
+) -> str:
+    lines = ["# evalkit report", ""]
+    if warnings:
+        lines += ["## Warnings", "", "The gate cannot judge these records; the tables and plots below may mislead.", ""]
+        lines += [f"- {w}" for w in warnings] + [""]
+    lines += [
         "Runs: " + ", ".join(f"`{r}`" for r in runs),
         "",
         "| variant | n | baseline | policy | drop [95% CI] | McNemar p | lost (evicted/ignored) | KV ratio |",
@@ -164,6 +178,8 @@ def to_html(md: str) -> str:
             table = []
         if line.startswith("# "):
             body.append(f"<h1>{html.escape(line[2:])}</h1>")
+        elif line.startswith("## "):
+            body.append(f"<h2>{html.escape(line[3:])}</h2>")
         elif line.startswith("!["):
             src = line[line.index("(") + 1 : -1]
             body.append(f'<p><img src="{html.escape(src)}"></p>')
@@ -178,33 +194,45 @@ def to_html(md: str) -> str:
     )
 
 
-def report(runs: list[Path], out: Path) -> list[Path]:
-    """Write report.md, report.html and the PNG plots into `out`; return the files written."""
-    rows, _ = read_runs(runs)
-    if not rows:
-        raise ConfigError(f"no records in {', '.join(map(str, runs))}")
-    out.mkdir(parents=True, exist_ok=True)
-    summary = summarize(rows)
-    images = [p for p in [heatmaps(rows, out), tradeoff(summary, out), *bars(summary, out)] if p is not None]
-    md = markdown(summary, images, runs, chunked_vs_oneshot(rows))
-    (out / "report.md").write_text(md)
-    (out / "report.html").write_text(to_html(md))
+def report(runs: list[Path], out: Path, thresholds: Thresholds | None = None) -> list[Path]:
+    """Write report.md, report.html and the PNG plots into `out`; return the files written. What would keep the gate
+    (with `thresholds`, default conf/gate/default.yaml) from judging the records is listed as warnings at the top of
+    the report and printed on stderr."""
+    records = read_runs(runs)
+    if not records.rows:
+        why = f": {records.problems[0]}" if records.problems else ""
+        raise ConfigError(f"no records in {', '.join(map(str, runs))}{why}")
+    out = output_folder(out)
+    summary = summarize(records.rows)
+    warnings = [*records.problems, *baseline_problems(summary, thresholds or load_thresholds("default"))[0]]
+    for w in warnings:
+        print(f"evalkit report: warning: {w}", file=sys.stderr)
+    try:
+        images = [
+            p for p in [heatmaps(records.rows, out), tradeoff(summary, out), *bars(summary, out)] if p is not None
+        ]
+        md = markdown(summary, images, runs, chunked_vs_oneshot(records.rows), warnings)
+        (out / "report.md").write_text(md)
+        (out / "report.html").write_text(to_html(md))
+    except OSError as err:
+        raise ConfigError(
+            f"could not write the report into {out} ({err.strerror or err}); give --out another folder"
+        ) from None
     return [out / "report.md", out / "report.html", *images]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m evalkit.report", description=__doc__.splitlines()[0])
-    ap.add_argument("runs", nargs="+", type=Path)
-    ap.add_argument("--out", type=Path, default=None, help="output folder (default: RUN/report)")
-    args = ap.parse_args(argv)
-    try:
+    def run() -> int:
+        ap = argparse.ArgumentParser(prog="python -m evalkit.report", description=__doc__.splitlines()[0])
+        ap.add_argument("runs", nargs="+", type=Path)
+        ap.add_argument("--out", type=Path, default=None, help="output folder (default: RUN/report)")
+        args = ap.parse_args(argv)
         written = report(args.runs, args.out or args.runs[0] / "report")
-    except ConfigError as err:
-        print(f"evalkit: error: {err}", file=sys.stderr)
-        return 2
-    print("\n".join(str(p) for p in written))
-    return 0
+        print("\n".join(str(p) for p in written))
+        return 0
+
+    return guarded(run)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import sys
 import time
@@ -11,17 +12,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from evalkit import interrupt, models
 from evalkit.analysis import BASELINE, format_summary, summarize
-from evalkit.config import validate
+from evalkit.config import build, validate
 from evalkit.config import variants as configured_variants
 from evalkit.engine import Outcome, Variant, run_sample
 from evalkit.errors import ConfigError
 from evalkit.fidelity import fidelity
+from evalkit.lock import RunLock
+from evalkit.models import file_sha256
 from evalkit.prompt import Prompt, build_prompt
 from evalkit.records import (
     RUN,
@@ -38,22 +40,34 @@ from evalkit.tasks import Sample, Task
 
 def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     """Run the configured task with the baseline and the configured policy; return the summary."""
-    task: Task = instantiate(cfg.task, _convert_="all")
+    task: Task = build(cfg.task, "task")
     variants = configured_variants(cfg)
     validate(cfg, task, [v.policy for v in variants])
     if task.external and any(v.chunk for v in variants):
         raise ConfigError(f"task={task.name}: lm-eval drives its own forwards, so prefill=chunked is not supported")
+    _check_attention(cfg, variants)
+    print(f"evalkit: run folder: {out_dir}")
+    with RunLock(out_dir):  # before evalkit writes anything there: one writer per folder
+        return _run(cfg, out_dir, task, variants)
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+
+def _run(cfg: DictConfig, out_dir: Path, task: Task, variants: list[Variant]) -> dict[str, Any]:
     rows_path = out_dir / SAMPLES
     config = OmegaConf.to_container(cfg, resolve=True)
-    run_info = _start(out_dir, config, bool(cfg.resume))
+    run_info = _start(out_dir, config, bool(cfg.resume), task)
     done = {(r["sample_id"], r["variant"]) for r in read_rows(rows_path, repair=True)}
 
     if interrupt.requested():  # a sweep's job that starts after Ctrl-C
         raise interrupt.Interrupted(f"stopped before {out_dir} started")
-    _check_attention(cfg, variants)
     torch.manual_seed(int(cfg.seed))
+    if not task.external:
+        # The tokenizer loads before the weights: every sample is built and checked before any of them runs.
+        tokenizer = models.load_tokenizer(cfg.model)
+        samples = task.samples(tokenizer)
+        _check_samples_unchanged(run_info, samples, out_dir)
+        prompts = [build_prompt(tokenizer, s, cfg.protocol) for s in samples]
+        check_samples(samples, prompts, models.max_context(cfg.model), cfg, task, variants)
+        write_json(out_dir / RUN, run_info)
     loaded = models.load(cfg.model, cfg.device)
     _check_model(run_info, loaded)
     run_info["model"] = {
@@ -70,20 +84,19 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         _run_external(task, loaded, variants, run_info, rows_path, done, cfg)
         return _finish(rows_path, out_dir)
     names = [BASELINE] + [v.name for v in variants]
-    samples = task.samples(loaded.tokenizer)
-    pending = [s for s in samples if any((s.id, n) not in done for n in names)]
+    pending = [(s, p) for s, p in zip(samples, prompts, strict=True) if any((s.id, n) not in done for n in names)]
     if done:
         print(f"evalkit: resuming {out_dir}: {len(samples) - len(pending)} of {len(samples)} samples already done")
     stop_ids = _stop_ids(loaded)
-    limit = models.max_context(cfg.model)  # read once: for an hf model it reads its config
     writer = RecordWriter(rows_path)
     try:
-        for sample in tqdm(pending, desc=f"{task.name} x {', '.join(names[1:])}", unit="sample", file=sys.stderr):
+        for i, (sample, prompt) in enumerate(
+            tqdm(pending, desc=f"{task.name} x {', '.join(names[1:])}", unit="sample", file=sys.stderr)
+        ):
             if interrupt.requested():
-                left = len(pending) - pending.index(sample)
-                raise interrupt.Interrupted(f"stopped: {left} of {len(samples)} samples left to run in {out_dir}")
-            prompt = build_prompt(loaded.tokenizer, sample, cfg.protocol)
-            check_sample(sample, prompt, limit, cfg, task, variants)
+                raise interrupt.Interrupted(
+                    f"stopped: {len(pending) - i} of {len(samples)} samples left to run in {out_dir}"
+                )
             baseline, outcomes = run_sample(
                 loaded.model, prompt, variants, task.max_new_tokens, stop_ids, forced=task.teacher_forced
             )
@@ -162,25 +175,54 @@ def flip(score: float, base_score: float) -> str | None:
     return None if score == base_score else ("lost" if score < base_score else "gained")
 
 
-def check_sample(
-    sample: Sample, prompt: Prompt, limit: int, cfg: DictConfig, task: Task, variants: list[Variant]
+def check_samples(
+    samples: list[Sample], prompts: list[Prompt], limit: int, cfg: DictConfig, task: Task, variants: list[Variant]
 ) -> None:
-    """What only a tokenized sample can tell: does it fit the model (`limit` tokens), can every budget hold on it?"""
-    need = int(prompt.ids.shape[1]) + task.max_new_tokens
-    if need > limit:
+    """What only tokenized samples can tell, for all of them before any runs: does each fit the model (`limit`
+    tokens), can every budget hold on it? A budget larger than a sample's context is run as the full context and
+    said here (rows record it as `budget_clipped`)."""
+    too_long = [
+        f"{s.id!r} ({p.ids.shape[1]} + {task.max_new_tokens})"
+        for s, p in zip(samples, prompts, strict=True)
+        if int(p.ids.shape[1]) + task.max_new_tokens > limit
+    ]
+    if too_long:
+        more = f" and {len(too_long) - 5} more" if len(too_long) > 5 else ""
         raise ConfigError(
-            f"sample {sample.id!r}: {prompt.ids.shape[1]} prompt tokens + {task.max_new_tokens} to "
-            f"generate exceed {cfg.model.name}'s {limit}; shorten its context"
+            f"{len(too_long)} sample(s) need more tokens (prompt + answer) than {cfg.model.name}'s {limit}: "
+            f"{', '.join(too_long[:5])}{more}; shorten their contexts (nothing was run)"
         )
+    for s, p in zip(samples, prompts, strict=True):
+        for v in variants:
+            v.check(p.n_context, f"sample {s.id!r}")
     for v in variants:
-        v.check(prompt.n_context, f"sample {sample.id!r}")
+        clipped = [p.n_context for p in prompts if budget_clipped(v, p)]
+        if clipped:
+            print(
+                f"evalkit: warning: {v.name} asks for more tokens than {len(clipped)} of {len(prompts)} samples hold "
+                f"(shortest context {min(clipped)} tokens): those keep their whole context, at 1.0x; their rows "
+                "say budget_clipped",
+                file=sys.stderr,
+            )
 
 
-READ_ONLY = ("gate", "logger")
+def budget_clipped(variant: Variant | None, prompt: Prompt) -> bool | None:
+    """True when a token budget exceeds the sample's context, so the variant keeps everything; None for the
+    baseline."""
+    if variant is None:
+        return None
+    return variant.policy.asked(prompt.n_context) > prompt.n_context
 
 
-def _start(out_dir: Path, config: dict, resume: bool) -> dict[str, Any]:
-    """Create run.json, or check that the run being resumed had the same config and versions."""
+# The gate and the logger read the records, they do not change them, and results_root is where the folder lies,
+# not what it measured: a resumed run may differ in them (a copied or moved folder resumes).
+NOT_IDENTITY = ("resume", "gate", "logger", "results_root")
+
+
+def _start(out_dir: Path, config: dict, resume: bool, task: Task) -> dict[str, Any]:
+    """Create run.json, or prove that the run being resumed is the same experiment: same config, library versions
+    and input files (sha256); the samples and the weights are compared once they are known (_check_samples_unchanged,
+    _check_model)."""
     rows_path, run_path = out_dir / SAMPLES, out_dir / RUN
     comparable = {k: v for k, v in config.items() if k != "resume"}
     has_rows = rows_path.exists() and rows_path.stat().st_size > 0
@@ -190,25 +232,40 @@ def _start(out_dir: Path, config: dict, resume: bool) -> dict[str, Any]:
             "or choose a new folder with hydra.run.dir=... (nothing was overwritten)"
         )
     now = versions()
+    files = {str(f): file_sha256(Path(f)) for f in _input_files(task)}
+    if has_rows and not run_path.exists():
+        raise ConfigError(
+            f"{rows_path} holds rows but {run_path.name} is missing, so nothing proves they come from this "
+            "experiment; restore run.json, or move the folder away to start afresh"
+        )
     if resume and run_path.exists():
-        old = json.loads(run_path.read_text())
-        # the gate and the logger read the records, they do not change them: a resumed run may use others
+        old = _read_run_json(run_path)
         diffs = config_differences(
-            *({k: v for k, v in c.items() if k not in READ_ONLY} for c in (old["config"], comparable))
+            *({k: v for k, v in c.items() if k not in NOT_IDENTITY} for c in (old["config"], comparable))
         )
         diffs += [
             f"versions.{k}: {old['versions'].get(k)!r} -> {now[k]!r}"
             for k in ("torch", "transformers")
             if old["versions"].get(k) != now[k]
         ]
+        old_files = (old.get("data") or {}).get("files", {})
+        diffs += [
+            f"data file {Path(f).name} changed (sha256 {old_files.get(f, 'none')[:12]} -> {h[:12]})"
+            for f, h in files.items()
+            if old_files.get(f) != h
+        ]
         if diffs:
-            raise ConfigError(f"resume=true, but this run differs from the one in {out_dir}: {'; '.join(diffs)}")
+            raise ConfigError(
+                f"resume=true, but this run differs from the one in {out_dir}: {'; '.join(diffs)}; the rows there "
+                "answer the old experiment: run this one in a new folder"
+            )
         old["resumed"] = [*old.get("resumed", []), time.strftime("%Y-%m-%dT%H:%M:%S")]
         return old
     info = {
         "run_id": uuid.uuid4().hex[:12],
         "config": comparable,
         "versions": now,
+        "data": {"files": files},
         "command": sys.argv,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "protocol": config["protocol"],
@@ -217,6 +274,52 @@ def _start(out_dir: Path, config: dict, resume: bool) -> dict[str, Any]:
     }
     write_json(run_path, info)
     return info
+
+
+def _input_files(task: Task) -> list[str]:
+    """The files a task reads its samples from (JSONL data), whose bytes are part of the run's identity."""
+    path = getattr(task, "path", "")
+    return [str(Path(path).resolve())] if path else []
+
+
+def _read_run_json(path: Path) -> dict[str, Any]:
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(
+            f"{path} cannot be read ({err}); the run cannot be resumed: move the folder away to start afresh"
+        ) from None
+    if not isinstance(info, dict) or not isinstance(info.get("config"), dict) or "run_id" not in info:
+        raise ConfigError(f"{path} is not an evalkit run.json; move the folder away to start afresh")
+    info.setdefault("versions", {})
+    return info
+
+
+def sample_digest(sample: Sample) -> str:
+    """sha256 of everything a sample feeds the model and is scored against."""
+    fields = dataclasses.asdict(sample)
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _check_samples_unchanged(run_info: dict[str, Any], samples: list[Sample], out_dir: Path) -> None:
+    """Record each sample's digest; on resume, refuse when the task now generates other samples than the rows
+    already written answer."""
+    now = {s.id: sample_digest(s) for s in samples}
+    data = run_info.setdefault("data", {})
+    old = data.get("samples")
+    if old is not None and old != now:
+        changed = sorted(i for i in set(old) & set(now) if old[i] != now[i])
+        parts = [
+            f"{len(changed)} changed (e.g. {changed[0]!r})" if changed else "",
+            f"{len(set(now) - set(old))} new" if set(now) - set(old) else "",
+            f"{len(set(old) - set(now))} gone" if set(old) - set(now) else "",
+        ]
+        raise ConfigError(
+            f"resume=true, but the task's samples differ from those of the run in {out_dir}: "
+            f"{', '.join(p for p in parts if p)} of {len(old)}; the rows there answer the old samples: "
+            "run the new data in a new folder"
+        )
+    data["samples"] = now
 
 
 def _check_attention(cfg: DictConfig, variants: list[Variant]) -> None:
@@ -287,6 +390,7 @@ def _row(
         else None,
         "tokens_held_per_layer": outcome.tokens_held,
         "evidence_retained_per_layer": outcome.evidence_retained,
+        "budget_clipped": budget_clipped(variant, prompt),
         "context_tokens": prompt.n_context,
         "prompt_tokens": int(prompt.ids.shape[1]),
         "generated_tokens": len(outcome.tokens),

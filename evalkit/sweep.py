@@ -7,30 +7,57 @@ launcher (basic, joblib, submitit), once every job has returned.
 
 from __future__ import annotations
 
+import sys
+import traceback
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-# The gate's exit code for the sweep (0 PASS, 1 FAIL), read by evalkit.__main__ once Hydra returns; None: no gate.
+# The gate's exit code for the sweep (0 PASS, 1 FAIL, 2 cannot judge or a bad gate config, 3 a bug in the merge),
+# read by evalkit.__main__ once Hydra returns; None: no gate.
 exit_code: int | None = None
 
 
 class MergeJobs(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         global exit_code
-        from evalkit.errors import ConfigError
+        from evalkit.cli import BUG
+        from evalkit.errors import EXIT_INTERNAL
+
+        try:
+            self._merge(config)
+        except Exception:  # noqa: BLE001 - a bug: Hydra would print it and exit 1, the gate's FAIL; exit 3 instead
+            traceback.print_exc()
+            print(BUG, file=sys.stderr)
+            exit_code = EXIT_INTERNAL
+
+    def _merge(self, config: DictConfig) -> None:
+        global exit_code
+        from evalkit.errors import EXIT_FAIL, EXIT_OK, EXIT_USAGE, ConfigError
         from evalkit.gate import gate, print_verdict, thresholds
         from evalkit.report import report
 
         sweep = Path(config.hydra.sweep.dir)
+        gated = config.gate.name != "none"
         try:
-            written = report([sweep], sweep / "report")
+            limits = thresholds(config.gate, repr(config.gate.name)) if gated else None
+        except ConfigError as err:
+            print(f"evalkit: error: {err}", file=sys.stderr)
+            exit_code = EXIT_USAGE
+            return
+        try:
+            written = report([sweep], sweep / "report", limits)
+            print(f"evalkit: merged report of the sweep: {written[0]}")
         except ConfigError as err:  # no job wrote records (all failed or were interrupted before a sample)
             print(f"evalkit: no merged report: {err}")
+        if not gated:
             return
-        print(f"evalkit: merged report of the sweep: {written[0]}")
-        if config.gate.name != "none":
-            verdict = gate([sweep], thresholds(config.gate, repr(config.gate.name)))
-            print_verdict(verdict)
-            exit_code = 0 if verdict.passed else 1
+        try:
+            verdict = gate([sweep], limits)
+        except ConfigError as err:  # CannotJudge (the gate printed its reasons), or no records at all
+            print(f"evalkit: error: {err}", file=sys.stderr)
+            exit_code = EXIT_USAGE
+            return
+        print_verdict(verdict)
+        exit_code = EXIT_OK if verdict.passed else EXIT_FAIL

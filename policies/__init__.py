@@ -13,6 +13,7 @@ from typing import ClassVar
 from torch import Tensor
 
 from evalkit.errors import ConfigError
+from evalkit.hydra_errors import check_fields
 
 
 @dataclass
@@ -78,16 +79,25 @@ class KVPolicy:
             scores = scores.masked_fill(protected, math.inf)
         return scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
 
+    def check_params(self) -> None:
+        """Raise ConfigError for a parameter out of its range; the types are checked already (check_fields).
+        Policies with parameters extend it."""
+
     def validate(self, shortest_context: int | None) -> None:
-        """Raise ConfigError for a budget that cannot work on the shortest context of the run (None: unknown)."""
+        """Raise ConfigError for a parameter of the wrong type or out of range, or a budget that cannot work on the
+        shortest context of the run (None: unknown)."""
         b = self.budget
         if isinstance(b, bool) or not isinstance(b, (int, float)):
             raise ConfigError(f"policy.budget={b!r}: give a fraction in (0, 1] or a whole number of tokens")
+        check_fields(self, "policy")  # every field against its annotation: bools are bools, ints whole numbers
         if isinstance(b, float) and not 0.0 < b <= 1.0:
             raise ConfigError(
                 f"policy.budget={b} is outside (0, 1] as a fraction of the context; "
                 "give a fraction such as 0.25 or a whole number of tokens such as 512"
             )
+        if isinstance(b, int) and b < 1:
+            raise ConfigError(f"policy.budget={b} keeps no token; give a fraction such as 0.25 or tokens such as 512")
+        self.check_params()
         if shortest_context is None:
             return
         kept = min(shortest_context, self.asked(shortest_context))

@@ -13,6 +13,7 @@ from typing import ClassVar
 
 from torch import Tensor
 
+from evalkit.errors import ConfigError
 from evalkit.policies import KVPolicy, LayerView
 
 
@@ -32,3 +33,10 @@ class H2O(KVPolicy):
 
     def min_tokens(self) -> int:
         return 2
+
+    def check_params(self) -> None:
+        if not 0.0 <= self.recent <= 1.0:
+            raise ConfigError(
+                f"policy.recent={self.recent} is outside [0, 1] (the share of the budget kept for the most recent "
+                "tokens); give e.g. policy.recent=0.5"
+            )

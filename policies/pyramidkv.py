@@ -44,10 +44,10 @@ class PyramidKV(SnapKV):
     def keep_per_layer(self, seen: int, n_layers: int) -> list[int]:
         return pyramid(self.target(seen), n_layers, self.beta, lo=min(seen, self.min_tokens()), hi=seen)
 
-    def validate(self, shortest_context: int | None) -> None:
+    def check_params(self) -> None:
         if self.decode:
             # Re-apportioning the pyramid as tokens arrive would have to grow layers that already evicted.
             raise ConfigError("pyramidkv compresses once, after the prompt, as published: set policy.decode=false")
         if self.beta < 1:
             raise ConfigError(f"policy.beta={self.beta} must be >= 1 (1 = uniform budgets, larger = steeper)")
-        super().validate(shortest_context)
+        super().check_params()

@@ -60,9 +60,13 @@ class SnapKV(KVPolicy):
     def min_tokens(self) -> int:
         return self.window + 1
 
-    def validate(self, shortest_context: int | None) -> None:
+    def check_params(self) -> None:
+        if self.window < 1:
+            raise ConfigError(
+                f"policy.window={self.window}: the observation window needs at least 1 query; "
+                "give e.g. policy.window=32"
+            )
         if self.pooling not in ("avg", "max"):
             raise ConfigError(f"policy.pooling={self.pooling!r} is not one of ['avg', 'max']")
         if self.kernel < 1 or self.kernel % 2 == 0:
             raise ConfigError(f"policy.kernel={self.kernel} must be an odd number >= 1 (it centres on each token)")
-        super().validate(shortest_context)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from evalkit.errors import ConfigError
 from evalkit.policies import KVPolicy, LayerView
 
 
@@ -28,3 +29,7 @@ class StreamingLLM(KVPolicy):
 
     def min_tokens(self) -> int:
         return self.n_sink + 1
+
+    def check_params(self) -> None:
+        if self.n_sink < 0:
+            raise ConfigError(f"policy.n_sink={self.n_sink} is negative; give a number of sink tokens such as 4 (or 0)")

@@ -90,7 +90,6 @@ def test_gate_fails_with_every_reason_in_words():
 @pytest.mark.parametrize(
     ("records", "infos", "message"),
     [
-        ([r for r in rows([1] * 30, [1] * 30) if r["variant"] != "baseline"], [], "no baseline rows"),
         (rows([1] * 5, [1] * 5), [], "5 samples, fewer than the 20 required"),
         (rows([1] * 30, [1] * 30, kv=(100, 100)), [], "compression was asked but the measured KV bytes are 1.000x"),
         (
@@ -99,25 +98,46 @@ def test_gate_fails_with_every_reason_in_words():
             "the runs of model m used different weights",
         ),
         (rows([1] * 30, [1] * 30), [{"protocol": "query_aware"}, {"protocol": "query_agnostic"}], "differ in protocol"),
-        ([], [], "no records"),
         (
             [{**r, "prefill_peak_tokens": 90, "prefill_bound_tokens": 80} for r in rows([1] * 30, [1] * 30)],
             [],
             "held 90 tokens in a layer, over its bound of 80",
         ),
     ],
-    ids=["no-baseline", "too-few-samples", "no-compression", "mixed-models", "mixed-protocols", "empty", "over-bound"],
+    ids=["too-few-samples", "no-compression", "mixed-models", "mixed-protocols", "over-bound"],
 )
 def test_gate_fails_closed(records, infos, message):
     v = judge(records, infos, Thresholds())
-    assert not v.passed and any(message in r for r in v.reasons), v.reasons
+    assert v.judged and not v.passed and v.status == "FAIL"
+    assert any(message in r for r in v.reasons), v.reasons
+
+
+@pytest.mark.parametrize(
+    ("records", "message"),
+    [
+        ([r for r in rows([1] * 30, [1] * 30) if r["variant"] != "baseline"], "no baseline rows"),
+        ([], "no rows"),
+        ([r for r in rows([1] * 30, [1] * 30) if r["variant"] == "baseline"], "only baseline rows (30 samples)"),
+        (rows([0] * 30, [0] * 30), "the full-cache baseline scores 0.00 on this task"),
+    ],
+    ids=["no-baseline", "empty", "no-policy", "weak-baseline"],
+)
+def test_gate_cannot_judge_degenerate_records(records, message):
+    v = judge(records, [], Thresholds())
+    assert not v.judged and not v.passed and v.status == "CANNOT JUDGE"
+    assert any(message in r for r in v.reasons), v.reasons
+
+
+def write_run(folder, records, run_id="r1"):
+    folder.mkdir(parents=True)
+    (folder / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (folder / "run.json").write_text(json.dumps({"run_id": run_id}))
+    return folder
 
 
 def test_gate_command_line_writes_verdict_and_report_and_exits_by_verdict(tmp_path):
-    good, bad = tmp_path / "good", tmp_path / "bad"
-    for d, pol in ((good, [1] * 30), (bad, [0] * 30)):
-        d.mkdir()
-        (d / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows([1] * 30, pol)))
+    good = write_run(tmp_path / "good", rows([1] * 30, [1] * 30))
+    bad = write_run(tmp_path / "bad", rows([1] * 30, [0] * 30))
     assert main([str(good)]) == 0
     assert json.loads((good / "verdict.json").read_text())["verdict"] == "PASS"
     assert main([str(bad)]) == 1
@@ -125,11 +145,13 @@ def test_gate_command_line_writes_verdict_and_report_and_exits_by_verdict(tmp_pa
     assert main([str(tmp_path / "missing")]) == 2
     assert main([str(good), "--gate", "nope"]) == 2
     assert load_thresholds("default").max_drop == 0.05
+    assert load_thresholds("default").min_baseline_accuracy == 0.5
 
 
 def test_gate_after_a_run_sets_the_exit_code(tmp_path):
+    # tiny-random cannot find a needle (its baseline scores 0): the baseline check is switched off to test the FAIL
     args = ["model=tiny-random", "task.context_lengths=[128]", "task.depths=[0.5]", "policy.budget=0.5"]
-    result = run_cli(*args, "gate=default", f"hydra.run.dir={tmp_path}")
+    result = run_cli(*args, "gate=default", "gate.min_baseline_accuracy=null", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 1, result.stderr  # 1 sample < 20 required: fails closed
     assert "evalkit gate: FAIL" in result.stdout and "fewer than the 20 required" in result.stdout
     assert (tmp_path / "verdict.json").exists() and (tmp_path / "report.md").exists()

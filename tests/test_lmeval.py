@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +15,7 @@ lm_eval = pytest.importorskip("lm_eval", reason="pip install 'lm-eval>=0.4.9,<0.
 
 from evalkit import lmeval  # noqa: E402
 from evalkit.records import read_rows  # noqa: E402
-from tests.conftest import run_cli  # noqa: E402
+from tests.conftest import ROOT, run_cli  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -139,3 +142,27 @@ def test_unknown_lm_eval_task_is_a_config_error(tmp_path):
     )
     assert result.returncode == 2
     assert "lm-eval knows no task 'evalkit_recal'; did you mean evalkit_recall" in result.stderr
+
+
+def test_lm_eval_command_line_keeps_the_exit_code_contract():
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "evalkit.lmeval",
+            "run",
+            "--model",
+            "evalkit",
+            "--model_args",
+            "model=tiny-random",
+            "--tasks",
+            "no_such_task_xyz",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_DATASETS_OFFLINE": "1"},
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "evalkit: error: lm-eval: Tasks not found: no_such_task_xyz"

@@ -25,9 +25,10 @@ def needle_rows():
     return out
 
 
-def write_run(path, records):
+def write_run(path, records, info=None):
     path.mkdir(parents=True)
     (path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (path / "run.json").write_text(json.dumps(info or {"run_id": "r1"}))
     return path
 
 
@@ -36,10 +37,10 @@ def test_pareto_front_keeps_the_undominated_points():
     assert [p[2] for p in pareto(pts)] == ["b", "a"]
 
 
-def test_report_writes_markdown_html_and_plots_merging_runs(tmp_path):
+def test_report_writes_markdown_html_and_plots_merging_runs(tmp_path, capsys):
     recs = needle_rows()
     one = write_run(tmp_path / "multirun" / "0", [r for r in recs if r["variant"] != "snapkv@0.5"])
-    write_run(tmp_path / "multirun" / "1", [r for r in recs if r["variant"] == "snapkv@0.5"])
+    write_run(tmp_path / "multirun" / "1", [r for r in recs if r["variant"] != "streaming_llm@0.25"])
     files = report([tmp_path / "multirun"], tmp_path / "out")
     names = {f.name for f in files}
     assert {"report.md", "report.html", "heatmaps.png", "tradeoff.png", "flips.png"} <= names
@@ -47,8 +48,10 @@ def test_report_writes_markdown_html_and_plots_merging_runs(tmp_path):
     md = (tmp_path / "out" / "report.md").read_text()
     assert "| streaming_llm@0.25 | 12 | 1.00 | 0.67 |" in md and "| snapkv@0.5 | 12 |" in md
     assert "(4/0)" in md  # 4 lost, all with the evidence evicted
+    assert "| baseline | 12 |" in md  # the baseline both runs repeat is counted once
     assert '<img src="heatmaps.png">' in (tmp_path / "out" / "report.html").read_text()
     assert one.exists()
+    assert "Warnings" not in md and "warning" not in capsys.readouterr().err  # healthy records: no warnings
 
 
 def wandb_records(path):

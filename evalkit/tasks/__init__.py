@@ -7,6 +7,9 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from evalkit.errors import ConfigError
+from evalkit.hydra_errors import check_fields
+
 
 @dataclass
 class Sample:
@@ -38,7 +41,13 @@ class Task:
         raise NotImplementedError
 
     def validate(self) -> None:
-        """Raise ConfigError for a configuration that cannot produce samples."""
+        """Raise ConfigError for a configuration that cannot produce samples. This base checks every field against
+        its annotation (a bool is true or false, an int a whole number, ...) and the answer length; tasks extend it,
+        calling it first."""
+        check_fields(self, "task")
+        least = 0 if self.teacher_forced else 1
+        if self.max_new_tokens < least:
+            raise ConfigError(f"task.max_new_tokens={self.max_new_tokens}: the answer needs at least {least} token(s)")
 
     def score(self, prediction: str, sample: Sample) -> float:
         return contains_all(prediction, sample.answers)

@@ -33,12 +33,15 @@ class FidelityTask(Task):
         return [] if self.path else list(self.context_lengths)
 
     def validate(self) -> None:
+        super().validate()
         if self.continuation_tokens < 2:
             raise ConfigError(f"task.continuation_tokens={self.continuation_tokens}: need at least 2")
         if self.path:
             read_jsonl(self.path)
         elif not self.context_lengths or self.samples_per_cell < 1:
             raise ConfigError("task.context_lengths and task.samples_per_cell make an empty grid")
+        elif any(n < 16 for n in self.context_lengths):
+            raise ConfigError(f"task.context_lengths={self.context_lengths}: use at least 16 tokens")
 
     def samples(self, tokenizer: PreTrainedTokenizerBase) -> list[Sample]:
         if self.path:

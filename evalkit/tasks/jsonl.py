@@ -28,26 +28,30 @@ def read_jsonl(path: str | Path) -> list[Sample]:
     problems: list[str] = []
     samples: list[Sample] = []
     first_line: dict[str, int] = {}
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                problems.append(f"{path}:{n}: not valid JSON ({err.msg} at column {err.colno})")
-                continue
-            errors = _row_errors(row)
-            problems += [f"{path}:{n}: {e}" for e in errors]
-            if errors:
-                continue
-            sid = str(row["id"])
-            if sid in first_line:
-                problems.append(f"{path}:{n}: field 'id': {sid!r} repeats the id of line {first_line[sid]}")
-                continue
-            first_line[sid] = n
-            meta = row.get("meta") or {}
-            samples.append(Sample(sid, row["context"], row["question"], row["answers"], dict(meta)))
+    for n, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        try:
+            line = raw.decode("utf-8-sig" if n == 1 else "utf-8")  # a BOM may open the file
+        except UnicodeDecodeError as err:
+            problems.append(f"{path}:{n}: not UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1})")
+            continue
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            problems.append(f"{path}:{n}: not valid JSON ({err.msg} at column {err.colno})")
+            continue
+        errors = _row_errors(row)
+        problems += [f"{path}:{n}: {e}" for e in errors]
+        if errors:
+            continue
+        sid = str(row["id"])
+        if sid in first_line:
+            problems.append(f"{path}:{n}: field 'id': {sid!r} repeats the id of line {first_line[sid]}")
+            continue
+        first_line[sid] = n
+        meta = row.get("meta") or {}
+        samples.append(Sample(sid, row["context"], row["question"], row["answers"], dict(meta)))
     if problems:
         more = f"\n  ... and {len(problems) - MAX_REPORTED} more" if len(problems) > MAX_REPORTED else ""
         raise ConfigError(f"{len(problems)} bad row(s) in {path}:\n  " + "\n  ".join(problems[:MAX_REPORTED]) + more)
@@ -90,6 +94,7 @@ class JsonlTask(Task):
     rows: list[Sample] = field(default_factory=list, repr=False)
 
     def validate(self) -> None:
+        super().validate()
         if not self.path:
             raise ConfigError("task=jsonl needs task.path=FILE (one {id, context, question, answers} object a line)")
         self.rows = read_jsonl(self.path)

@@ -26,6 +26,11 @@ class LmEvalTask(Task):
         return []
 
     def validate(self) -> None:
+        super().validate()
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"task.limit={self.limit}: give a number of documents >= 1, or null for all of them")
+        if self.num_fewshot is not None and self.num_fewshot < 0:
+            raise ConfigError(f"task.num_fewshot={self.num_fewshot} is negative; give 0 or more, or null")
         if importlib.util.find_spec("lm_eval") is None:
             raise ConfigError("task=lm_eval needs lm-eval: pip install 'lm-eval>=0.4.9,<0.5'")
         if not self.tasks:

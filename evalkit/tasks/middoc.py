@@ -47,6 +47,7 @@ class MiddocTask(Task):
         return list(self.context_lengths)
 
     def validate(self) -> None:
+        super().validate()
         if not self.kinds or not self.context_lengths or not self.positions or self.samples_per_cell < 1:
             raise ConfigError(
                 "task.kinds, task.context_lengths, task.positions and task.samples_per_cell make an "

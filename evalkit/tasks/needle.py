@@ -126,6 +126,7 @@ class NeedleTask(Task):
         return (self.keys, self.values_per_key, self.queries, self.value_type) != (1, 1, 1, "number")
 
     def validate(self) -> None:
+        super().validate()
         if not self.context_lengths or not self.depths or self.samples_per_cell < 1:
             raise ConfigError(
                 f"task.context_lengths={list(self.context_lengths)}, task.depths={list(self.depths)} and "
@@ -148,6 +149,10 @@ class NeedleTask(Task):
                 f"task.queries={self.queries}, task.keys={self.keys}, task.values_per_key={self.values_per_key}: "
                 "need 1 <= queries <= keys and values_per_key >= 1"
             )
+        if self.keys > len(_ADJECTIVES) * len(_NOUNS):
+            raise ConfigError(f"task.keys={self.keys}: at most {len(_ADJECTIVES) * len(_NOUNS)} distinct keys exist")
+        if not 1 <= self.digits <= 30:
+            raise ConfigError(f"task.digits={self.digits}: give a number of digits from 1 to 30, e.g. task.digits=7")
 
     def score(self, prediction: str, sample: Sample) -> float:
         return SCORING[self.scoring](prediction, sample.answers)

@@ -1,0 +1,304 @@
+"""Hydra's own errors as one-line ConfigErrors, before Hydra runs: the command line's overrides are parsed and the
+config composed here, the way `@hydra.main` would, and every mistake (an unknown key, a malformed override, a value
+of the wrong type, a mandatory value left unset) is named with its fix. Also the type check of a policy's or a task's
+fields against their dataclass annotations (`check_fields`).
+
+Policies and tasks import `check_fields` from here, so this module imports evalkit.config (which imports them)
+only inside `precheck`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any, Union
+
+from hydra import compose, initialize_config_module
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ValueType
+from hydra.errors import HydraException
+from hydra.utils import get_class
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from evalkit.errors import ConfigError
+
+GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
+# Flags with which the command still runs jobs from evalkit's own config; any other (--help, --cfg, -cn, ...) skips
+# the check and leaves the command line to Hydra.
+RUNNING_FLAGS = {"-m", "--multirun", "-r", "--run"}
+MAX_SWEEP_CHECKS = 24  # a sweep's jobs composed and checked up front (~0.2 s each); every job checks itself again
+
+
+# --- dataclass fields ----------------------------------------------------------------------------------------------
+
+
+def fits(value: Any, hint: Any) -> bool:
+    """Whether `value` (as OmegaConf hands it over, lists converted) is of the annotated type. Strict where YAML is
+    loose: a bool is not an int, 1.5 is not an int, 1 is a float (YAML and Hydra write 2.0 as 2 in places)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (Union, types.UnionType):
+        return any(fits(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if origin in (list, tuple):
+        return isinstance(value, (list, tuple)) and (not args or all(fits(v, args[0]) for v in value))
+    if origin is dict:
+        return isinstance(value, dict)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return not isinstance(hint, type) or isinstance(value, hint)
+
+
+_NAMES = {bool: ("true or false", "booleans"), int: ("a whole number", "whole numbers"), float: ("a number", "numbers")}
+
+
+def describe(hint: Any, plural: bool = False) -> str:
+    """The annotated type in words: `a whole number`, `a list of numbers`, `a whole number or null`."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        kinds = [a for a in args if a is not type(None)]
+        words = "a number" if set(kinds) == {int, float} else " or ".join(describe(a, plural) for a in kinds)
+        return words + (" or null" if len(kinds) < len(args) else "")
+    if origin in (list, tuple):
+        return "lists" if plural else f"a list of {describe(args[0], True) if args else 'values'}"
+    if hint in _NAMES:
+        return _NAMES[hint][plural]
+    if hint is str:
+        return "strings" if plural else "a string"
+    return getattr(hint, "__name__", str(hint))
+
+
+def cli(value: Any) -> str:
+    """A value as written on the command line: true, null, [0.25,0.5]."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(cli(v) for v in value) + "]"
+    return str(value)
+
+
+def example(key: str, value: Any) -> str:
+    """`key=value` to type, quoted for the shell when it holds brackets."""
+    text = f"{key}={cli(value)}"
+    return f"'{text}'" if any(c in text for c in "[]{}*?") else text
+
+
+def default_of(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def check_fields(obj: Any, prefix: str) -> None:
+    """ConfigError for the first field of a dataclass instance whose value does not fit its annotation, e.g.
+    `task.samples_per_cell=1.5 is not a whole number; give e.g. task.samples_per_cell=1`."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.name in hints and not fits(value, hints[f.name]):
+            key = f"{prefix}.{f.name}"
+            default = default_of(f)
+            fix = f"give e.g. {example(key, default)}" if default is not None else "correct the value"
+            raise ConfigError(f"{key}={value!r} is not {describe(hints[f.name])}; {fix}")
+
+
+def init_fields(cls: type) -> list[str]:
+    """The keys a dataclass takes (its __init__ arguments), sorted."""
+    return sorted(f.name for f in dataclasses.fields(cls) if f.init)
+
+
+def unknown_key(key: str, valid: list[str], parent: str = "") -> ConfigError:
+    """`unknown key policy.budgt (did you mean policy.budget?); valid keys: budget, decode, ...`"""
+    where = f"{parent}." if parent else ""
+    near = difflib.get_close_matches(key.rpartition(".")[2], valid, n=1)
+    hint = f" (did you mean {where}{near[0]}?)" if near else ""
+    return ConfigError(f"unknown key {key}{hint}; valid keys: {', '.join(valid)}")
+
+
+# --- the command line ----------------------------------------------------------------------------------------------
+
+
+def _first_line(err: BaseException | None) -> str:
+    return str(err).strip().splitlines()[0].strip() if err is not None and str(err).strip() else ""
+
+
+def parse(overrides: list[str]) -> list:
+    """Hydra's Override objects; a malformed one is a ConfigError that names it."""
+    parser = OverridesParser.create()
+    out = []
+    for text in overrides:
+        try:
+            out.append(parser.parse_override(text))
+        except HydraException as err:  # OverrideParseException, or the HydraException of a syntax error
+            if "=" not in text:
+                raise ConfigError(
+                    f"the argument {text!r} has no value; write {text}=VALUE (key=value, or group=name)"
+                ) from None
+            reason = next(
+                (ln.strip() for ln in str(err).splitlines() if ln.strip() and not ln.startswith(("Error pars", "See"))),
+                "syntax error",
+            )
+            raise ConfigError(
+                f"cannot parse the override {text!r} ({reason}); write key=value, a list in brackets and quoted for "
+                f"the shell, e.g. 'task.depths=[0.25,0.5]', strings with special characters in quotes (see {GRAMMAR})"
+            ) from None
+    return out
+
+
+def jobs(parsed: list, sweep: bool) -> list[list[str]]:
+    """The override lists of the jobs to check: the one job, or, with -m, the sweep's first job and then each other
+    value of each swept key in turn, the other keys at their first value (every value is checked with every fixed
+    override, in 1 + sum(values - 1) compositions rather than the product's; at most MAX_SWEEP_CHECKS). Sweeps that
+    cannot be listed without the config (glob) or that are not discrete are left to the jobs."""
+    if not sweep:
+        return [[o.input_line for o in parsed]]
+    axes: dict[str, list[str]] = {}
+    for o in parsed:
+        key = o.get_key_element()
+        if not o.is_sweep_override():
+            axes[key] = [o.input_line]
+        elif o.is_discrete_sweep() and o.value_type != ValueType.GLOB_CHOICE_SWEEP:
+            axes[key] = [f"{key}={v}" for v in o.sweep_string_iterator()]
+        else:
+            axes.pop(key, None)
+    first = [values[0] for values in axes.values()]
+    out = [first]
+    for i, values in enumerate(axes.values()):
+        out += [[*first[:i], value, *first[i + 1 :]] for value in values[1:]]
+    return out[:MAX_SWEEP_CHECKS]
+
+
+def _node_keys(node: DictConfig) -> list[str]:
+    """The keys a config node takes: a policy's or task's dataclass fields, or else the node's own keys."""
+    target = node.get("_target_") if isinstance(node, DictConfig) else None
+    if target:
+        try:
+            return init_fields(get_class(str(target)))
+        except Exception:  # noqa: BLE001 - an unloadable target is reported when it is built; list the YAML's keys
+            pass
+    return sorted(str(k) for k in node.keys() if k not in ("_target_", "hydra"))
+
+
+def _missing_key(base: DictConfig | None, full_key: str, overrides: list[str]) -> ConfigError:
+    """An override names a key that is not in the config: which part is unknown, the nearest valid key, and
+    whether the key is one a policy or task takes but its YAML does not list (then `+key=value` adds it)."""
+    value = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+~").split("=", 1)[0] == full_key), "VALUE")
+    if base is None:
+        return ConfigError(f"unknown key {full_key}; check its spelling against `python -m evalkit --cfg job`")
+    parts = full_key.split(".")
+    node: Any = base
+    for i, part in enumerate(parts):
+        parent = ".".join(parts[:i])
+        if not isinstance(node, DictConfig):
+            return ConfigError(f"{parent} is a single value, it has no key {part!r}; write {parent}={value}")
+        if part not in node:
+            valid = _node_keys(node)
+            if part in valid and i == len(parts) - 1:
+                return ConfigError(
+                    f"{full_key} is not in the {parent} config file, but {parent} takes it: add it with a '+', "
+                    f"{example('+' + full_key, value)}"
+                )
+            return unknown_key(".".join(parts[: i + 1]), valid, parent)
+        node = node._get_node(part)
+    return ConfigError(f"cannot override {full_key}; check its spelling against `python -m evalkit --cfg job`")
+
+
+def _composition_error(err: Exception, job: list[str], base: DictConfig | None) -> ConfigError:
+    cause = err.__cause__ or err.__context__
+    text = str(err)
+    full_key = getattr(cause, "full_key", None) or ""
+    if text.startswith("Could not override") and full_key:
+        return _missing_key(base, full_key, job)
+    if text.startswith("Could not append to config. An item is already at"):
+        key = text.split("'")[1]
+        value = next((o.split("=", 1)[1] for o in job if o.lstrip("+").split("=", 1)[0] == key), "VALUE")
+        return ConfigError(f"{key} is in the config already: override it without the '+', {example(key, value)}")
+    if text.startswith("Could not delete from config"):
+        key = text.split("'")[1]
+        return ConfigError(
+            f"~{key}: {key} is not in the config, so there is nothing to delete; check the key against "
+            "`python -m evalkit --cfg job`"
+        )
+    if text.startswith("Ambiguous value for argument"):
+        arg = text.split("'")[1]
+        key, _, value = arg.partition("=")
+        return ConfigError(
+            f"{arg!r} holds a comma: to sweep over the values add -m; for a list write "
+            f"{example(key, '[' + value + ']')}; for a string quote it, \"{key}='{value}'\""
+        )
+    if "requires --multirun" in text:
+        return ConfigError(f"{_first_line(err).removeprefix('Sweep parameters ')}: add -m to run the sweep")
+    if text.startswith("Error merging override") and isinstance(cause, OmegaConfBaseException):
+        return ConfigError(f"{text.split(' ', 3)[3].strip()}: {_first_line(cause)}; fix the value")
+    if isinstance(cause, OmegaConfBaseException):
+        where = f"{full_key}: " if full_key else ""
+        return ConfigError(f"{_first_line(err)}: {where}{_first_line(cause)}; fix the value (see {GRAMMAR})")
+    return ConfigError(f"{_first_line(err)}; see {GRAMMAR}")
+
+
+def compose_job(job: list[str]) -> DictConfig:
+    """The job's config as `@hydra.main` composes it (without the hydra node), or a one-line ConfigError."""
+    try:
+        return compose(config_name="config", overrides=job)
+    except (HydraException, OmegaConfBaseException) as err:
+        from evalkit.config import GROUPS
+
+        groups = [o for o in job if o.split("=", 1)[0].lstrip("+~").split("@")[0] in GROUPS or "/" in o.split("=")[0]]
+        try:
+            base = compose(config_name="config", overrides=groups)
+        except (HydraException, OmegaConfBaseException):
+            base = None
+        raise _composition_error(err, job, base) from None
+
+
+def check_resolved(cfg: DictConfig) -> None:
+    """Mandatory values (`???`) left unset and interpolations that do not resolve, as one line each."""
+    try:
+        missing = sorted(OmegaConf.missing_keys(cfg))
+        OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as err:
+        where = getattr(err, "full_key", None)
+        raise ConfigError(
+            f"{where + ': ' if where else ''}{_first_line(err)}; fix the ${{...}} interpolation in its value"
+        ) from None
+    if missing:
+        key = missing[0]
+        raise ConfigError(f"{key} must be given (its config leaves it '???'): add {key}=VALUE to the command line")
+
+
+def precheck(argv: list[str]) -> None:
+    """Compose and check, before Hydra runs, the config of the job the command line asks for (of a sweep's jobs,
+    those `jobs` lists): Hydra's errors, unknown keys and bad values become one-line ConfigErrors, before any model
+    loads. Command lines with other flags than -m (--help, --cfg, -cn, ...) are left to Hydra."""
+    flags = {a.split("=", 1)[0] for a in argv if a.startswith("-")}
+    if flags - RUNNING_FLAGS:
+        return
+    sweep = bool(flags & {"-m", "--multirun"})
+    parsed = parse([a for a in argv if not a.startswith("-")])
+    from evalkit.config import check  # here: evalkit.config imports this module
+
+    with initialize_config_module(config_module="evalkit.conf", version_base="1.3"):
+        for job in jobs(parsed, sweep):
+            try:
+                cfg = compose_job(job)
+                check_resolved(cfg)
+                check(cfg)
+            except ConfigError as err:
+                if not sweep:
+                    raise
+                # named as a sweep's job names itself (evalkit.__main__._job): its overrides, less Hydra's own
+                named = [o for o in job if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
+                raise ConfigError(f"[{' '.join(named)}] {err}") from None
