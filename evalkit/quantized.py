@@ -140,10 +140,17 @@ class QuantizedLayer(EvictingLayer):
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
+FP16_TINY = torch.finfo(torch.float16).tiny  # smallest normal fp16: a scale never rounds to zero
+
+
 def to_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
-    """(B, H, T, D) -> FP8 e4m3 codes and an fp16 scale per token and head (B, H, T, 1): x ~ codes * scale."""
-    scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(1e-12).half()
-    return (x.float() / scale.float()).to(torch.float8_e4m3fn), scale
+    """(B, H, T, D) -> FP8 e4m3 codes and an fp16 scale per token and head (B, H, T, 1): x ~ codes * scale.
+
+    The scale is floored in fp16 itself (a floor applied before the cast, such as 1e-12, rounds to 0 and turns a
+    near-zero token into NaN codes), and codes are clamped to e4m3's finite range, which the fp16 rounding of the
+    scale could otherwise exceed by a hair."""
+    scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).half().clamp_min(FP16_TINY)
+    return (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
 class Fp8Layer(EvictingLayer):

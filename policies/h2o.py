@@ -23,10 +23,17 @@ class H2O(KVPolicy):
 
     name: str = "h2o"
     recent: float = 0.5
+    # False (the paper and its code): the raw accumulated mass, which favours early tokens, seen by more queries.
+    # True: the mass divided by the number of queries that saw the key (seen - position, causally), as kvpress's
+    # ObservedAttentionPress scores; the choice is recorded with the policy in every row.
+    normalize: bool = False
     needs: ClassVar[frozenset[str]] = frozenset({"attn_mass"})
 
     def score(self, view: LayerView) -> Tensor:
-        return view.state["attn_mass"]
+        mass = view.state["attn_mass"]
+        if not self.normalize:
+            return mass
+        return mass / (view.seen - view.positions).to(mass.dtype)
 
     def protected(self, view: LayerView, k: int) -> Tensor:
         return view.positions >= view.seen - int(self.recent * k)

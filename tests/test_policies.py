@@ -116,3 +116,17 @@ def test_policy_config_errors():
 def test_baseline_shares_the_prefilled_tensors(tiny, ids):
     full, _ = prefill(tiny.model, ids[:, :CTX])
     assert share(full).layers[0].keys.data_ptr() == full.layers[0].keys.data_ptr()
+
+
+def test_h2o_normalize_divides_the_mass_by_the_queries_that_saw_each_key():
+    """Six tokens seen, masses chosen by hand; keys at positions 0..5 were seen by 6, 5, 4, 3, 2, 1 queries.
+    Raw mass (the paper): 3.0, 1.0, 0.9, 0.8, 0.5, 0.2 -> the top two are positions 0 and 1.
+    Normalized (kvpress's observed attention): 0.5, 0.2, 0.225, 0.267, 0.25, 0.2 -> positions 0 and 3."""
+    from evalkit.policies import LayerView
+    from evalkit.policies.h2o import H2O
+
+    positions = torch.arange(6).view(1, 1, 6)
+    mass = torch.tensor([3.0, 1.0, 0.9, 0.8, 0.5, 0.2]).view(1, 1, 6)
+    view = LayerView(0, 1, 6, torch.zeros(1, 1, 6, 4), torch.zeros(1, 1, 6, 4), positions, {"attn_mass": mass})
+    assert H2O(budget=2, recent=0.0).select(view, 2).tolist() == [[[0, 1]]]
+    assert H2O(budget=2, recent=0.0, normalize=True).select(view, 2).tolist() == [[[0, 3]]]

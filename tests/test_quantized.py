@@ -141,3 +141,20 @@ def test_fp8_storage_holds_codes_and_a_scale_per_token(tiny, ids):
     assert held_per_layer(cache) == [CTX + QUESTION + 3] * layers  # new tokens are stored as FP8 too
     for a, b in zip(got.logits, base.logits, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0.1)
+
+
+def test_fp8_scales_are_safe_for_near_zero_and_zero_tokens():
+    """A token whose largest |x| is far below fp16's range once had a scale that rounded to 0 (NaN codes). Bounds from
+    the formats: e4m3 keeps 3 mantissa bits (rounding error <= 2**-4 of the value), its smallest subnormal code is
+    2**-9, and a scale floored at fp16's smallest normal (2**-14) dequantizes anything below 2**-9 * 2**-14 to 0."""
+    from evalkit.quantized import to_fp8
+
+    x = torch.zeros(1, 1, 3, 8)
+    x[0, 0, 1] = 1e-9 * torch.arange(1, 9)  # near zero: amax / 448 is 1.8e-11, below fp16's subnormals
+    x[0, 0, 2] = torch.linspace(-3.0, 5.0, 8)  # an ordinary token
+    codes, scale = to_fp8(x)
+    back = codes.float() * scale.float()
+    assert torch.isfinite(back).all() and (scale > 0).all()
+    assert back[0, 0, 0].abs().max() == 0  # the zero token comes back as zeros
+    assert back[0, 0, 1].abs().max() <= 8e-9  # below 2**-23: dequantized to 0, off by at most its own size
+    assert (back[0, 0, 2] - x[0, 0, 2]).abs().max() <= 5.0 * (2**-4 + 2**-10)  # amax x (e4m3 + fp16 scale rounding)
