@@ -111,7 +111,10 @@ def enforce(cache: Cache, policy: KVPolicy) -> None:
     """Evict until every evictable layer holds exactly the policy's target for the tokens seen."""
     evictable = [i for i, layer in enumerate(cache.layers) if isinstance(layer, EvictingLayer)]
     n_layers = len(cache.layers)
-    targets = policy.keep_per_layer(cache.layers[evictable[0]].seen, n_layers)
+    # Layer-dependent budgets (PyramidKV) are spread over the layers that evict: on hybrid models the sliding-window
+    # layers keep their own bound and take no share.
+    budgets = policy.keep_per_layer(cache.layers[evictable[0]].seen, len(evictable))
+    targets = dict(zip(evictable, budgets, strict=True))
     for layer_idx in evictable:
         layer = cache.layers[layer_idx]
         if layer.held > targets[layer_idx]:

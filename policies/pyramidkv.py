@@ -2,8 +2,11 @@
 
 Cai et al. 2024, "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling"
 (arXiv:2406.02069). Lower layers spread attention widely and get more tokens; upper layers focus and get fewer.
-Budgets fall linearly from the first layer to the last, from 2k - k/beta to k/beta, and sum to the same total as
-the uniform budget k per layer.
+Budgets follow the reference code's formula (Zefan-Cai/KVCache-Factory `pyramidkv_utils.py`, which kvpress's
+PyramidKVPress follows): for a uniform budget of k tokens, linear in depth from 2k - k/beta down to k/beta, the top
+capped at the prompt less the window; where that leaves a layer fewer tokens than the observation window, every
+layer falls back to SnapKV's uniform k. Only the layers that evict count: on hybrid models the sliding-window layers
+keep their own bound and get no share of the pyramid.
 """
 
 from __future__ import annotations
@@ -14,24 +17,17 @@ from evalkit.errors import ConfigError
 from evalkit.policies.snapkv import SnapKV
 
 
-def pyramid(k: int, n_layers: int, beta: float, lo: int, hi: int) -> list[int]:
-    """Per-layer budgets, linear in depth, each in [lo, hi], summing to exactly n_layers * k."""
-    lo = min(lo, k)
-    total = n_layers * k
-    small = max(lo, round(k / beta))
-    large = 2 * k - small
-    step = (large - small) / max(n_layers - 1, 1)
-    budgets = [min(hi, max(lo, round(large - i * step))) for i in range(n_layers)]
-    # Rounding and clipping move the sum off by a little: give or take tokens, deepest layers last / first.
-    i = 0
-    while sum(budgets) != total:
-        j = i % n_layers
-        if sum(budgets) < total and budgets[j] < hi:
-            budgets[j] += 1
-        elif sum(budgets) > total and budgets[n_layers - 1 - j] > lo:
-            budgets[n_layers - 1 - j] -= 1
-        i += 1
-    return budgets
+def pyramid(k: int, n_layers: int, beta: float, window: int, seen: int) -> list[int]:
+    """Per-layer budgets (tokens held, window included) for a uniform budget of k, as the reference computes them."""
+    low = k / beta
+    high = 2 * k - low
+    if high >= seen - window:
+        high = seen - window
+        low = 2 * k - high
+    if n_layers < 2 or not seen >= high >= low >= window:
+        return [k] * n_layers  # the reference's fallback: SnapKV's uniform budget
+    step = (high - low) / (n_layers - 1)
+    return [round(high - i * step) for i in range(n_layers)]
 
 
 @dataclass(kw_only=True)
@@ -42,7 +38,7 @@ class PyramidKV(SnapKV):
     beta: float = 20.0
 
     def keep_per_layer(self, seen: int, n_layers: int) -> list[int]:
-        return pyramid(self.target(seen), n_layers, self.beta, lo=min(seen, self.min_tokens()), hi=seen)
+        return pyramid(self.target(seen), n_layers, self.beta, self.window, seen)
 
     def check_params(self) -> None:
         if self.decode:

@@ -1,8 +1,10 @@
 """SnapKV: keep the prefix tokens that the last context queries attend to, plus those queries' window.
 
 Li et al. 2024, "SnapKV: LLM Knows What You are Looking for Before Generation" (arXiv:2404.14469). Scores are
-the attention of the last `window` queries on each key, summed over those queries and the query heads of the
-KV group, smoothed along the sequence by 1-D pooling (`kernel`, avg or max); each KV head keeps its own top-k.
+the attention of the last `window` queries on each key (softmax over every key, the window's own included), summed
+over those queries and the query heads of the KV group. As in the paper's code (FasterDecoding/SnapKV,
+`snapkv_utils.py`), only the prefix before the window is scored and smoothed by 1-D pooling (`kernel`, default 5,
+avg or max, zero padding counted in the average); each KV head keeps its own top-k of the prefix, and the window.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -39,7 +42,7 @@ class SnapKV(KVPolicy):
 
     name: str = "snapkv"
     window: int = 32
-    kernel: int = 7
+    kernel: int = 5
     pooling: str = "avg"
     decode: bool = False  # as published: compress the prompt once
     needs: ClassVar[frozenset[str]] = frozenset({"window_queries"})
@@ -47,10 +50,12 @@ class SnapKV(KVPolicy):
     def score(self, view: LayerView) -> Tensor:
         scores = window_attention(view, self.window)  # (B, Hkv, T)
         b, h, t = scores.shape
-        flat = scores.reshape(b * h, 1, t)
+        n = t - self.window  # the prefix: held tokens before the observation window (which is always kept)
+        if n <= 0:
+            return scores
         pool = F.avg_pool1d if self.pooling == "avg" else F.max_pool1d
-        kwargs = {"count_include_pad": False} if self.pooling == "avg" else {}
-        return pool(flat, self.kernel, stride=1, padding=self.kernel // 2, **kwargs).reshape(b, h, t)
+        pooled = pool(scores[..., :n].reshape(b * h, 1, n), self.kernel, stride=1, padding=self.kernel // 2)
+        return torch.cat([pooled.reshape(b, h, n), scores[..., n:]], dim=-1)
 
     def protected(self, view: LayerView, k: int) -> Tensor:
         # At prefill end: the observation window. While decoding (decode=true), the most recent `window` tokens;

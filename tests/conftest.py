@@ -91,3 +91,13 @@ def by_kv_head(x: torch.Tensor, hkv: int) -> torch.Tensor:
 def top_k(scores: torch.Tensor, protected: torch.Tensor, k: int) -> torch.Tensor:
     """Ascending indices of the k highest scores per head, protected tokens first: the plain reference's choice."""
     return scores.masked_fill(protected, float("inf")).topk(k, dim=-1).indices.sort(dim=-1).values
+
+
+def pool_by_hand(x: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:
+    """SnapKV's smoothing of (..., n) scores, written out: each position takes the mean (avg: the zero padding at
+    the ends counts, as torch's avg_pool1d does by default in the paper's code) or the max of the `kernel` scores
+    centred on it."""
+    half = kernel // 2
+    pad = x.new_full((*x.shape[:-1], half), 0.0 if pooling == "avg" else float("-inf"))
+    windows = torch.cat([pad, x, pad], dim=-1).unfold(-1, kernel, 1)  # (..., n, kernel)
+    return windows.sum(-1) / kernel if pooling == "avg" else windows.max(-1).values

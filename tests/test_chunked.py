@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 
 from evalkit.cache import held_per_layer, kv_bytes
 from evalkit.engine import CHUNKABLE, Variant, chunked_prefill, greedy, prefill
 from evalkit.errors import ConfigError
 from evalkit.policies import gather_tokens
-from tests.conftest import CTX, by_kv_head, compose_config, policy, top_k
+from tests.conftest import CTX, by_kv_head, compose_config, policy, pool_by_hand, top_k
 
 BUDGET, CHUNK = 40, 16
 
@@ -49,9 +48,11 @@ def reference_positions(eager, ids: torch.Tensor, name: str, pol, chunk: int) ->
             if name == "h2o":
                 keep = top_k(mass[i], pos[i] >= seen - int(pol.recent * k), k)
             elif name == "snapkv":
-                win = by_kv_head(attn[:, :, -pol.window :].sum(dim=2), hkv)
-                pooled = F.avg_pool1d(win.reshape(hkv, 1, -1), pol.kernel, 1, pol.kernel // 2, count_include_pad=False)
-                keep = top_k(pooled.reshape(1, hkv, -1), pos[i] >= seen - pol.window, k)
+                win = by_kv_head(attn[:, :, -pol.window :, : -pol.window].sum(dim=2), hkv)  # the prefix only
+                pooled = pool_by_hand(win, pol.kernel, pol.pooling)
+                keep = top_k(
+                    torch.cat([pooled, pooled.new_zeros(1, hkv, pol.window)], -1), pos[i] >= seen - pol.window, k
+                )
             elif name == "knorm":
                 keep = top_k(-layer.keys.norm(dim=-1), torch.zeros_like(pos[i], dtype=torch.bool), k)
             else:  # streaming_llm: the sinks, then the most recent

@@ -98,7 +98,10 @@ def test_every_logger_config_composes(name):
     [
         (["sed=1"], "unknown key sed (did you mean seed?); valid keys: device, gate, logger, model, policy,"),
         (["polcy.budget=0.5"], "unknown key polcy (did you mean policy?)"),
-        (["policy=h2o", "policy.n_sink=2"], "unknown key policy.n_sink; valid keys: budget, decode, name, normalize, recent"),
+        (
+            ["policy=h2o", "policy.n_sink=2"],
+            "unknown key policy.n_sink; valid keys: budget, decode, name, normalize, recent",
+        ),
         (["++policy.windw=8", "policy=snapkv"], "unknown key policy.windw (did you mean policy.window?)"),
         (["task.digits=5"], "task.digits is not in the task config file, but task takes it: add it with a '+', "),
         (["+policy.budget=0.3"], "policy.budget is in the config already: override it without the '+', "),

@@ -34,9 +34,8 @@ def test_eviction_applies_to_global_layers_only_and_bytes_cover_both(gemma, prom
     baseline, (out,) = run_sample(gemma.model, prompt, [Variant(pol)], 4, set())
     window = cfg.sliding_window
     per_layer_token = 2 * cfg.num_key_value_heads * cfg.head_dim * 4
-    expected = []
-    for layer_type, k in zip(cfg.layer_types, pol.keep_per_layer(CTX, cfg.num_hidden_layers), strict=True):
-        expected.append(k if layer_type == "full_attention" else window - 1)
+    budgets = iter(pol.keep_per_layer(CTX, cfg.layer_types.count("full_attention")))  # over the evicting layers
+    expected = [next(budgets) if t == "full_attention" else window - 1 for t in cfg.layer_types]
     assert out.tokens_held == expected
     assert baseline.tokens_held == [CTX if t == "full_attention" else window - 1 for t in cfg.layer_types]
     assert out.kv_bytes == per_layer_token * sum(expected)
@@ -81,3 +80,24 @@ def test_chunked_prefill_on_hybrid_layers(gemma, prompt, name):
     for layer_type, held in zip(cfg.layer_types, bounded.tokens_held, strict=True):
         assert held == (24 if layer_type == "full_attention" else cfg.sliding_window - 1)
     assert 24 < bounded.prefill_peak_tokens <= 24 + 16  # over the evicting (global) layers
+
+
+def test_pyramid_spreads_over_the_global_layers_only():
+    """Two global layers among four: a pyramid at half of 80 tokens (k=40, beta=2, window 8) is, by the reference
+    formula, low = 40/2 = 20 and high = 2*40 - 20 = 60 over the two global layers: 60 then 20, the same 80 tokens in
+    all as SnapKV's 40 + 40. Spread over all four layers it would give the globals 47 and 20."""
+    cfg = OmegaConf.load(ROOT / "conf" / "model" / "tiny-random-gemma3.yaml")
+    cfg.config.layer_types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    two = models.load(cfg, "cpu")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 200, (1, CTX + 6), generator=g)
+    _, (pyr, snap) = run_sample(
+        two.model,
+        Prompt(ids, CTX, [], "query_agnostic"),
+        [Variant(policy("pyramidkv", 0.5, beta=2)), Variant(policy("snapkv", 0.5))],
+        2,
+        set(),
+    )
+    window = cfg.config.sliding_window - 1
+    assert pyr.tokens_held == [window, 60, window, 20]
+    assert snap.tokens_held == [window, 40, window, 40]

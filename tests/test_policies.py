@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from evalkit.attention import attention_mass, causal_tail_mask
 from evalkit.cache import compress, share
 from evalkit.engine import greedy, prefill
 from evalkit.errors import ConfigError
 from evalkit.policies.pyramidkv import pyramid
-from tests.conftest import CTX, QUESTION, by_kv_head, compressed, policy, top_k
+from tests.conftest import CTX, QUESTION, by_kv_head, compressed, policy, pool_by_hand, top_k
 
 BUDGET = 24
 
@@ -30,11 +29,11 @@ def reference_keep(name, pol, attn, keys, k) -> torch.Tensor:
     if name == "h2o":
         return top_k(by_kv_head(attn.sum(dim=2), hkv), pos >= CTX - int(pol.recent * k), k)
     if name in ("snapkv", "pyramidkv"):
-        win = by_kv_head(attn[:, :, -pol.window :, :].sum(dim=2), hkv)  # (B, Hkv, T)
-        pool = F.avg_pool1d if pol.pooling == "avg" else F.max_pool1d
-        extra = {"count_include_pad": False} if pol.pooling == "avg" else {}
-        pooled = pool(win.reshape(hkv, 1, CTX), pol.kernel, 1, pol.kernel // 2, **extra).reshape(1, hkv, CTX)
-        return top_k(pooled, pos >= CTX - pol.window, k)
+        # The paper's code: the window queries' attention on the prefix only, summed, pooled; the window kept.
+        prefix = CTX - pol.window
+        win = by_kv_head(attn[:, :, -pol.window :, :prefix].sum(dim=2), hkv)  # (B, Hkv, prefix)
+        pooled = pool_by_hand(win, pol.kernel, pol.pooling)
+        return top_k(torch.cat([pooled, pooled.new_zeros(1, hkv, pol.window)], -1), pos >= prefix, k)
     if name == "knorm":
         return top_k(-keys.norm(dim=-1), torch.zeros_like(pos, dtype=torch.bool), k)
     if name == "streaming_llm":
@@ -93,13 +92,19 @@ def test_h2o_prefill_mass_is_observed_under_sdpa_not_eager(tiny, ids):
     torch.testing.assert_close(total, torch.tensor(float(CTX * 4 * len(obs))))
 
 
-def test_pyramid_budgets_fall_with_depth_and_sum_to_the_uniform_total():
-    for k, n, beta in [(100, 30, 20), (37, 7, 5), (9, 3, 20), (500, 30, 1)]:
-        b = pyramid(k, n, beta, lo=9, hi=1000)
-        assert sum(b) == k * n
-        assert all(x >= y for x, y in zip(b, b[1:], strict=False))
-        assert min(b) >= 9
-    assert pyramid(100, 4, 1, lo=1, hi=1000) == [100, 100, 100, 100]
+def test_pyramid_budgets_follow_the_reference_formula_with_its_fallback():
+    """By hand from the reference (KVCache-Factory / kvpress): low = k/beta, high = 2k - low, high capped at the
+    prompt less the window (then low = 2k - high), uniform k when a layer would get fewer than the window."""
+    # k=100, beta=4: low 25, high 175, step 37.5 -> 175, 137.5, 100, 62.5, 25 (ties round to even)
+    assert pyramid(100, 5, 4, window=8, seen=400) == [175, 138, 100, 62, 25]
+    # k=300 of 400 seen: high 585 capped at 392, low 208 -> 392, 300, 208
+    assert pyramid(300, 3, 20, window=8, seen=400) == [392, 300, 208]
+    # k=100, beta=20: low 5 is below the window of 8 -> the reference falls back to uniform SnapKV budgets
+    assert pyramid(100, 4, 20, window=8, seen=400) == [100] * 4
+    # the issue's measurement: 874 tokens, window 32, a quarter kept -> fallback; half kept -> a pyramid
+    assert pyramid(219, 30, 20, window=32, seen=874) == [219] * 30
+    half = pyramid(437, 30, 20, window=32, seen=874)
+    assert (half[0], half[-1], sum(half)) == (842, 32, 30 * 437)
 
 
 def test_policy_config_errors():
