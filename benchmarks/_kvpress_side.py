@@ -1,0 +1,139 @@
+"""The kvpress half of benchmarks/peer_kvpress.py: run in a throwaway venv that has kvpress, never in evalkit's.
+
+    /tmp/kvpress-venv/bin/python benchmarks/_kvpress_side.py --model DIR --input in.json --output out.json
+
+Imports only kvpress, transformers and torch. `in.json` is {"prompts": [{"name": ..., "ids": [...]}, ...]}.
+For every prompt, press and compression ratio it prefills the ids once under the press, then recovers which token
+positions each layer and KV head still holds by matching every held key row against the keys of a plain prefill
+of the same ids (post-RoPE keys differ from position to position, and a press only gathers rows, so each held
+row equals exactly one full-cache row). That needs nothing from the press's internals, and also checks that
+the press did nothing but select rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+
+import kvpress
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, DynamicCache
+
+SINKS, WINDOW, KERNEL, BETA = 4, 32, 5, 20
+
+
+def presses(ratio: float) -> dict[str, tuple[object, str]]:
+    """name -> (press, attention implementation it needs)."""
+    return {
+        "streaming_llm": (kvpress.StreamingLLMPress(compression_ratio=ratio, n_sink=SINKS), "sdpa"),
+        "knorm": (kvpress.KnormPress(compression_ratio=ratio), "sdpa"),
+        "snapkv": (kvpress.SnapKVPress(compression_ratio=ratio, window_size=WINDOW, kernel_size=KERNEL), "sdpa"),
+        "pyramidkv": (
+            kvpress.PyramidKVPress(compression_ratio=ratio, window_size=WINDOW, kernel_size=KERNEL, beta=BETA),
+            "sdpa",
+        ),
+        "observed_attention": (kvpress.ObservedAttentionPress(compression_ratio=ratio), "eager"),
+    }
+
+
+@torch.inference_mode()
+def prefill(model, ids: torch.Tensor, press=None) -> list[torch.Tensor]:
+    """Per layer, the (Hkv, T_held, D) keys the cache holds after prefilling `ids` (under `press` if given)."""
+    cache = DynamicCache(config=model.config)
+    if press is None:
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    else:
+        with press(model):
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+    return [layer.keys[0].clone() for layer in cache.layers]
+
+
+def positions(held: torch.Tensor, full: torch.Tensor) -> tuple[list[list[int]], float]:
+    """Per KV head, the sorted positions of the full-cache rows that the held rows equal; and the largest
+    distance of a held row to its match (0.0 when every row was copied bit for bit)."""
+    out, worst = [], 0.0
+    for h in range(full.shape[0]):
+        d = torch.cdist(held[h].double(), full[h].double(), compute_mode="donot_use_mm_for_euclid_dist")
+        dist, idx = d.min(dim=-1)
+        worst = max(worst, float(dist.max()) if dist.numel() else 0.0)
+        pos = sorted(idx.tolist())
+        if len(set(pos)) != len(pos):
+            raise RuntimeError("two held keys matched the same position: cannot identify the kept tokens")
+        out.append(pos)
+    return out, worst
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--input", required=True)
+    ap.add_argument("--output", required=True)
+    ap.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75], help="kvpress compression_ratio")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    transformers.utils.logging.disable_progress_bar()
+    with open(args.input) as f:
+        prompts = json.load(f)["prompts"]
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
+    model.eval()
+    cfg = model.config
+    results = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt["ids"]])
+        full = {}
+        for impl in ("sdpa", "eager"):
+            model.set_attn_implementation(impl)
+            full[impl] = prefill(model, ids)
+        kept, held, worst = {}, {}, 0.0
+        for ratio in args.ratios:
+            for name, (press, impl) in presses(ratio).items():
+                model.set_attn_implementation(impl)
+                layers = prefill(model, ids, press)
+                key = f"{name}@{ratio}"
+                kept[key], held[key] = [], []
+                for layer, (h_keys, f_keys) in enumerate(zip(layers, full[impl], strict=True)):
+                    pos, dist = positions(h_keys, f_keys)
+                    if dist > 1e-4:
+                        raise RuntimeError(f"{key} layer {layer}: a held key is {dist} from every full-cache key")
+                    worst = max(worst, dist)
+                    kept[key].append(pos)
+                    held[key].append(len(pos[0]))
+                print(f"{prompt['name']} {key}: held per layer {held[key]}", file=sys.stderr, flush=True)
+        results.append({"name": prompt["name"], "n_tokens": len(prompt["ids"]), "kept": kept, "max_match_dist": worst})
+
+    meta = {
+        "kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else version("kvpress"),
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "model": {
+            "n_layers": cfg.num_hidden_layers,
+            "n_heads": cfg.num_attention_heads,
+            "n_kv_heads": cfg.num_key_value_heads,
+            "dtype": "float32",
+        },
+        "settings": {
+            "compression_ratios": args.ratios,
+            "streaming_llm": {"n_sink": SINKS, "attn_implementation": "sdpa"},
+            "knorm": {"attn_implementation": "sdpa"},
+            "snapkv": {"window_size": WINDOW, "kernel_size": KERNEL, "attn_implementation": "sdpa"},
+            "pyramidkv": {"window_size": WINDOW, "kernel_size": KERNEL, "beta": BETA, "attn_implementation": "sdpa"},
+            "observed_attention": {"attn_implementation": "eager"},
+        },
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+    with open(args.output, "w") as f:
+        json.dump({"meta": meta, "prompts": results}, f)
+
+
+def version(dist: str) -> str:
+    from importlib.metadata import version as _version
+
+    return _version(dist)
+
+
+if __name__ == "__main__":
+    main()

