@@ -23,9 +23,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from evalkit import interrupt
-from evalkit.cli import BUG
+from evalkit.cli import error, internal
 from evalkit.config import check_choices
-from evalkit.errors import EXIT_INTERNAL, ConfigError, InternalError, JobError
+from evalkit.errors import ConfigError, InternalError, JobError
 
 # The run folder is named after the policy, or "variants" for a sweep of several.
 OmegaConf.register_new_resolver(
@@ -64,14 +64,13 @@ def dirname(overrides) -> str:
 
 
 OmegaConf.register_new_resolver("evalkit_dirname", dirname, replace=True)
-OmegaConf.register_new_resolver("evalkit_safe", lambda text: safe_name(text), replace=True)
+OmegaConf.register_new_resolver("evalkit_safe", safe_name, replace=True)
 
 NOT_RUNNING = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion")
 
 
 def fail(err: ConfigError | JobError) -> None:
-    print(f"evalkit: error: {err}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(error(err))
 
 
 def overrides(argv: list[str]) -> dict[str, str]:
@@ -187,8 +186,7 @@ def main() -> None:
     except JobError as err:
         fail(err)
     except InternalError as err:
-        print(f"{err}{BUG}", file=sys.stderr)
-        sys.exit(EXIT_INTERNAL)
+        sys.exit(internal(str(err)))
     except interrupt.Interrupted as stop:
         stopped(str(stop), argv)
     except KeyboardInterrupt:

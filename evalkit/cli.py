@@ -31,6 +31,10 @@ def guarded(main: Callable[[], int | None]) -> int:
         print("evalkit: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception:  # noqa: BLE001 - anything else is a bug: keep its traceback, ask for a report
-        traceback.print_exc()
-        print(BUG, file=sys.stderr)
-        return EXIT_INTERNAL
+        return internal(traceback.format_exc())
+
+
+def internal(trace: str) -> int:
+    """Print a bug's traceback and the request for a report on stderr; return exit code 3."""
+    print(f"{trace}{BUG}", file=sys.stderr)
+    return EXIT_INTERNAL

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from evalkit import models
 from evalkit.engine import Variant
 from evalkit.errors import ConfigError
-from evalkit.hydra_errors import check_fields, cli, describe, fits, init_fields, unknown_key
+from evalkit.hydra_errors import cli, describe, fits, init_fields, unknown_key
 from evalkit.policies import KVPolicy
 from evalkit.prompt import PROTOCOLS
 from evalkit.quantized import QuantSpec
@@ -175,8 +175,7 @@ def check(cfg: DictConfig) -> None:
 def validate(cfg: DictConfig, task: Task, policies: list[KVPolicy]) -> None:
     """Everything that can be known wrong before the model loads."""
     check_settings(cfg)
-    check_fields(task, "task")  # whatever the task's own validate() checks
-    task.validate()
+    task.validate()  # its fields against their annotations first (Task.validate), then its own checks
     models.check_source(cfg.model)
     models.check_attention(cfg.model)
     if task.teacher_forced and cfg.protocol != "query_agnostic":

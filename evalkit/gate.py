@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from importlib.resources import files
@@ -26,7 +25,7 @@ from omegaconf import OmegaConf
 from evalkit.analysis import BASELINE, capacity, chunked_vs_oneshot, is_baseline, merge, summarize
 from evalkit.cli import guarded
 from evalkit.errors import EXIT_FAIL, EXIT_OK, CannotJudge, ConfigError
-from evalkit.records import RUN, SAMPLES, scan_rows, torn_line
+from evalkit.records import RUN, SAMPLES, scan_rows, torn_line, write_atomic
 
 VERDICT, REPORT = "verdict.json", "report.md"
 
@@ -393,13 +392,10 @@ def output_folder(out: Path) -> Path:
 
 
 def write_text(path: Path, text: str) -> None:
-    """Write a file atomically (the old one or the new one, never half of either), or a ConfigError naming it."""
-    tmp = path.with_name(path.name + ".tmp")
+    """Write a gate output atomically (records.write_atomic), or a ConfigError naming it."""
     try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        write_atomic(path, text)
     except OSError as err:
-        tmp.unlink(missing_ok=True)
         raise ConfigError(f"could not write {path} ({err.strerror or err}); give --out a writable folder") from None
 
 

@@ -142,14 +142,23 @@ class RecordWriter:
                 pass  # the buffered bytes could not be flushed: nothing more reached the file
 
 
-def write_json(path: Path, obj: Any) -> None:
-    """Write JSON atomically: a crash leaves either the old file or the new one, never half of either."""
+def write_atomic(path: Path, text: str) -> None:
+    """Write a file atomically: a crash leaves either the old file or the new one, never half of either. An OSError
+    is raised as it came, with no temporary file left behind."""
     tmp = path.with_suffix(path.suffix + ".tmp")
     try:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+        tmp.write_text(text)
         os.replace(tmp, path)
-    except OSError as err:
+    except OSError:
         tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write JSON atomically (write_atomic); a failure is a ConfigError that names the file and the fix."""
+    try:
+        write_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    except OSError as err:
         raise write_failed(path, err) from None
 
 

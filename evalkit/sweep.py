@@ -7,7 +7,6 @@ launcher (basic, joblib, submitit), once every job has returned.
 
 from __future__ import annotations
 
-import sys
 import traceback
 from pathlib import Path
 
@@ -22,19 +21,17 @@ exit_code: int | None = None
 class MergeJobs(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         global exit_code
-        from evalkit.cli import BUG
-        from evalkit.errors import EXIT_INTERNAL
+        from evalkit.cli import internal
 
         try:
             self._merge(config)
         except Exception:  # noqa: BLE001 - a bug: Hydra would print it and exit 1, the gate's FAIL; exit 3 instead
-            traceback.print_exc()
-            print(BUG, file=sys.stderr)
-            exit_code = EXIT_INTERNAL
+            exit_code = internal(traceback.format_exc())
 
     def _merge(self, config: DictConfig) -> None:
         global exit_code
-        from evalkit.errors import EXIT_FAIL, EXIT_OK, EXIT_USAGE, ConfigError
+        from evalkit.cli import error
+        from evalkit.errors import EXIT_FAIL, EXIT_OK, ConfigError
         from evalkit.gate import gate, print_verdict, thresholds
         from evalkit.report import report
 
@@ -43,8 +40,7 @@ class MergeJobs(Callback):
         try:
             limits = thresholds(config.gate, repr(config.gate.name)) if gated else None
         except ConfigError as err:
-            print(f"evalkit: error: {err}", file=sys.stderr)
-            exit_code = EXIT_USAGE
+            exit_code = error(err)
             return
         try:
             written = report([sweep], sweep / "report", limits)
@@ -56,8 +52,7 @@ class MergeJobs(Callback):
         try:
             verdict = gate([sweep], limits)
         except ConfigError as err:  # CannotJudge (the gate printed its reasons), or no records at all
-            print(f"evalkit: error: {err}", file=sys.stderr)
-            exit_code = EXIT_USAGE
+            exit_code = error(err)
             return
         print_verdict(verdict)
         exit_code = EXIT_OK if verdict.passed else EXIT_FAIL
