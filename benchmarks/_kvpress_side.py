@@ -36,6 +36,8 @@ def presses(ratio: float) -> dict[str, tuple[object, str]]:
             "sdpa",
         ),
         "observed_attention": (kvpress.ObservedAttentionPress(compression_ratio=ratio), "eager"),
+        "tova": (kvpress.TOVAPress(compression_ratio=ratio), "sdpa"),
+        "keydiff": (kvpress.KeyDiffPress(compression_ratio=ratio), "sdpa"),
     }
 
 
@@ -72,6 +74,7 @@ def main() -> None:
     ap.add_argument("--input", required=True)
     ap.add_argument("--output", required=True)
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75], help="kvpress compression_ratio")
+    ap.add_argument("--presses", nargs="+", help="only these presses (default: every one in presses())")
     args = ap.parse_args()
     torch.manual_seed(0)
     transformers.utils.logging.disable_progress_bar()
@@ -91,6 +94,8 @@ def main() -> None:
         kept, held, worst = {}, {}, 0.0
         for ratio in args.ratios:
             for name, (press, impl) in presses(ratio).items():
+                if args.presses and name not in args.presses:
+                    continue
                 model.set_attn_implementation(impl)
                 layers = prefill(model, ids, press)
                 key = f"{name}@{ratio}"
@@ -122,6 +127,8 @@ def main() -> None:
             "snapkv": {"window_size": WINDOW, "kernel_size": KERNEL, "attn_implementation": "sdpa"},
             "pyramidkv": {"window_size": WINDOW, "kernel_size": KERNEL, "beta": BETA, "attn_implementation": "sdpa"},
             "observed_attention": {"attn_implementation": "eager"},
+            "tova": {"attn_implementation": "sdpa"},
+            "keydiff": {"attn_implementation": "sdpa"},
         },
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }

@@ -21,10 +21,13 @@ count as an integer budget. Pairs compared (kvpress press <-> evalkit policy):
                                                  per-layer budgets; pyramidkv* is evalkit's SnapKV selection at
                                                  kvpress's per-layer budgets, which separates allocation from choice
     ObservedAttentionPress (eager)           <-> h2o (normalize=true, recent=0: mass / queries that saw the key)
+    TOVAPress                                <-> tova (the last query's attention, mean over the layer's heads)
+    KeyDiffPress                             <-> keydiff (-cos(key, mean unit key) per KV head)
 
 Printed per pair, budget and prompt: the mean Jaccard index of the kept sets over layers x KV heads, and how many
-heads keep exactly the same set. --write-fixture also writes kvpress's choices on the short prompt to
-tests/data/kvpress_smollm2_kept.json, so that a test can check agreement without kvpress installed.
+heads keep exactly the same set; `--presses tova keydiff` compares only those. --write-fixture also writes
+kvpress's choices on the short prompt to tests/data/kvpress_smollm2_kept.json, so that a test can check
+agreement without kvpress installed.
 """
 
 from __future__ import annotations
@@ -46,10 +49,12 @@ from evalkit.cache import compress, held_positions
 from evalkit.engine import prefill
 from evalkit.policies import KVPolicy
 from evalkit.policies.h2o import H2O
+from evalkit.policies.keydiff import KeyDiff
 from evalkit.policies.knorm import KNorm
 from evalkit.policies.pyramidkv import PyramidKV
 from evalkit.policies.snapkv import SnapKV
 from evalkit.policies.streaming_llm import StreamingLLM
+from evalkit.policies.tova import TOVA
 from evalkit.prompt import build_prompt
 from evalkit.tasks.needle import NeedleTask
 
@@ -67,6 +72,8 @@ PAIRS = {
     "snapkv": "snapkv",
     "pyramidkv": "pyramidkv",
     "observed_attention": "h2o",
+    "tova": "tova",
+    "keydiff": "keydiff",
 }
 
 
@@ -95,6 +102,8 @@ def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) ->
         "pyramidkv": PyramidKV(budget=k, beta=BETA, **snap),
         "pyramidkv*": PyramidAt(budget=k, beta=BETA, layer_budgets=pyramid_budgets, **snap),
         "h2o": H2O(budget=k, recent=0.0, normalize=True, decode=False),
+        "tova": TOVA(budget=k, decode=False),
+        "keydiff": KeyDiff(budget=k, decode=False),
     }
     for pol in pols.values():
         pol.validate(n_tokens)
@@ -112,12 +121,12 @@ def build_prompts(tokenizer) -> list[dict]:
     return out
 
 
-def run_kvpress(python: str, model_dir: Path, prompts: list[dict]) -> dict:
+def run_kvpress(python: str, model_dir: Path, prompts: list[dict], only: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "in.json", Path(tmp) / "out.json"
         src.write_text(json.dumps({"prompts": [{"name": p["name"], "ids": p["ids"]} for p in prompts]}))
         cmd = [python, str(SIDE), "--model", str(model_dir), "--input", str(src), "--output", str(dst)]
-        cmd += ["--ratios", *map(str, RATIOS)]
+        cmd += ["--ratios", *map(str, RATIOS), "--presses", *only]
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": ""}
         subprocess.run(cmd, check=True, env=env)
         return json.loads(dst.read_text())
@@ -183,6 +192,8 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
             "snapkv": {"policy": "snapkv", "window": WINDOW, "kernel": KERNEL, "pooling": "avg"},
             "pyramidkv": {"policy": "pyramidkv", "window": WINDOW, "kernel": KERNEL, "beta": BETA},
             "observed_attention": {"policy": "h2o", "normalize": True, "recent": 0.0},
+            "tova": {"policy": "tova"},
+            "keydiff": {"policy": "keydiff"},
         },
         "encoding": "kept[press@compression_ratio][layer][kv_head] is a hex bitmask: position p is kept when "
         "(int(s, 16) >> p) & 1; keys are compression ratios (fraction removed), 0.5 and 0.75",
@@ -205,7 +216,10 @@ def main() -> None:
     ap.add_argument("--kvpress-json", help="reuse kvpress's output saved by --save-kvpress instead of running it")
     ap.add_argument("--save-kvpress", help="save kvpress's output (kept positions, versions) to this file")
     ap.add_argument("--write-fixture", action="store_true", help=f"write {FIXTURE.relative_to(ROOT)}")
+    ap.add_argument("--presses", nargs="+", choices=list(PAIRS), default=list(PAIRS), help="compare only these")
     args = ap.parse_args()
+    if args.write_fixture and set(args.presses) != set(PAIRS):
+        ap.error("--write-fixture needs every press: drop --presses")
 
     cfg = OmegaConf.load(CONF)
     loaded = models.load(cfg, "cpu")
@@ -216,7 +230,7 @@ def main() -> None:
     if args.kvpress_json:
         peer = json.loads(Path(args.kvpress_json).read_text())
     else:
-        peer = run_kvpress(args.kvpress_python, model_dir, prompts)
+        peer = run_kvpress(args.kvpress_python, model_dir, prompts, args.presses)
     if args.save_kvpress:
         Path(args.save_kvpress).write_text(json.dumps(peer))
     meta = peer["meta"]
@@ -227,11 +241,13 @@ def main() -> None:
         assert kv_prompt["name"] == prompt["name"] and kv_prompt["n_tokens"] == len(prompt["ids"])
         n = len(prompt["ids"])
         for ratio in RATIOS:
-            theirs = {press: kv_prompt["kept"][f"{press}@{ratio}"] for press in PAIRS}
-            pyramid_budgets = [len(layer[0]) for layer in theirs["pyramidkv"]]
-            pols = evalkit_policies(n, ratio, pyramid_budgets)
+            theirs = {press: kv_prompt["kept"][f"{press}@{ratio}"] for press in args.presses}
+            pyramid_budgets = [len(layer[0]) for layer in theirs["pyramidkv"]] if "pyramidkv" in theirs else []
+            labels = [PAIRS[press] for press in args.presses] + (["pyramidkv*"] if "pyramidkv" in theirs else [])
+            pols = {label: pol for label, pol in evalkit_policies(n, ratio, pyramid_budgets).items() if label in labels}
             ours = evalkit_kept(loaded.model, prompt["ids"], pols)
-            pairs = [(press, label) for press, label in PAIRS.items()] + [("pyramidkv", "pyramidkv*")]
+            pairs = [(press, PAIRS[press]) for press in args.presses]
+            pairs += [("pyramidkv", "pyramidkv*")] if "pyramidkv" in theirs else []
             for press, label in pairs:
                 mean, low, same, total = compare(ours[label], theirs[press])
                 rows.append((f"{label} ~ {press}", 1 - ratio, prompt["name"], n_kept(n, ratio), mean, low, same, total))

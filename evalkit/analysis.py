@@ -8,7 +8,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from evalkit.stats import flip_cause, mcnemar_exact, paired_bootstrap_ci
+from evalkit.stats import flip_cause, mcnemar_exact, paired_drop
 
 BASELINE = "baseline"
 FIDELITY = ("kl_mean", "top1_agreement", "ppl_ratio")
@@ -95,7 +95,7 @@ def chunked_vs_oneshot(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "oneshot": stats["baseline"],
                 "chunked": stats["policy"],
                 "difference": 0.0 - stats["drop"],  # 0.0 - x: never a negative zero
-                "difference_ci95": [0.0 - stats["drop_ci95"][1], 0.0 - stats["drop_ci95"][0]],
+                "difference_bounds": [0.0 - stats["drop_bounds"][1], 0.0 - stats["drop_bounds"][0]],
                 "chunked_lost": stats["lost"],
                 "chunked_gained": stats["gained"],
                 "oneshot_peak_kv_bytes": max(_peak_prefill(base[i]) for i in ids),
@@ -119,20 +119,21 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def paired(baseline: list[float], policy: list[float]) -> dict[str, Any]:
-    """Accuracies, flips, the accuracy drop with its paired bootstrap 95% CI, and McNemar's exact p-value."""
-    lost = sum(p < b for b, p in zip(baseline, policy, strict=True))
-    gained = sum(p > b for b, p in zip(baseline, policy, strict=True))
-    lo, hi = paired_bootstrap_ci(baseline, policy)
+def paired(baseline: list[float], policy: list[float], level: float = 0.95) -> dict[str, Any]:
+    """Accuracies, flips, the accuracy drop with its one-sided bounds at `level` (evalkit.stats: Tango's score
+    interval for 0/1 scores, BCa bootstrap for graded ones), and McNemar's exact p-value."""
+    p = paired_drop(baseline, policy, level)
     return {
-        "n": len(policy),
+        "n": p.n,
         "baseline": _mean(baseline),
         "policy": _mean(policy),
-        "lost": lost,
-        "gained": gained,
-        "drop": _mean(baseline) - _mean(policy),
-        "drop_ci95": [lo, hi],
-        "mcnemar_p": mcnemar_exact(lost, gained),
+        "lost": p.lost,
+        "gained": p.gained,
+        "drop": p.drop,
+        "drop_bounds": [p.lower, p.upper],  # one-sided at `level` each
+        "level": level,
+        "method": p.method,
+        "mcnemar_p": mcnemar_exact(p.lost, p.gained),
     }
 
 
@@ -163,21 +164,34 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "gained": overall["gained"],
             "paired": overall,
             "flip_causes": dict(Counter(c for c in map(flip_cause, rs) if c)),
+            # measured: in the dtype the model ran in here (float32 on the CPU)
             "kv_bytes": _mean([r["kv_bytes"] for r in rs]),
             "kv_bytes_baseline": _mean([r["kv_bytes_baseline"] for r in rs]),
-            "kv_ratio": _mean([r["kv_bytes"] / r["kv_bytes_baseline"] for r in rs]),
+            "kv_ratio_measured": _mean([r["kv_bytes"] / r["kv_bytes_baseline"] for r in rs]),
+            # judged and planned: against the full cache as a deployment holds it (fp16/bf16, see deployed())
+            "kv_bytes_deployed": _mean([deployed(r)[0] for r in rs]),
+            "kv_ratio": _mean([deployed(r)[0] / deployed(r)[1] for r in rs]),
+            "kv_ratio_basis": "fp16" if all("kv_bytes_deployed" in r for r in rs) else "measured",
             "peak_kv_bytes": max(r["peak_kv_bytes"] for r in rs),
             # one-shot: the full cache exists while the context is prefilled; chunked: at most budget + chunk
             "peak_prefill_kv_bytes": max(_peak_prefill(r) for r in rs),
             "nominal_budget": _nominal(rs[0]),
             # samples whose context is shorter than the token budget: the variant kept everything there
             "budget_clipped": sum(bool(r.get("budget_clipped")) for r in rs),
-            "kv_bytes_per_token": _mean([r["kv_bytes"] / r["context_tokens"] for r in rs if r.get("context_tokens")]),
+            "kv_bytes_per_token": _mean([deployed(r)[0] / r["context_tokens"] for r in rs if r.get("context_tokens")]),
             **{k: _mean([r[k] for r in rs]) for k in FIDELITY if k in rs[0]},
             "splits": _grouped(rs, lambda r: r["cell"].get("split")),
             "cells": _grouped(rs, lambda r: cell_key(r["cell"])),
         }
     return out
+
+
+def deployed(row: dict[str, Any]) -> tuple[int, int]:
+    """(variant, full-cache baseline) KV bytes as a deployment holds them: dense keys and values in fp16/bf16, quantized
+    ones packed (evalkit.cache.deployed_bytes). Rows written before these were recorded: the measured bytes."""
+    if row.get("kv_bytes_deployed") and row.get("kv_bytes_baseline_deployed"):
+        return row["kv_bytes_deployed"], row["kv_bytes_baseline_deployed"]
+    return row["kv_bytes"], row["kv_bytes_baseline"]
 
 
 def _nominal(row: dict[str, Any]) -> float | None:
@@ -188,7 +202,7 @@ def _nominal(row: dict[str, Any]) -> float | None:
 
 def capacity(summary: dict[str, Any], weights_bytes: int, gpu_gib: float, context: int) -> dict[str, Any]:
     """How many sequences of `context` tokens fit in `gpu_gib` of accelerator memory after the weights, per variant,
-    from the KV bytes per context token measured in the run (in the dtype the run used)."""
+    from the KV bytes per context token of the run as a deployment holds them (fp16/bf16, or packed)."""
     free = gpu_gib * 2**30 - weights_bytes
     out = {}
     for name, s in summary.items():
@@ -202,7 +216,7 @@ def capacity(summary: dict[str, Any], weights_bytes: int, gpu_gib: float, contex
 
 
 def _drop(p: dict[str, Any]) -> str:
-    lo, hi = p["drop_ci95"]
+    lo, hi = p["drop_bounds"]
     return f"{p['drop']:+.2f} [{lo:+.2f}, {hi:+.2f}]"
 
 
@@ -210,15 +224,15 @@ def format_summary(summary: dict[str, Any]) -> str:
     """The console table: variants, then each variant's per-cell accuracy beside the baseline's."""
     w = max([24, *(len(name) + 2 for name in summary)])
     head = (
-        f"{'variant':<{w}}{'n':>5}{'baseline':>10}{'policy':>8}{'lost':>6}{'gained':>8}{'drop [95% CI]':>22}"
-        f"{'McNemar p':>11}{'KV held':>12}{'ratio':>8}"
+        f"{'variant':<{w}}{'n':>5}{'baseline':>10}{'policy':>8}{'lost':>6}{'gained':>8}{'drop [95% bounds]':>22}"
+        f"{'McNemar p':>11}{'KV measured':>14}{'ratio vs fp16':>15}"
     )
     lines = [head, "-" * len(head)]
     for name, s in summary.items():
         lines.append(
             f"{name:<{w}}{s['n']:>5}{s['baseline_accuracy']:>10.2f}{s['accuracy']:>8.2f}{s['lost']:>6}"
             f"{s['gained']:>8}{_drop(s['paired']):>22}{s['paired']['mcnemar_p']:>11.3g}"
-            f"{s['kv_bytes'] / 2**20:>9.2f} MB{s['kv_ratio']:>7.3f}x"
+            f"{s['kv_bytes'] / 2**20:>10.2f} MiB{s['kv_ratio']:>14.3f}x"
         )
     for name, s in summary.items():
         if s.get("budget_clipped"):

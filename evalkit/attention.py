@@ -7,8 +7,10 @@ that the extra memory stays bounded (no (T, T) attention matrix, no eager attent
 - `attn_mass` (H2O): for every key, the attention it received, summed over queries and over the query heads
   that share its KV head. During prefill it is returned per layer; after compression it accumulates into the
   `attn_mass` state of each evicting layer.
-- `window_queries` (SnapKV, PyramidKV): the last `window` queries of the context, scaled, per layer (with a
-  chunked prefill: of the latest chunk).
+- `window_queries` (SnapKV, PyramidKV, TOVA): the last `window` queries of the context, scaled, per layer. After
+  compression, every forward slides it on: each evicting layer then holds the last `window` queries it has seen
+  (with a chunked prefill: the latest chunk's; while decoding: the newest), so a policy that evicts while decoding
+  scores with the current queries.
 """
 
 from __future__ import annotations
@@ -84,8 +86,10 @@ class StepObserver:
     """Observes forwards on a cache that already evicts (decode steps, and chunks after the first):
 
     - adds each new query's attention to the running `attn_mass` of the evicting layers that keep one;
-    - with `window`, replaces each evicting layer's `window_queries` by the last `window` queries of this
-      forward, at their absolute positions (SnapKV's window, taken from the latest chunk).
+    - slides each evicting layer's `window_queries` on: they become the last `window` queries the layer has seen,
+      this forward's last ones at their absolute positions after the newest of those it held (SnapKV's window taken
+      from the latest chunk; TOVA's current query while decoding). `window` 0: as many as the layer holds, which
+      is what the prefill recorded for the variants it served.
     """
 
     window: int = 0
@@ -96,15 +100,18 @@ class StepObserver:
             return
         if "attn_mass" in state:
             state["attn_mass"] = state["attn_mass"] + attention_mass(query, key, scaling)
-        if self.window:
-            w = min(self.window, query.shape[-2])
-            positions = torch.arange(layer.seen - w, layer.seen, device=key.device)
-            # a new dict: caches that share this layer's tensors keep their own observations
-            layer.observations = {
-                **layer.observations,
-                "window_queries": query[:, :, -w:].float() * scaling,
-                "window_positions": positions,
-            }
+        held = layer.observations.get("window_queries")
+        w = self.window or (held.shape[-2] if held is not None else 0)
+        if not w:
+            return
+        new = min(w, query.shape[-2])
+        queries = query[:, :, -new:].float() * scaling
+        positions = torch.arange(layer.seen - new, layer.seen, device=key.device)
+        if new < w and held is not None:  # fewer new queries than the window: keep the newest of the held ones
+            queries = torch.cat([held, queries], dim=2)[:, :, -w:]
+            positions = torch.cat([layer.observations["window_positions"], positions])[-w:]
+        # a new dict: caches that share this layer's tensors keep their own observations
+        layer.observations = {**layer.observations, "window_queries": queries, "window_positions": positions}
 
 
 @contextmanager
@@ -117,18 +124,29 @@ def observe(observer, cache):
         _observer.reset(token)
 
 
+OWNER = "evalkit_owner"  # set on keys a cache layer returns when it attends over its own storage
+
+
+def owned(x: Tensor, layer) -> Tensor:
+    """A view of x, as returned by `layer.update()`, telling `evalkit_sdpa` to let `layer.attend` compute the
+    attention: a quantized layer that decodes over its packed store returns only its residual window."""
+    x = x.view_as(x)
+    setattr(x, OWNER, layer)
+    return x
+
+
 def evalkit_sdpa(module, query, key, value, attention_mask, **kwargs):
     """SDPA plus observation. Also rebuilds the causal mask for layers that hold a different number of tokens than
-    the layer transformers built the shared mask for (per-layer budgets, e.g. PyramidKV), and lets quantized
-    layers attend over their packed history themselves."""
+    the layer transformers built the shared mask for (per-layer budgets, e.g. PyramidKV), and hands the attention to
+    a cache layer that attends over its packed storage itself (keys marked by `owned`), observed or not."""
+    owner = getattr(key, OWNER, None)
+    if owner is not None:
+        return owner.attend(module, query, attention_mask, **kwargs)
     active = _observer.get()
-    layer = active[1].layers[module.layer_idx] if active is not None else None
-    if hasattr(layer, "attend"):
-        return layer.attend(module, query, attention_mask, **kwargs)
     attention_mask = fit_mask(attention_mask, query, key)
     if active is not None:
         scaling = kwargs.get("scaling") or module.scaling
-        active[0].record(module.layer_idx, layer, query, key, scaling)
+        active[0].record(module.layer_idx, active[1].layers[module.layer_idx], query, key, scaling)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
-from evalkit.policies import KVPolicy, LayerView, gather_tokens
+from evalkit.policies import PER_TOKEN, KVPolicy, LayerView, gather_tokens
 
 
 class EvictingLayer(DynamicLayer):
@@ -87,10 +87,6 @@ def full_attention_layers(cache: Cache) -> list[int]:
     return [i for i, layer in enumerate(cache.layers) if not getattr(layer, "is_sliding", False)]
 
 
-# Observations that are one value per token, carried and gathered with the keys; the rest are per layer.
-PER_TOKEN = ("attn_mass",)
-
-
 def compress(cache: Cache, policy: KVPolicy, observations: dict[int, dict[str, Tensor]] | None = None) -> Cache:
     """A new cache holding what `policy` keeps of the prefilled full `cache`; `cache` itself is unchanged.
 
@@ -130,6 +126,21 @@ def kv_bytes(cache: Cache) -> int:
         elif getattr(layer, "keys", None) is not None and layer.keys.numel():
             total += layer.keys.numel() * layer.keys.element_size()
             total += layer.values.numel() * layer.values.element_size()
+    return total
+
+
+DEPLOYED_ELEMENT_BYTES = 2  # fp16 or bf16: what a GPU deployment holds dense keys and values in
+
+
+def deployed_bytes(cache: Cache) -> int:
+    """Bytes the cache would hold in a deployment: dense layers in fp16/bf16 whatever dtype this machine computes
+    in (float32 on the CPU), quantized layers as packed (their codes, fp16 scales and residual window)."""
+    total = 0
+    for layer in cache.layers:
+        if hasattr(layer, "nbytes"):
+            total += layer.nbytes()
+        elif getattr(layer, "keys", None) is not None and layer.keys.numel():
+            total += (layer.keys.numel() + layer.values.numel()) * DEPLOYED_ELEMENT_BYTES
     return total
 
 

@@ -5,11 +5,23 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
+import re
+import typing
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from importlib.resources import files
+from pathlib import Path
 
-from hydra.errors import InstantiationException
-from hydra.utils import get_class, instantiate
+from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException, InstantiationException
+from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from evalkit import models
 from evalkit.engine import Variant
@@ -23,42 +35,257 @@ from evalkit.tasks import Task
 GROUPS = ("model", "policy", "quant", "prefill", "task", "gate", "logger")
 
 
-def options(group: str) -> list[str]:
-    """The names a config group accepts: its YAML files in evalkit's conf/."""
-    return sorted(p.name[:-5] for p in files("evalkit.conf").joinpath(group).iterdir() if p.name.endswith(".yaml"))
+# --- where configs are found: evalkit's conf/, then the user's folders on Hydra's search path ---------------------
+#
+# `hydra.searchpath=[file://my_conf]` adds a folder of the user's own configs: my_conf/policy/oldest.yaml is then
+# `policy=oldest`, `variants=[oldest@0.5]` and `chunkkv(oldest)`. Hydra looks in evalkit's conf/ first, so a user's
+# config named like one of evalkit's would be silently ignored: that is refused instead (shadowed).
+
+_SEARCHPATH: ContextVar[tuple[str, ...] | None] = ContextVar("evalkit_searchpath", default=None)
+SEARCHPATH_HINT = "your own configs: put NAME.yaml in FOLDER/{group}/ and add hydra.searchpath=[file://FOLDER]"
+
+
+def searchpath_of(overrides: list[str]) -> tuple[str, ...]:
+    """The folders a command line's `hydra.searchpath=[...]` adds (a malformed one is left to the pre-check)."""
+    for arg in reversed(overrides):
+        if arg.lstrip("+").partition("=")[0] != "hydra.searchpath":
+            continue
+        try:
+            value = OverridesParser.create().parse_override(arg.lstrip("+")).value()
+        except HydraException:
+            return ()
+        return tuple(str(v) for v in value) if isinstance(value, list) else (str(value),)
+    return ()
+
+
+@contextmanager
+def searching(searchpath: tuple[str, ...] | list[str]) -> Iterator[None]:
+    """Look configs up on this search path (the pre-check, before Hydra runs the job)."""
+    token = _SEARCHPATH.set(tuple(searchpath))
+    try:
+        yield
+    finally:
+        _SEARCHPATH.reset(token)
+
+
+def searchpath() -> tuple[str, ...]:
+    """The search path of the config being checked or run: set by `searching`, else Hydra's job's, else none."""
+    active = _SEARCHPATH.get()
+    if active is not None:
+        return active
+    if HydraConfig.initialized():
+        return tuple(str(p) for p in HydraConfig.get().searchpath or ())
+    return ()
+
+
+def _user_folders(group: str, path: tuple[str, ...]) -> list[tuple[str, Path]]:
+    """(as shown, folder) of each search-path entry's `group` folder: file://DIR and pkg://module entries."""
+    out = []
+    for entry in path:
+        scheme, _, where = entry.partition("://")
+        try:
+            folder = Path(where) / group if scheme == "file" else files(where.replace("/", ".")) / group
+        except (ModuleNotFoundError, TypeError):
+            continue
+        if scheme in ("file", "pkg"):
+            out.append((f"{entry.rstrip('/')}/{group}", folder))
+    return out
+
+
+def _names(folder) -> set[str]:
+    try:
+        return {p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml")} if folder.is_dir() else set()
+    except OSError:
+        return set()
+
+
+def options(group: str, path: tuple[str, ...] | None = None) -> list[str]:
+    """The names a config group accepts: its YAML files in evalkit's conf/ and in the search path's folders (`path`,
+    by default the active search path)."""
+    names = _names(files("evalkit.conf").joinpath(group))
+    for _, folder in _user_folders(group, searchpath() if path is None else path):
+        names |= _names(folder)
+    return sorted(names)
+
+
+def check_shadowed(group: str, name: str, path: tuple[str, ...] | None = None) -> None:
+    """ConfigError when a user's config has the name of one of evalkit's, which Hydra would take instead."""
+    if name not in _names(files("evalkit.conf").joinpath(group)):
+        return
+    for shown, folder in _user_folders(group, searchpath() if path is None else path):
+        if name in _names(folder):
+            raise ConfigError(
+                f"{shown}/{name}.yaml has the name of evalkit's own {group} {name!r}, which Hydra takes first: "
+                f"rename yours (the file and its name:), e.g. my_{name}.yaml"
+            )
+
+
+def unknown_choice(group: str, name: str, path: tuple[str, ...], where: str = "", within: str = "") -> ConfigError:
+    """`{where}unknown policy 'snapk'{within} (did you mean snapkv?); valid names: ...`"""
+    valid = options(group, path)
+    near = difflib.get_close_matches(name, valid, n=1)
+    hint = f" (did you mean {near[0]}?)" if near else ""
+    mine = "" if path else f"; {SEARCHPATH_HINT.format(group=group)}"
+    return ConfigError(f"{where}unknown {group} {name!r}{within}{hint}; valid names: {', '.join(valid)}{mine}")
 
 
 def check_choices(overrides: list[str]) -> None:
     """Reject `group=name` overrides that name no config, listing the valid names (and the nearest one)."""
+    path = searchpath_of(overrides)
     for arg in overrides:
         key, sep, value = arg.lstrip("+").partition("=")
         if not sep or key not in GROUPS or value.startswith(("glob(", "choice(", "range(")):
             continue
-        valid = options(key)
+        valid = options(key, path)
         for name in value.split(","):
             if name not in valid:
-                near = difflib.get_close_matches(name, valid, n=1)
-                hint = f" (did you mean {near[0]}?)" if near else ""
-                raise ConfigError(f"unknown {key} {name!r}{hint}; valid names: {', '.join(valid)}")
+                raise unknown_choice(key, name, path)
+            check_shadowed(key, name, path)
+
+
+@contextmanager
+def _hydra_ready():
+    """Hydra's global state for `compose`: the running job's, or evalkit's conf/ for the time of the call."""
+    if GlobalHydra.instance().is_initialized():
+        yield
+        return
+    with initialize_config_module(config_module="evalkit.conf", version_base="1.3"):
+        yield
+
+
+def _quoted(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def load_option(group: str, name: str, where: str = "", within: str = "") -> DictConfig:
+    """The config `group=name` gives, composed by Hydra (so a user's YAML may extend another with a defaults list),
+    from evalkit's conf/ or the active search path; `where` and `within` place the errors."""
+    path = searchpath()
+    if name not in options(group, path):
+        raise unknown_choice(group, name, path, where, within)
+    check_shadowed(group, name, path)
+    overrides = [f"+{group}={name}"]
+    if path:
+        overrides.append(f"hydra.searchpath=[{','.join(_quoted(p) for p in path)}]")
+    try:
+        with _hydra_ready():
+            node = compose(config_name=None, overrides=overrides)[group]
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigError(f"{where}{group} {name!r}{within} does not compose ({_first(err)}); fix its YAML") from None
+    OmegaConf.set_struct(node, False)
+    return node
+
+
+def load_class(target: str, group: str, name: object = None) -> type:
+    """The class `_target_` names, or a one-line ConfigError (not importable, not a class)."""
+    module, _, attr = target.rpartition(".")
+    if not target:
+        which = f"{group} {name!r}" if name else group
+        raise ConfigError(f"{which} has no _target_: name its class in its YAML, e.g. _target_: mypkg.MyPolicy")
+    try:
+        obj = getattr(importlib.import_module(module), attr) if module else None
+    except Exception as err:  # noqa: BLE001 - any error while importing the user's module
+        raise ConfigError(
+            f"{group}._target_={target!r} cannot be imported ({type(err).__name__}: {_first(err)}); make "
+            f"{module or target!r} importable (on PYTHONPATH, or pip install -e your package) and fix _target_"
+        ) from None
+    if not isinstance(obj, type):
+        raise ConfigError(f"{group}._target_={target!r} is not a class in module {module!r}; fix _target_")
+    return obj
+
+
+def wrapped_fields(cls: type) -> list[str]:
+    """The fields of a wrapper policy that hold another policy (ChunkKV's `inner`)."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001 - annotations a user's class cannot resolve: no wrapped policy
+        return []
+
+    def is_policy(hint) -> bool:
+        if typing.get_origin(hint) is not None:
+            return any(is_policy(a) for a in typing.get_args(hint))
+        return isinstance(hint, type) and issubclass(hint, KVPolicy)
+
+    return [f.name for f in dataclasses.fields(cls) if f.init and is_policy(hints.get(f.name))]
 
 
 def build(node: DictConfig, group: str):
     """Instantiate a policy or task config (`_target_` + its keys) into its dataclass; a key the class does not take,
-    or a target that does not load, is a one-line ConfigError."""
+    a target that does not load, or a policy that is not a KVPolicy, is a one-line ConfigError. A wrapper's policy
+    (ChunkKV's `inner`: a name, a mapping, or a full config) is built first (policy_from)."""
     target = str(node.get("_target_") or "")
-    try:
-        cls = get_class(target)
-    except Exception as err:  # noqa: BLE001 - hydra wraps import errors in several types
-        raise ConfigError(f"{group}._target_={target!r} cannot be imported ({err}); fix _target_ in its YAML") from None
+    cls = load_class(target, group, node.get("name"))
+    if group.startswith("policy"):
+        if not issubclass(cls, KVPolicy):
+            raise ConfigError(
+                f"{group}._target_={target!r} is not a policy: subclass evalkit.policies.KVPolicy "
+                "(see README, Write a policy)"
+            )
+        if "__dataclass_fields__" not in cls.__dict__:
+            raise ConfigError(
+                f"{group}._target_={target!r}: decorate the class with @dataclass(kw_only=True), as KVPolicy is, "
+                "so that its fields are config keys"
+            )
     valid = init_fields(cls)
     unknown = sorted(str(k) for k in node.keys() if k != "_target_" and k not in valid)
     if unknown:
         raise unknown_key(f"{group}.{unknown[0]}", valid, group)
+    wrapped = wrapped_fields(cls) if group.startswith("policy") else []
     try:
-        return instantiate(node, _convert_="all")
+        if not wrapped:
+            return instantiate(node, _convert_="all")
+        seed = OmegaConf.select(node._get_root(), "seed", default=0)
+        inner = {f: policy_from(node[f], f"{group}.{f}", seed) for f in wrapped if f in node}
+        rest = {k: v for k, v in node.items() if k != "_target_" and k not in wrapped}
+        return cls(**OmegaConf.to_container(OmegaConf.create(rest), resolve=True), **inner)
     except InstantiationException as err:
         cause = err.__cause__ or err
         raise ConfigError(f"{group}: cannot build {cls.__name__} ({cause}); check the {group}.* values") from None
+    except TypeError as err:
+        raise ConfigError(f"{group}: cannot build {cls.__name__} ({err}); check the {group}.* values") from None
+
+
+def policy_from(spec, where: str = "policy", seed: int = 0) -> KVPolicy:
+    """A policy from what a config gives for one: a name (`snapkv`, `chunkkv(snapkv)`), a mapping with a name and
+    fields to set (`{name: snapkv, window: 16}`), a full config (`{_target_: ..., ...}`), or a KVPolicy."""
+    if isinstance(spec, KVPolicy):
+        return spec
+    if isinstance(spec, dict):
+        spec = OmegaConf.create(spec)
+    if isinstance(spec, str):
+        node = policy_node(spec, f"{where}: ")
+    elif isinstance(spec, DictConfig) and "_target_" in spec:
+        node = spec
+    elif isinstance(spec, DictConfig) and isinstance(spec.get("name"), str):
+        node = OmegaConf.merge(policy_node(spec.name, f"{where}: "), spec)
+    else:
+        raise ConfigError(
+            f"{where}={spec!r}: give a policy's name, e.g. {where}=snapkv, or its name and fields, "
+            f"'{where}={{name:snapkv,window:16}}'"
+        )
+    holder = OmegaConf.create({"seed": seed, "policy": node})  # the root of ${seed} in a policy's YAML
+    return build(holder.policy, where)
+
+
+WRAPPER = re.compile(r"([A-Za-z0-9_.-]+)(?:\((.+)\)|/(.+))")
+
+
+def policy_node(name: str, where: str = "", within: str = "") -> DictConfig:
+    """The config of a policy named as in `variants=[...]`: `snapkv`, or a wrapper over another policy,
+    `chunkkv(snapkv)` or `chunkkv/snapkv` (nested: `chunkkv(adakv(snapkv))`)."""
+    match = WRAPPER.fullmatch(name)
+    if not match:
+        return load_option("policy", name, where, within)
+    outer, inner = match.group(1), match.group(2) or match.group(3)
+    node = load_option("policy", outer, where, within)
+    fields = wrapped_fields(load_class(str(node.get("_target_") or ""), f"{where}policy {outer}"))
+    if not fields:
+        raise ConfigError(
+            f"{where}{outer}{within or f' in {name!r}'} wraps no policy: write it alone, or wrap {inner!r} in a "
+            f"wrapper such as chunkkv({inner})"
+        )
+    node[fields[0]] = policy_node(inner, where, within)
+    return node
 
 
 def quant_spec(node: DictConfig) -> QuantSpec | None:
@@ -68,22 +295,21 @@ def quant_spec(node: DictConfig) -> QuantSpec | None:
     for key in ("bits", "group", "residual"):
         if key in node and not fits(node[key], int):
             raise ConfigError(f"quant.{key}={node[key]!r} is not a whole number; give e.g. quant.{key}=64")
+    cpu_path = node.get("cpu_path", "dequantized-cache")
     if node.get("format") == "e4m3":
-        spec = QuantSpec(name=node.name, bits=8, format="e4m3")
-        spec.validate()
-        return spec
-    spec = QuantSpec(name=node.name, bits=int(node.bits), group=int(node.group), residual=int(node.residual))
+        spec = QuantSpec(name=node.name, bits=8, format="e4m3", cpu_path=cpu_path)
+    else:
+        spec = QuantSpec(
+            name=node.name, bits=int(node.bits), group=int(node.group), residual=int(node.residual), cpu_path=cpu_path
+        )
     spec.validate()
     return spec
 
 
 def _named(group: str, name: str, spec: str) -> DictConfig:
-    valid = options(group)
-    if name not in valid:
-        near = difflib.get_close_matches(name, valid, n=1)
-        hint = f" (did you mean {near[0]}?)" if near else ""
-        raise ConfigError(f"variants: unknown {group} {name!r} in {spec!r}{hint}; valid names: {', '.join(valid)}")
-    return OmegaConf.load(files("evalkit.conf") / group / f"{name}.yaml")
+    if group == "policy":
+        return policy_node(name, "variants: ", f" in {spec!r}")
+    return load_option(group, name, "variants: ", f" in {spec!r}")
 
 
 def variants(cfg: DictConfig) -> list[Variant]:
@@ -175,6 +401,10 @@ def check(cfg: DictConfig) -> None:
 def validate(cfg: DictConfig, task: Task, policies: list[KVPolicy]) -> None:
     """Everything that can be known wrong before the model loads."""
     check_settings(cfg)
+    if cfg.gate.name != "none":  # the gate's thresholds too: a bad one must not wait for the end of the run
+        from evalkit.gate import thresholds
+
+        thresholds(cfg.gate, repr(cfg.gate.name))
     task.validate()  # its fields against their annotations first (Task.validate), then its own checks
     models.check_source(cfg.model)
     models.check_attention(cfg.model)

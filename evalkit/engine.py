@@ -20,6 +20,7 @@ from transformers.cache_utils import Cache
 from evalkit.attention import PrefillObserver, StepObserver, observe
 from evalkit.cache import (
     compress,
+    deployed_bytes,
     enforce,
     fp16_bytes,
     full_attention_layers,
@@ -29,9 +30,9 @@ from evalkit.cache import (
     share,
 )
 from evalkit.errors import ConfigError
-from evalkit.policies import KVPolicy
+from evalkit.policies import KVPolicy, Need
 from evalkit.prompt import Prompt
-from evalkit.quantized import QuantSpec, quantize_cache
+from evalkit.quantized import QuantSpec, attention_path, quantize_cache
 
 
 @dataclass
@@ -59,15 +60,15 @@ class Variant:
             return
         if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1:
             raise ConfigError(f"prefill.chunk={self.chunk!r}: give a whole number of tokens such as 512")
-        if self.policy.name not in CHUNKABLE:
+        if not self.policy.chunkable:
             raise ConfigError(
                 f"{self.name}: {self.policy.name} does not support a chunked prefill (it compresses once, "
-                f"after the whole prompt); use one of {list(CHUNKABLE)} or prefill=oneshot"
+                "after the whole prompt); use prefill=oneshot, or a policy that can evict chunk by chunk"
             )
         if self.quant is not None:
             raise ConfigError(f"{self.name}: a chunked prefill stores keys in full precision; drop +{self.quant.name}")
-        window = getattr(self.policy, "window", 0)
-        if "window_queries" in self.policy.needs and self.chunk < window:
+        window = self.policy.observation_window()
+        if self.chunk < window:
             raise ConfigError(
                 f"{self.name}: the chunk ({self.chunk} tokens) is shorter than {self.policy.name}'s observation "
                 f"window ({window}); raise prefill.chunk or lower policy.window"
@@ -86,10 +87,6 @@ class Variant:
         return quantize_cache(cache, self.quant) if self.quant is not None else cache
 
 
-# Policies whose choice can be made again after every chunk, from what the chunks so far showed them.
-CHUNKABLE = ("none", "streaming_llm", "h2o", "snapkv", "knorm", "random")
-
-
 @dataclass
 class Decoded:
     tokens: list[int]
@@ -106,6 +103,7 @@ class Outcome:
     logits: list[Tensor]
     kv_bytes: int  # held right after compressing the context
     kv_bytes_fp16: int  # what the same held tokens would take as fp16 keys and values
+    kv_bytes_deployed: int  # as a deployment holds them: dense in fp16/bf16, quantized packed (cache.deployed_bytes)
     kv_bytes_final: int  # held when decoding ended
     peak_kv_bytes: int  # the most held at any point: prefill, compression or decode
     prefill_peak_kv_bytes: int  # the most held while the context went through the model
@@ -113,6 +111,52 @@ class Outcome:
     tokens_held: list[int]  # per layer, right after compressing the context
     evidence_retained: list[float]  # per layer, fraction of the evidence tokens still held
     seconds: dict[str, float] = field(default_factory=dict)
+    # how the quantized layers attended (evalkit.quantized): dense (none quantized), dequantized-cache (the CPU's copy),
+    # packed-triton or packed-reference (the packed store, read by the Triton kernel or the PyTorch reference)
+    attention_path: str = "dense"
+
+
+@dataclass
+class Held:
+    """What a cache holds right after the context was compressed, before any decoding."""
+
+    kv_bytes: int
+    fp16: int
+    deployed: int
+    tokens: list[int]
+
+    @classmethod
+    def of(cls, cache: Cache) -> Held:
+        return cls(kv_bytes(cache), fp16_bytes(cache), deployed_bytes(cache), held_per_layer(cache))
+
+
+def outcome(
+    name: str,
+    held: Held,
+    cache: Cache,
+    dec: Decoded,
+    prefill_peak: tuple[int, int],
+    retained: list[float] = (),
+    seconds: dict[str, float] | None = None,
+) -> Outcome:
+    """The Outcome of a decode (or teacher-forced pass) over `cache`, which held `held` before it began;
+    `prefill_peak`: (bytes, tokens) at most while the context was prefilled."""
+    return Outcome(
+        name,
+        dec.tokens,
+        dec.logits,
+        held.kv_bytes,
+        held.fp16,
+        held.deployed,
+        kv_bytes(cache),
+        max(dec.peak_bytes, held.kv_bytes, prefill_peak[0]),  # before every eviction: what really was held
+        prefill_peak[0],
+        prefill_peak[1],
+        held.tokens,
+        list(retained),
+        dict(seconds or {}),
+        attention_path(cache),
+    )
 
 
 @torch.inference_mode()
@@ -126,8 +170,7 @@ def prefill(
     cache = DynamicCache(config=model.config)
     needs = set().union(*(p.needs for p in policies))
     observer = PrefillObserver(
-        mass="attn_mass" in needs,
-        window=max((p.window for p in policies if "window_queries" in p.needs), default=0),
+        mass=Need.ATTN_MASS in needs, window=max((p.observation_window() for p in policies), default=0)
     )
     with observe(observer, cache) if needs else nullcontext():
         model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
@@ -144,11 +187,12 @@ def chunked_prefill(model: torch.nn.Module, ids: Tensor, policy: KVPolicy, chunk
     measured after every chunk's forward, before eviction: at most the budget plus one chunk.
     """
     cache: Cache = DynamicCache(config=model.config)
-    window = policy.window if "window_queries" in policy.needs else 0
+    window = policy.observation_window()
     peak_bytes = peak_tokens = 0
     for start in range(0, ids.shape[1], chunk):
         first = start == 0
-        observer = PrefillObserver(mass="attn_mass" in policy.needs, window=window) if first else StepObserver(window)
+        mass = Need.ATTN_MASS in policy.needs
+        observer = PrefillObserver(mass=mass, window=window) if first else StepObserver(window)
         with observe(observer, cache):
             model(input_ids=ids[:, start : start + chunk], cache=cache, use_cache=True, logits_to_keep=1)
         peak_bytes = max(peak_bytes, kv_bytes(cache))
@@ -231,28 +275,14 @@ def run_sample(
     full_bytes = kv_bytes(full)
 
     def run(name: str, cache: Cache, seconds: dict[str, float], after, prefill_peak: tuple[int, int]) -> Outcome:
-        held, held_layers, fp16 = kv_bytes(cache), held_per_layer(cache), fp16_bytes(cache)
+        held = Held.of(cache)
         retained = retained_fraction(cache, prompt.evidence)
         t = time.perf_counter()
         if forced:
             dec = teacher_forced(model, cache, question, after)
         else:
             dec = greedy(model, cache, question, max_new_tokens, stop_ids, after)
-        seconds = {**seconds, "decode": time.perf_counter() - t}
-        return Outcome(
-            name,
-            dec.tokens,
-            dec.logits,
-            held,
-            fp16,
-            kv_bytes(cache),
-            max(dec.peak_bytes, held, prefill_peak[0]),
-            prefill_peak[0],
-            prefill_peak[1],
-            held_layers,
-            retained,
-            seconds,
-        )
+        return outcome(name, held, cache, dec, prefill_peak, retained, {**seconds, "decode": time.perf_counter() - t})
 
     baseline = run(
         "baseline", share(full), {"prefill": prefill_s, "compress": 0.0}, None, (full_bytes, prompt.n_context)

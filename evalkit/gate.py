@@ -1,12 +1,15 @@
-"""The validation gate: thresholds on the paired results of one or more runs -> PASS, FAIL or CANNOT JUDGE.
+"""The validation gate: thresholds on the paired results of one or more runs -> PASS, FAIL, INCONCLUSIVE or
+CANNOT JUDGE.
 
     python -m evalkit.gate results/RUN [results/RUN2 ...] [--gate conf/gate/default.yaml] [--out DIR]
+    python -m evalkit.gate --plan [--gate default] [--variants 3] [--cells 10]   # the samples a PASS needs
     python -m evalkit gate=default policy=snapkv task=needle          # run, then gate
 
-Exit code 0 PASS, 1 FAIL, 2 cannot judge (or a usage error). FAIL: a variant was judged and is worse than the
-thresholds allow, too few samples, no compression although compression was asked, or runs whose model weights,
-protocol or library versions differ. CANNOT JUDGE, never a PASS: records that cannot support a verdict (torn, corrupt
-or repeated rows, several runs in one file, no policy rows, a variant not run on the baseline's samples, a missing
+Exit code 0 PASS, 1 FAIL, 2 INCONCLUSIVE or cannot judge (or a usage error). PASS: every threshold is shown to hold
+at the gate's one-sided confidence (evalkit.decide). FAIL: a threshold is shown broken, compression was asked but
+not achieved, or runs whose model weights, protocol or library versions differ. INCONCLUSIVE: neither, with the
+samples that would settle it. CANNOT JUDGE, never a PASS: records that cannot support a verdict (torn, corrupt or
+repeated rows, several runs in one file, no policy rows, a variant not run on the baseline's samples, a missing
 run.json, a baseline too weak for the task). Writes verdict.json and report.md either way.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from importlib.resources import files
@@ -24,8 +28,10 @@ from omegaconf import OmegaConf
 
 from evalkit.analysis import BASELINE, capacity, chunked_vs_oneshot, is_baseline, merge, summarize
 from evalkit.cli import guarded
+from evalkit.decide import cell_decisions, plan, variant_decisions
 from evalkit.errors import EXIT_FAIL, EXIT_OK, CannotJudge, ConfigError
 from evalkit.records import RUN, SAMPLES, scan_rows, torn_line, write_atomic
+from evalkit.stats import MULTIPLICITY
 
 VERDICT, REPORT = "verdict.json", "report.md"
 
@@ -34,30 +40,33 @@ VERDICT, REPORT = "verdict.json", "report.md"
 class Thresholds:
     """Conf/gate/*.yaml. None switches a check off."""
 
-    max_drop: float | None = 0.05  # non-inferiority margin on the accuracy drop, judged on the 95% CI upper bound
-    max_flip_rate: float | None = 0.10  # lost samples / samples
-    min_cell_accuracy: float | None = 0.5  # per cell, where the baseline reaches it
+    max_drop: float | None = 0.05  # non-inferiority margin on the accuracy drop, shown by its upper bound
+    confidence: float = 0.95  # one-sided, of every bound and test
+    multiplicity: str = "holm"  # holm, bonferroni or none: across variants, and across cells
+    max_flip_rate: float | None = 0.10  # lost samples / samples, shown below it for a PASS
+    min_cell_accuracy: float | None = 0.5  # per cell, where the baseline reaches it: a FAIL when shown below it
     min_baseline_accuracy: float | None = 0.5  # below it overall: cannot judge; cells below it are not judged
     max_mean_kl: float | None = 0.1  # nats, fidelity rows
-    min_samples: int = 20
+    min_samples: int | None = None  # None: the fewest a PASS can need at the margin (evalkit.decide.min_samples)
     min_compression: float = 0.99  # a compressing variant must hold less than this share of the baseline's bytes
     capacity: dict[str, float] = field(default_factory=lambda: {"gpu_gib": 80, "context": 32768})  # report only
 
 
 @dataclass
 class Verdict:
-    passed: bool
-    reasons: list[str] = field(default_factory=list)  # why it FAILs, or why it cannot be judged
+    status: str  # PASS, FAIL, INCONCLUSIVE (not shown either way: more samples) or CANNOT JUDGE (the records)
+    reasons: list[str] = field(default_factory=list)  # why it FAILs, is INCONCLUSIVE, or cannot be judged
     variants: dict[str, Any] = field(default_factory=dict)
     runs: list[str] = field(default_factory=list)
     capacity: dict[str, Any] = field(default_factory=dict)
     chunked: list[dict[str, Any]] = field(default_factory=list)  # chunked vs one-shot prefill, side by side
-    judged: bool = True  # False: CANNOT JUDGE (never passed), the reasons say why
     not_judged: list[str] = field(default_factory=list)  # cells left out: the baseline is too weak there
+    cells: list[dict[str, Any]] = field(default_factory=list)  # per variant and cell: n, flips, bounds, status
+    advice: str | None = None  # INCONCLUSIVE: the samples that would settle it
 
     @property
-    def status(self) -> str:
-        return "CANNOT JUDGE" if not self.judged else "PASS" if self.passed else "FAIL"
+    def passed(self) -> bool:
+        return self.status == "PASS"
 
 
 @dataclass
@@ -84,7 +93,18 @@ def thresholds(node, where: str) -> Thresholds:
     unknown = set(cfg) - set(Thresholds.__dataclass_fields__)
     if unknown:
         raise ConfigError(f"gate {where}: unknown thresholds {sorted(unknown)}")
-    return Thresholds(**cfg)
+    t = Thresholds(**cfg)
+    if not (isinstance(t.confidence, float) and 0.5 < t.confidence < 1):
+        raise ConfigError(f"gate.confidence={t.confidence!r}: give a one-sided confidence in (0.5, 1), e.g. 0.95")
+    if t.multiplicity not in MULTIPLICITY:
+        raise ConfigError(f"gate.multiplicity={t.multiplicity!r} is not one of {list(MULTIPLICITY)}")
+    for key in ("max_drop", "max_flip_rate", "min_cell_accuracy", "min_baseline_accuracy"):
+        value = getattr(t, key)
+        if value is not None and not (isinstance(value, (int, float)) and 0 <= value <= 1):
+            raise ConfigError(f"gate.{key}={value!r}: give a share in [0, 1], or null to switch the check off")
+    if t.min_samples is not None and (not isinstance(t.min_samples, int) or t.min_samples < 1):
+        raise ConfigError(f"gate.min_samples={t.min_samples!r}: give a whole number >= 1, or null for the default")
+    return t
 
 
 # What the gate reads from every row, and must be numbers
@@ -313,37 +333,27 @@ def judge(rows: list[dict], infos: list[dict], t: Thresholds, problems: list[str
     cap = capacity(summary, weights, float(t.capacity["gpu_gib"]), int(t.capacity["context"]))
     if cannot or weak:
         chunked = chunked_vs_oneshot(rows) if rows else []
-        return Verdict(False, [*cannot, *weak, *reasons], summary, capacity=cap, chunked=chunked, judged=False)
+        return Verdict("CANNOT JUDGE", [*cannot, *weak, *reasons], summary, capacity=cap, chunked=chunked)
     by_variant: dict[str, list[dict]] = {}
     for r in rows:
         by_variant.setdefault(r["variant"], []).append(r)
+    policies = {name: by_variant[name] for name in summary if not is_baseline(name)}
+    decisions = variant_decisions(policies, t)
+    cells = cell_decisions(policies, t)
+    inconclusive: list[str] = []
     for name, s in summary.items():
         if is_baseline(name):
             continue
-        p = s["paired"]
-        if s["n"] < t.min_samples:
-            reasons.append(f"{name}: {s['n']} samples, fewer than the {t.min_samples} required")
-        if t.max_drop is not None and p["drop_ci95"][1] > t.max_drop:
-            reasons.append(
-                f"{name}: accuracy {p['baseline']:.2f} -> {p['policy']:.2f}; the drop may be as large as "
-                f"{p['drop_ci95'][1]:.3f} (95% CI upper bound), over the {t.max_drop} margin"
-            )
-        rate = s["lost"] / s["n"]
-        if t.max_flip_rate is not None and rate > t.max_flip_rate:
-            causes = ", ".join(f"{v} {k}" for k, v in sorted(s["flip_causes"].items()))
-            reasons.append(
-                f"{name}: {s['lost']} of {s['n']} samples flipped from right to wrong ({rate:.0%}, over "
-                f"{t.max_flip_rate:.0%})" + (f"; evidence {causes}" if causes else "")
-            )
-        if t.min_cell_accuracy is not None:
-            for cell, c in s["cells"].items():
-                if t.min_baseline_accuracy is not None and c["baseline"] < t.min_baseline_accuracy:
-                    continue  # not judged: the baseline cannot do this cell
-                if c["baseline"] >= t.min_cell_accuracy > c["policy"]:
-                    reasons.append(
-                        f"{name}: cell {cell}: accuracy {c['policy']:.2f} (baseline {c['baseline']:.2f}) "
-                        f"is below {t.min_cell_accuracy}"
-                    )
+        d = decisions[name]
+        s["gate"] = {"status": d.status, "samples_needed": d.samples_needed, "level": t.confidence}
+        reasons += d.fail
+        inconclusive += d.open
+        reasons += [
+            f"{name}: cell {c.cell}: accuracy {c.policy:.2f} (baseline {c.baseline:.2f}, n={c.n}) shown below "
+            f"{t.min_cell_accuracy} at {t.confidence:.0%} ({t.multiplicity} over the cells judged)"
+            for c in cells
+            if c.variant == name and c.status == "shown to fail"
+        ]
         over = [
             r
             for r in by_variant[name]
@@ -360,14 +370,46 @@ def judge(rows: list[dict], infos: list[dict], t: Thresholds, problems: list[str
         if any(_compression_asked(r) for r in by_variant[name]) and s["kv_ratio"] >= t.min_compression:
             clipped = s.get("budget_clipped")
             reasons.append(
-                f"{name}: compression was asked but the measured KV bytes are {s['kv_ratio']:.3f}x the baseline's"
+                f"{name}: compression was asked but its KV bytes are {s['kv_ratio']:.3f}x the full cache's "
+                f"({s['kv_ratio_basis']})"
                 + (
                     f" (its budget exceeds the context of {clipped} of {s['n']} samples: budget_clipped)"
                     if clipped
                     else ""
                 )
             )
-    return Verdict(not reasons, reasons, summary, capacity=cap, chunked=chunked_vs_oneshot(rows), not_judged=not_judged)
+    status = "FAIL" if reasons else "INCONCLUSIVE" if inconclusive else "PASS"
+    advice = _advice(decisions, summary, infos, cells) if status == "INCONCLUSIVE" else None
+    return Verdict(
+        status,
+        reasons + inconclusive,
+        summary,
+        capacity=cap,
+        chunked=chunked_vs_oneshot(rows),
+        not_judged=not_judged,
+        cells=[asdict(c) for c in cells],
+        advice=advice,
+    )
+
+
+def _advice(decisions: dict[str, Any], summary: dict[str, Any], infos: list[dict], cells: list) -> str:
+    """How many samples would settle an INCONCLUSIVE verdict, in the task's own terms where one run is judged."""
+    needs = {name: d.samples_needed for name, d in decisions.items() if d.status == "INCONCLUSIVE"}
+    if any(v is None for v in needs.values()):
+        return (
+            "more samples may settle it (graded scores, or an observed drop or flip rate at the limit: no count "
+            "follows from the observed rates)"
+        )
+    name = max(needs, key=lambda k: needs[k] - summary[k]["n"])
+    need, have = needs[name], summary[name]["n"]
+    text = f"at the observed rates, {need} samples would show it: add at least {need - have}"
+    task = ((infos[0].get("config") or {}).get("task") or {}) if len(infos) == 1 else {}
+    n_cells = len({c.cell for c in cells if c.variant == name}) or 1
+    if "samples_per_cell" in task:
+        text += f", e.g. task.samples_per_cell={math.ceil(need / n_cells)} resume=true"
+    elif "limit" in task:
+        text += f", e.g. task.limit={need} resume=true"
+    return text
 
 
 def _field(info: dict, key: str) -> Any:
@@ -405,6 +447,8 @@ def write_outputs(verdict: Verdict, out_dir: Path, t: Thresholds) -> None:
         "verdict": verdict.status,
         "reasons": verdict.reasons,
         "not_judged": verdict.not_judged,
+        "advice": verdict.advice,
+        "cells": verdict.cells,
         "thresholds": asdict(t),
         "runs": verdict.runs,
         "variants": verdict.variants,
@@ -412,14 +456,26 @@ def write_outputs(verdict: Verdict, out_dir: Path, t: Thresholds) -> None:
     }
     write_text(out_dir / VERDICT, json.dumps(doc, indent=2, sort_keys=True) + "\n")
     lines = [f"# evalkit gate: {verdict.status}", ""]
-    if not verdict.judged:
+    if verdict.status == "CANNOT JUDGE":
         lines += ["These records cannot be judged (exit code 2); the tables below, if any, are not a verdict.", ""]
-    lines += [f"- {r}" for r in verdict.reasons] or ["Every threshold holds."]
+    if verdict.status == "INCONCLUSIVE":
+        lines += [
+            "Neither shown within the thresholds nor shown outside them at the gate's confidence (exit code 2): "
+            + (verdict.advice or "more samples would settle it")
+            + ".",
+            "",
+        ]
+    lines += [f"- {r}" for r in verdict.reasons] or [
+        f"Every threshold is shown to hold at {t.confidence:.0%} one-sided confidence ({t.multiplicity} across "
+        "variants)."
+    ]
     if verdict.not_judged:
         lines += ["", "Not judged: the full-cache baseline is below min_baseline_accuracy in these cells.", ""]
         lines += [f"- not judged: {c}" for c in verdict.not_judged]
     if verdict.variants:
         lines += tables(verdict, t)
+    if verdict.cells:
+        lines += cell_table(verdict.cells, t)
     lines += ["", "Thresholds: " + ", ".join(f"{k}={v}" for k, v in asdict(t).items()), ""]
     write_text(out_dir / REPORT, "\n".join(lines))
 
@@ -427,23 +483,32 @@ def write_outputs(verdict: Verdict, out_dir: Path, t: Thresholds) -> None:
 def tables(verdict: Verdict, t: Thresholds) -> list[str]:
     lines = [
         "",
-        "| variant | n | baseline | policy | drop [95% CI] | McNemar p | lost | KV ratio |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"Drop bounds: one-sided {t.confidence:.0%} each (method per row); status after {t.multiplicity} "
+        "across variants.",
+        "",
+        "KV ratio: the variant's KV bytes over the full cache's, both as a deployment holds them (dense in fp16/bf16, "
+        "quantized packed); KV measured: bytes held here, in the model's own dtype.",
+        "",
+        "| variant | status | n | baseline | policy | drop [bounds] | method | McNemar p | lost | gained | KV ratio "
+        "(fp16) | KV measured |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for name, s in verdict.variants.items():
         p = s["paired"]
+        lo, hi = p["drop_bounds"]
+        status = (s.get("gate") or {}).get("status", "-")
         lines.append(
-            f"| {name} | {s['n']} | {p['baseline']:.2f} | {p['policy']:.2f} | {p['drop']:+.3f} "
-            f"[{p['drop_ci95'][0]:+.3f}, {p['drop_ci95'][1]:+.3f}] | {p['mcnemar_p']:.3g} | {s['lost']} | "
-            f"{s['kv_ratio']:.3f}x |"
+            f"| {name} | {status} | {s['n']} | {p['baseline']:.2f} | {p['policy']:.2f} | {p['drop']:+.3f} "
+            f"[{lo:+.3f}, {hi:+.3f}] | {p['method']} | {p['mcnemar_p']:.3g} | {s['lost']} | {s['gained']} | "
+            f"{s['kv_ratio']:.3f}x | {s['kv_bytes'] / 2**20:.2f} MiB ({s['kv_ratio_measured']:.3f}x) |"
         )
     gib, ctx = t.capacity["gpu_gib"], t.capacity["context"]
     lines += [
         "",
         f"Capacity: sequences of {ctx} tokens that fit in {gib} GiB after the weights, from the KV bytes",
-        "per context token measured here (in the run's dtype).",
+        "per context token as a deployment holds them (fp16/bf16 dense, packed quantized).",
         "",
-        "| variant | KV bytes per token | sequences | nominal budget | measured KV ratio | peak KV (prefill) |",
+        "| variant | KV bytes per token | sequences | nominal budget | KV ratio (fp16) | peak KV measured (prefill) |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for name, c in verdict.capacity.items():
@@ -451,7 +516,7 @@ def tables(verdict: Verdict, t: Thresholds) -> list[str]:
         nominal = "-" if s["nominal_budget"] is None else f"{s['nominal_budget']:g}"
         lines.append(
             f"| {name} | {c['kv_bytes_per_token']:.0f} | {c['sequences']} | {nominal} | "
-            f"{s['kv_ratio']:.3f}x | {s['peak_prefill_kv_bytes'] / 2**20:.1f} MB |"
+            f"{s['kv_ratio']:.3f}x | {s['peak_prefill_kv_bytes'] / 2**20:.1f} MiB |"
         )
     return lines + chunked_table(verdict.chunked)
 
@@ -464,30 +529,50 @@ def chunked_table(comparisons: list[dict[str, Any]]) -> list[str]:
         "",
         "Chunked vs one-shot prefill, paired on the same samples (difference = chunked - one-shot).",
         "",
-        "| variant | chunk | n | baseline | one-shot | chunked | difference [95% CI] | chunked lost/gained | "
+        "| variant | chunk | n | baseline | one-shot | chunked | difference [95% bounds] | chunked lost/gained | "
         "peak KV one-shot | peak KV chunked | peak tokens chunked |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in comparisons:
-        lo, hi = c["difference_ci95"]
+        lo, hi = c["difference_bounds"]
         lines.append(
             f"| {c['variant']} | {c['chunk']} | {c['n']} | {c['baseline']:.2f} | {c['oneshot']:.2f} | "
             f"{c['chunked']:.2f} | {c['difference']:+.3f} [{lo:+.3f}, {hi:+.3f}] | {c['chunked_lost']}/"
-            f"{c['chunked_gained']} | {c['oneshot_peak_kv_bytes'] / 2**20:.2f} MB | "
-            f"{c['chunked_peak_kv_bytes'] / 2**20:.2f} MB | {c['chunked_peak_tokens']} |"
+            f"{c['chunked_gained']} | {c['oneshot_peak_kv_bytes'] / 2**20:.2f} MiB | "
+            f"{c['chunked_peak_kv_bytes'] / 2**20:.2f} MiB | {c['chunked_peak_tokens']} |"
+        )
+    return lines
+
+
+def cell_table(cells: list[dict[str, Any]], t: Thresholds) -> list[str]:
+    """Markdown: every variant's cells with n, flips, the bounds on the cell's drop and the cell's status."""
+    lines = [
+        "",
+        f"Cells: a cell fails when its accuracy is shown below min_cell_accuracy={t.min_cell_accuracy} at "
+        f"{t.confidence:.0%} ({t.multiplicity} across the cells judged); drop bounds one-sided {t.confidence:.0%}.",
+        "",
+        "| variant | cell | n | baseline | policy | lost | gained | drop [bounds] | status |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for c in cells:
+        lo, hi = c["bounds"]
+        lines.append(
+            f"| {c['variant']} | {c['cell']} | {c['n']} | {c['baseline']:.2f} | {c['policy']:.2f} | {c['lost']} | "
+            f"{c['gained']} | [{lo:+.3f}, {hi:+.3f}] | {c['status']} |"
         )
     return lines
 
 
 def gate(run_dirs: list[Path], thresholds: Thresholds, out_dir: Path | None = None) -> Verdict:
     """Judge the runs and write verdict.json and report.md into `out_dir` (default: the first run folder); return a
-    PASS or FAIL verdict for the caller to print. Records that cannot be judged: the outputs are written (where the
-    folder is writable), the reasons printed (print_verdict), then CannotJudge is raised (exit code 2)."""
+    PASS or FAIL verdict for the caller to print. INCONCLUSIVE, or records that cannot be judged: the outputs are
+    written (where the folder is writable), the reasons printed (print_verdict), then CannotJudge is raised (exit
+    code 2) with the samples that would settle it, or what is wrong with the records."""
     records = read_runs(run_dirs)
     verdict = judge(records.rows, records.infos, thresholds, records.problems)
     verdict.runs = [str(d) for d in run_dirs]
     out = out_dir or run_dirs[0]
-    if verdict.judged:
+    if verdict.status in ("PASS", "FAIL"):
         write_outputs(verdict, out, thresholds)
         return verdict
     try:
@@ -495,6 +580,8 @@ def gate(run_dirs: list[Path], thresholds: Thresholds, out_dir: Path | None = No
     except ConfigError as err:
         verdict.reasons.append(f"(verdict.json and report.md not written: {err})")
     print_verdict(verdict)
+    if verdict.status == "INCONCLUSIVE":
+        raise CannotJudge(f"the gate is INCONCLUSIVE: {verdict.advice}")
     more = len(verdict.reasons) - 1
     raise CannotJudge(
         f"the gate cannot judge these records: {verdict.reasons[0]}" + (f" (and {more} more, above)" if more else "")
@@ -507,15 +594,27 @@ def print_verdict(verdict: Verdict) -> None:
         print(f"  - {reason}")
     for cell in verdict.not_judged:
         print(f"  - not judged: {cell}")
+    if verdict.advice:
+        print(f"  - {verdict.advice}")
 
 
 def main(argv: list[str] | None = None) -> int:
     def run() -> int:
         ap = argparse.ArgumentParser(prog="python -m evalkit.gate", description=__doc__.splitlines()[0])
-        ap.add_argument("runs", nargs="+", type=Path, help="evalkit run folders (or folders holding several)")
+        ap.add_argument("runs", nargs="*", type=Path, help="evalkit run folders (or folders holding several)")
         ap.add_argument("--gate", default="default", help="a conf/gate name or a YAML file of thresholds")
         ap.add_argument("--out", type=Path, help="where verdict.json and report.md go (default: the first run)")
+        ap.add_argument("--plan", action="store_true", help="print the samples a PASS needs, and judge nothing")
+        ap.add_argument("--variants", type=int, default=1, help="with --plan: variants judged together")
+        ap.add_argument("--cells", type=int, default=1, help="with --plan: cells per variant")
         args = ap.parse_args(argv)
+        if args.plan:
+            if args.variants < 1 or args.cells < 1:
+                raise ConfigError("--variants and --cells count things: give whole numbers >= 1")
+            print("\n".join(plan(load_thresholds(args.gate), args.variants, args.cells)))
+            return EXIT_OK
+        if not args.runs:
+            raise ConfigError("give one or more run folders to judge (or --plan to size a run)")
         verdict = gate(args.runs, load_thresholds(args.gate), args.out)
         print_verdict(verdict)
         return EXIT_OK if verdict.passed else EXIT_FAIL

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from typing import Any, Union
@@ -147,6 +148,16 @@ def parse(overrides: list[str]) -> list:
                 raise ConfigError(
                     f"the argument {text!r} has no value; write {text}=VALUE (key=value, or group=name)"
                 ) from None
+            key, _, value = text.lstrip("+~").partition("=")
+            wrapped = r"[\w.-]+\([^,\]]*\)[^,\]\"']*"  # chunkkv(snapkv)@0.25: Hydra's grammar reads a call
+            first = re.search(wrapped, value)
+            if key == "variants" and first:
+                quoted = re.sub(wrapped, lambda m: f'"{m.group(0)}"', value)
+                slashed = first.group(0).replace("(", "/").replace(")", "")
+                raise ConfigError(
+                    f"{text!r}: Hydra reads {first.group(0).partition('@')[0]} as a function call: quote the variants "
+                    f"that wrap a policy, 'variants={quoted}', or write them as {slashed}"
+                ) from None
             reason = next(
                 (ln.strip() for ln in str(err).splitlines() if ln.strip() and not ln.startswith(("Error pars", "See"))),
                 "syntax error",
@@ -203,6 +214,12 @@ def _missing_key(base: DictConfig | None, full_key: str, overrides: list[str]) -
     for i, part in enumerate(parts):
         parent = ".".join(parts[:i])
         if not isinstance(node, DictConfig):
+            named = node._value() if hasattr(node, "_value") else node
+            if parent.startswith("policy.") and isinstance(named, str):  # a wrapper's policy by name (ChunkKV's inner)
+                fields = f"{{name:{named},{part}:{value}}}" if i == len(parts) - 1 else f"{{name:{named},...}}"
+                return ConfigError(
+                    f"{parent}={named} names a policy; to set its fields too, write {example(parent, fields)}"
+                )
             return ConfigError(f"{parent} is a single value, it has no key {part!r}; write {parent}={value}")
         if part not in node:
             valid = _node_keys(node)
@@ -256,7 +273,11 @@ def compose_job(job: list[str]) -> DictConfig:
     except (HydraException, OmegaConfBaseException) as err:
         from evalkit.config import GROUPS
 
-        groups = [o for o in job if o.split("=", 1)[0].lstrip("+~").split("@")[0] in GROUPS or "/" in o.split("=")[0]]
+        groups = [
+            o
+            for o in job
+            if o.split("=", 1)[0].lstrip("+~").split("@")[0] in (*GROUPS, "hydra.searchpath") or "/" in o.split("=")[0]
+        ]
         try:
             base = compose(config_name="config", overrides=groups)
         except (HydraException, OmegaConfBaseException):
@@ -288,14 +309,15 @@ def precheck(argv: list[str]) -> None:
         return
     sweep = bool(flags & {"-m", "--multirun"})
     parsed = parse([a for a in argv if not a.startswith("-")])
-    from evalkit.config import check  # here: evalkit.config imports this module
+    from evalkit.config import check, searching, searchpath_of  # here: evalkit.config imports this module
 
     with initialize_config_module(config_module="evalkit.conf", version_base="1.3"):
         for job in jobs(parsed, sweep):
             try:
                 cfg = compose_job(job)
                 check_resolved(cfg)
-                check(cfg)
+                with searching(searchpath_of(job)):  # the user's config folders, as Hydra will search them
+                    check(cfg)
             except ConfigError as err:
                 if not sweep:
                     raise

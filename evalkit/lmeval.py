@@ -3,8 +3,13 @@
 Every request is answered twice from one prefill: by the full cache (the baseline) and by the compressed one
 (the variant). lm-eval scores the variant's answers; the baseline's are kept and replayed through lm-eval a
 second time (`EvalkitLM.baseline()`), so both are scored by lm-eval's own metrics on the same documents.
-Contexts are compressed; continuations are scored on the compressed cache; one compressed context serves every
-choice of a multiple-choice item.
+
+Every request type runs as the engine runs a sample (`evalkit.engine.run_sample`): the context is prefilled and
+compressed (in one shot, or in chunks for `:chunkN` variants), then the continuation is fed one token at a time
+(`teacher_forced`, or `greedy` for generate_until), and a policy with `decode=true` evicts back to its budget after
+every forward. One compressed context serves every choice of a multiple-choice item (each choice runs on its own
+copy). The KV bytes recorded per document are the engine's: held after compression, at the end, and the peak over
+prefill (the full cache exists during a one-shot prefill), compression and every step before its eviction.
 
     python -m evalkit task=lm_eval 'task.tasks=[evalkit_recall]' policy=snapkv     # through evalkit
     python -m evalkit.lmeval --model evalkit --model_args model=tiny-random,variant=snapkv@0.5 \\
@@ -17,6 +22,7 @@ import functools
 import json
 import sys
 from collections import defaultdict
+from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -26,13 +32,14 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from omegaconf import OmegaConf
 from platformdirs import user_cache_dir
+from torch import Tensor
 from tqdm import tqdm
+from transformers.cache_utils import Cache
 
 from evalkit import models
-from evalkit.attention import StepObserver, observe
-from evalkit.cache import enforce, fp16_bytes, held_per_layer, kv_bytes, share
+from evalkit.cache import enforce, kv_bytes, share
 from evalkit.config import variants as parse_variants
-from evalkit.engine import Variant, prefill, run_sample, teacher_forced
+from evalkit.engine import Held, Outcome, Variant, chunked_prefill, outcome, prefill, run_sample, teacher_forced
 from evalkit.errors import ConfigError
 from evalkit.prompt import Prompt
 
@@ -63,6 +70,31 @@ def _key(kind: str, args: tuple) -> str:
     return json.dumps([kind, *args], sort_keys=True, default=str)
 
 
+# Per-document record fields that take the largest value over the document's requests (its choices).
+MAXED = ("peak_kv_bytes", "prefill_peak_kv_bytes", "prefill_peak_tokens", "kv_bytes_final")
+
+
+@dataclass
+class _Context:
+    """A prefilled context: the full cache (the baseline's) and the variant's, with what each prefill held at most
+    (bytes, and tokens of an evicting layer per KV head)."""
+
+    full: Cache
+    cache: Cache
+    n: int
+    full_peak: tuple[int, int]
+    peak: tuple[int, int]
+
+
+def _scored(logits: list[Tensor], targets: Tensor) -> tuple[float, bool]:
+    """(sum of log-probabilities of targets (M,), whether each was the greedy choice) from logits[j] predicting
+    targets[j]."""
+    if not logits:
+        return 0.0, True
+    lp = torch.stack(logits).log_softmax(-1)
+    return float(lp.gather(1, targets[:, None]).sum()), bool((lp.argmax(-1) == targets).all())
+
+
 @register_model("evalkit")
 class EvalkitLM(LM):
     """An lm-eval model running an evalkit variant (`variant=snapkv@0.25+int4`) beside the full-cache baseline."""
@@ -87,7 +119,9 @@ class EvalkitLM(LM):
         (self.variant,) = parse_variants(OmegaConf.create({"seed": 0, "variants": [variant]}))
         self.max_gen_toks, self.rolling_split = int(max_gen_toks), float(rolling_split)
         self.baseline_answers: dict[str, Any] = {}
-        self.kv: dict[tuple[str, int], dict[str, int]] = {}  # (task, doc) -> KV bytes of its compressed context
+        # (task, doc) -> the KV bytes of its requests: the variant's (compressed context, final, peak), the baseline's
+        self.kv: dict[tuple[str, int], dict[str, Any]] = {}
+        self.kv_baseline: dict[tuple[str, int], dict[str, Any]] = {}
 
     @classmethod
     def for_variant(cls, loaded: models.LoadedModel, variant: Variant) -> EvalkitLM:
@@ -103,32 +137,65 @@ class EvalkitLM(LM):
     def _ids(self, text: str, special: bool = True) -> list[int]:
         return self.tok(text, add_special_tokens=special).input_ids
 
-    def _compressed(self, ids: torch.Tensor, where: str, request=None):
-        """(full cache, variant cache) after prefilling ids (1, n); their bytes are noted for the request's doc."""
-        self.variant.check(ids.shape[1], where)
-        full, obs = prefill(self.model, ids, [self.variant.policy])
-        cache = self.variant.apply(full, obs)
-        if request is not None:
-            self._note(request, kv_bytes(cache), kv_bytes(full), fp16_bytes(cache), held_per_layer(cache), ids.shape[1])
-        return full, cache
+    def _context(self, ids: Tensor, where: str) -> _Context:
+        """Prefill ids (1, n) and compress them as the engine does: one full-cache prefill, which the baseline
+        keeps and a one-shot variant compresses; a chunked variant prefills the context itself, chunk by chunk."""
+        n, variant = ids.shape[1], self.variant
+        variant.check(n, where)
+        full, obs = prefill(self.model, ids, [variant.policy] if variant.chunk is None else [])
+        full_peak = (kv_bytes(full), n)
+        if variant.chunk is None:
+            return _Context(full, variant.apply(full, obs), n, full_peak, full_peak)
+        cache, peak_bytes, peak_tokens = chunked_prefill(self.model, ids, variant.policy, variant.chunk)
+        return _Context(full, cache, n, full_peak, (peak_bytes, peak_tokens))
 
-    def _note(self, request, held: int, baseline: int, fp16: int, tokens_held: list[int], n_context: int) -> None:
-        """The KV bytes of a request's compressed context, recorded for its document."""
-        self.kv[(request.task_name, request.doc_id)] = {
-            "kv_bytes": held,
-            "kv_bytes_baseline": baseline,
-            "kv_bytes_fp16_same_tokens": fp16,
-            "tokens_held_per_layer": tokens_held,
+    def _forced(self, name: str, cache: Cache, tokens: Tensor, prefill_peak: tuple[int, int], evict: bool) -> Outcome:
+        """Teacher-force tokens (1, M) on a copy of cache, as `run_sample(forced=True)` does: one token a step, the
+        variant's policy evicting after every forward when it evicts while decoding; logits[j] predicts tokens[j+1].
+        """
+        held = Held.of(cache)
+        cache, policy = share(cache), self.variant.policy
+        after = (lambda: enforce(cache, policy)) if evict and policy.decode else None
+        return outcome(name, held, cache, teacher_forced(self.model, cache, tokens, after), prefill_peak)
+
+    def _both(self, ctx: _Context, tokens: Tensor) -> tuple[Outcome, Outcome]:
+        """(variant, baseline) teacher-forced on tokens after the prefilled context."""
+        return (
+            self._forced(self.variant.name, ctx.cache, tokens, ctx.peak, evict=True),
+            self._forced("baseline", ctx.full, tokens, ctx.full_peak, evict=False),
+        )
+
+    def _note(self, request, variant: Outcome, baseline: Outcome, n_context: int) -> None:
+        """The KV bytes of a request's variant and baseline, recorded for its document (fields as in the engine's
+        records; the peaks and final bytes are the largest over the document's requests)."""
+        chunk = self.variant.chunk
+        fields = {
+            "kv_bytes_baseline": baseline.kv_bytes,
+            "kv_bytes_baseline_deployed": baseline.kv_bytes_deployed,
+            "prefill": {"mode": "chunked", "chunk": chunk} if chunk else {"mode": "oneshot"},
+            "prefill_bound_tokens": self.variant.policy.target(n_context) + chunk if chunk else None,
             "context_tokens": n_context,
         }
-
-    @torch.inference_mode()
-    def _score(self, cache, chunk: torch.Tensor, targets: torch.Tensor) -> tuple[float, bool]:
-        """Log-likelihood of `targets` when `chunk` (which ends one token before them) is fed on a copy of cache."""
-        cache = share(cache)
-        with observe(StepObserver(), cache):
-            logits = self.model(input_ids=chunk, cache=cache, use_cache=True).logits[0].float().log_softmax(-1)
-        return float(logits.gather(1, targets[0, :, None]).sum()), bool((logits.argmax(-1) == targets[0]).all())
+        key = (request.task_name, request.doc_id)
+        for store, o, extra in (
+            (self.kv, variant, {}),
+            (self.kv_baseline, baseline, {"prefill": {"mode": "oneshot"}, "prefill_bound_tokens": None}),
+        ):
+            new = {
+                **fields,
+                "kv_bytes": o.kv_bytes,
+                "kv_bytes_fp16_same_tokens": o.kv_bytes_fp16,
+                "kv_bytes_deployed": o.kv_bytes_deployed,
+                "attention_path": o.attention_path,
+                "kv_bytes_final": o.kv_bytes_final,
+                "peak_kv_bytes": o.peak_kv_bytes,
+                "prefill_peak_kv_bytes": o.prefill_peak_kv_bytes,
+                "prefill_peak_tokens": o.prefill_peak_tokens,
+                "tokens_held_per_layer": o.tokens_held,
+                **extra,
+            }
+            old = store.get(key, {})
+            store[key] = {**new, **{k: max(new[k], old[k]) for k in MAXED if k in old}}
 
     # -- lm-eval's request types --------------------------------------------------------------------------
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
@@ -141,14 +208,16 @@ class EvalkitLM(LM):
             ctx = context.rstrip()
             ctx_ids = self._ids(ctx) or [self.tok.eos_token_id]
             ids = torch.tensor([ctx_ids], device=self.model.device)
-            full, cache = self._compressed(ids[:, :-1], f"context of request {indices[0]}", requests[indices[0]])
+            # As generate_until's prompt: the context but its last token is prefilled; that token is fed first.
+            prefilled = self._context(ids[:, :-1], f"context of request {indices[0]}")
             for i in indices:
                 cont = context[len(ctx) :] + requests[i].args[1]
                 cont_ids = self._ids(ctx + cont)[len(ctx_ids) :] or self._ids(cont, special=False)
-                targets = torch.tensor([cont_ids], device=ids.device)
-                chunk = torch.cat([ids[:, -1:], targets[:, :-1]], dim=1)
-                out[i] = self._score(cache, chunk, targets)
-                self.baseline_answers[_key("loglikelihood", requests[i].args)] = self._score(full, chunk, targets)
+                targets = torch.tensor(cont_ids, dtype=torch.long, device=ids.device)
+                variant, baseline = self._both(prefilled, torch.cat([ids[0, -1:], targets])[None])
+                out[i] = _scored(variant.logits, targets)
+                self.baseline_answers[_key("loglikelihood", requests[i].args)] = _scored(baseline.logits, targets)
+                self._note(requests[i], variant, baseline, prefilled.n)
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -160,19 +229,17 @@ class EvalkitLM(LM):
                 raise ConfigError(f"a rolling-loglikelihood document of {len(ids)} tokens exceeds {limit}")
             ids_t = torch.tensor([ids], device=self.model.device)
             split = max(2, int(len(ids) * self.rolling_split))
-            with torch.inference_mode():  # the first part: the full cache, the same for baseline and variant
-                head = self.model(input_ids=ids_t[:, :split]).logits[0].float().log_softmax(-1)
+            with torch.inference_mode():  # the first part: the full model, the same for baseline and variant
+                head = self.model(input_ids=ids_t[:, :split], use_cache=False).logits[0].float().log_softmax(-1)
             head_lp = float(head[:-1].gather(1, ids_t[0, 1:split, None]).sum())
-            full, cache = self._compressed(ids_t[:, : split - 1], "rolling document", req)
+            # the rest: a context of split - 1 tokens prefilled and compressed, then teacher-forced from its last
+            prefilled = self._context(ids_t[:, : split - 1], "rolling document")
             tail = ids_t[:, split - 1 :]
-            after = (lambda c=cache: enforce(c, self.variant.policy)) if self.variant.policy.decode else (lambda: None)
-            for which, c, hook in (("variant", cache, after), ("baseline", full, lambda: None)):
-                logits = torch.stack(teacher_forced(self.model, share(c), tail, hook).logits).log_softmax(-1)
-                total = head_lp + float(logits.gather(1, tail[0, 1:, None]).sum())
-                if which == "variant":
-                    out.append(total)
-                else:
-                    self.baseline_answers[_key("loglikelihood_rolling", req.args)] = total
+            variant, baseline = self._both(prefilled, tail)
+            out.append(head_lp + _scored(variant.logits, tail[0, 1:])[0])
+            base = head_lp + _scored(baseline.logits, tail[0, 1:])[0]
+            self.baseline_answers[_key("loglikelihood_rolling", req.args)] = base
+            self._note(req, variant, baseline, prefilled.n)
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
@@ -187,7 +254,7 @@ class EvalkitLM(LM):
             self.variant.check(prompt.n_context, "generate_until context")
             max_new = int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
             base, (var,) = run_sample(self.model, prompt, [self.variant], max_new, stop)
-            self._note(req, var.kv_bytes, base.kv_bytes, var.kv_bytes_fp16, var.tokens_held, prompt.n_context)
+            self._note(req, var, base, prompt.n_context)
             texts = [self._cut(self.tok.decode(o.tokens, skip_special_tokens=True), until) for o in (var, base)]
             out.append(texts[0])
             self.baseline_answers[_key("generate_until", req.args)] = texts[1]
@@ -255,6 +322,7 @@ def evaluate(task, loaded: models.LoadedModel, variants: list[Variant]) -> tuple
             base = {d["doc_id"]: float(d[metric]) for d in baseline["samples"][name]}
             for d in docs:
                 kv = lm.kv.get((name, d["doc_id"]), {})
+                kv_base = lm.kv_baseline.get((name, d["doc_id"]), {})
                 sid = f"{name}/{d['doc_id']}"
                 rows.append(
                     {
@@ -276,8 +344,7 @@ def evaluate(task, loaded: models.LoadedModel, variants: list[Variant]) -> tuple
                             "score": base[d["doc_id"]],
                             "baseline_score": base[d["doc_id"]],
                             "metric": metric,
-                            **kv,
-                            "kv_bytes": kv.get("kv_bytes_baseline"),
+                            **kv_base,
                         }
                     )
     return rows, results

@@ -146,7 +146,6 @@ def _run_external(task, loaded, variants, run_info, rows_path: Path, done: set, 
                         "task": task.name,
                         "protocol": cfg.protocol,
                         "flip": flip(row["score"], row["baseline_score"]),
-                        "peak_kv_bytes": row.get("kv_bytes"),
                         **row,
                     }
                 )
@@ -217,6 +216,16 @@ def budget_clipped(variant: Variant | None, prompt: Prompt) -> bool | None:
 # The gate and the logger read the records, they do not change them, and results_root is where the folder lies,
 # not what it measured: a resumed run may differ in them (a copied or moved folder resumes).
 NOT_IDENTITY = ("resume", "gate", "logger", "results_root")
+# How many samples a task generates is not part of the identity either: samples are generated the same whatever the
+# count, and their digests prove it (_check_samples_unchanged), so resume=true with a larger count extends a run.
+SAMPLE_COUNT = ("samples_per_cell",)
+
+
+def _identity(config: dict) -> dict:
+    out = {k: v for k, v in config.items() if k not in NOT_IDENTITY}
+    if isinstance(out.get("task"), dict):
+        out["task"] = {k: v for k, v in out["task"].items() if k not in SAMPLE_COUNT}
+    return out
 
 
 def _start(out_dir: Path, config: dict, resume: bool, task: Task) -> dict[str, Any]:
@@ -240,9 +249,7 @@ def _start(out_dir: Path, config: dict, resume: bool, task: Task) -> dict[str, A
         )
     if resume and run_path.exists():
         old = _read_run_json(run_path)
-        diffs = config_differences(
-            *({k: v for k, v in c.items() if k not in NOT_IDENTITY} for c in (old["config"], comparable))
-        )
+        diffs = config_differences(_identity(old["config"]), _identity(comparable))
         diffs += [
             f"versions.{k}: {old['versions'].get(k)!r} -> {now[k]!r}"
             for k in ("torch", "transformers")
@@ -260,6 +267,7 @@ def _start(out_dir: Path, config: dict, resume: bool, task: Task) -> dict[str, A
                 "answer the old experiment: run this one in a new folder"
             )
         old["resumed"] = [*old.get("resumed", []), time.strftime("%Y-%m-%dT%H:%M:%S")]
+        old["config"] = comparable  # the sample count may have grown
         return old
     info = {
         "run_id": uuid.uuid4().hex[:12],
@@ -303,22 +311,26 @@ def sample_digest(sample: Sample) -> str:
 
 def _check_samples_unchanged(run_info: dict[str, Any], samples: list[Sample], out_dir: Path) -> None:
     """Record each sample's digest; on resume, refuse when the task now generates other samples than the rows
-    already written answer."""
+    already written answer. New samples beside unchanged old ones (a larger task.samples_per_cell) extend the run."""
     now = {s.id: sample_digest(s) for s in samples}
     data = run_info.setdefault("data", {})
     old = data.get("samples")
     if old is not None and old != now:
         changed = sorted(i for i in set(old) & set(now) if old[i] != now[i])
-        parts = [
-            f"{len(changed)} changed (e.g. {changed[0]!r})" if changed else "",
-            f"{len(set(now) - set(old))} new" if set(now) - set(old) else "",
-            f"{len(set(old) - set(now))} gone" if set(old) - set(now) else "",
-        ]
-        raise ConfigError(
-            f"resume=true, but the task's samples differ from those of the run in {out_dir}: "
-            f"{', '.join(p for p in parts if p)} of {len(old)}; the rows there answer the old samples: "
-            "run the new data in a new folder"
-        )
+        gone, new = set(old) - set(now), set(now) - set(old)
+        if changed or gone:
+            parts = [
+                f"{len(changed)} changed (e.g. {changed[0]!r})" if changed else "",
+                f"{len(new)} new" if new else "",
+                f"{len(gone)} gone" if gone else "",
+            ]
+            raise ConfigError(
+                f"resume=true, but the task's samples differ from those of the run in {out_dir}: "
+                f"{', '.join(p for p in parts if p)} of {len(old)}; the rows there answer the old samples: "
+                "run the new data in a new folder"
+            )
+        print(f"evalkit: extending {out_dir}: {len(old)} samples done before, {len(new)} new")
+        data["extended"] = [*data.get("extended", []), {"from": len(old), "to": len(now)}]
     data["samples"] = now
 
 
@@ -379,6 +391,10 @@ def _row(
         "kv_bytes": outcome.kv_bytes,
         "kv_bytes_baseline": baseline.kv_bytes,
         "kv_bytes_fp16_same_tokens": outcome.kv_bytes_fp16,
+        # as a deployment holds them (fp16/bf16 dense, quantized packed): what ratios, the gate and capacity use
+        "kv_bytes_deployed": outcome.kv_bytes_deployed,
+        "kv_bytes_baseline_deployed": baseline.kv_bytes_deployed,
+        "attention_path": outcome.attention_path,
         "kv_bytes_final": outcome.kv_bytes_final,
         "peak_kv_bytes": outcome.peak_kv_bytes,
         "prefill": {"mode": "chunked", "chunk": variant.chunk} if variant and variant.chunk else {"mode": "oneshot"},

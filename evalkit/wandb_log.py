@@ -58,11 +58,20 @@ def log_run(cfg: DictConfig, out_dir: Path) -> Path:
     )
     metrics = {}
     for variant, s in summary.items():
-        for key in ("accuracy", "baseline_accuracy", "lost", "gained", "kv_ratio", "kv_bytes", "kl_mean"):
+        for key in (
+            "accuracy",
+            "baseline_accuracy",
+            "lost",
+            "gained",
+            "kv_ratio",
+            "kv_ratio_measured",
+            "kv_bytes",
+            "kl_mean",
+        ):
             if key in s:
                 metrics[f"{variant}/{key}"] = s[key]
         metrics[f"{variant}/drop"] = s["paired"]["drop"]
-        metrics[f"{variant}/drop_ci95_high"] = s["paired"]["drop_ci95"][1]
+        metrics[f"{variant}/drop_upper_bound"] = s["paired"]["drop_bounds"][1]
         metrics[f"{variant}/mcnemar_p"] = s["paired"]["mcnemar_p"]
     table = wandb.Table(columns=COLUMNS, data=[[_cell(r.get(c)) for c in COLUMNS] for r in rows])
     run.log({**metrics, "samples": table, **{f"plots/{p.stem}": wandb.Image(str(p)) for p in images}})

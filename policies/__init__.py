@@ -8,12 +8,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import ClassVar
 
 from torch import Tensor
 
 from evalkit.errors import ConfigError
 from evalkit.hydra_errors import check_fields
+
+
+class Need(str, Enum):
+    """What a policy needs observed in attention, besides the keys and values it holds (evalkit.attention)."""
+
+    ATTN_MASS = "attn_mass"  # per token: the attention it has received, summed over queries (H2O)
+    WINDOW_QUERIES = "window_queries"  # per layer: the last `observation_window()` queries it has seen (SnapKV, TOVA)
+
+
+# Needs carried per held token and gathered with the keys; the others are per layer.
+PER_TOKEN = frozenset({Need.ATTN_MASS})
 
 
 @dataclass
@@ -41,7 +53,15 @@ class KVPolicy:
     name: str
     budget: float | int = 1.0
     decode: bool = True  # also enforce the budget after every forward while decoding
-    needs: ClassVar[frozenset[str]] = frozenset()  # observations from the prefill: attn_mass, window_queries
+
+    # What the engine and the config checks read; a new policy declares them and nothing else changes.
+    needs: ClassVar[frozenset[Need]] = frozenset()  # observed in attention, beyond the held keys and values
+    chunkable: ClassVar[bool] = True  # can evict chunk by chunk in a chunked prefill (prefill=chunked)
+    decodable: ClassVar[bool] = True  # can keep its budget while decoding (decode=true)
+
+    def observation_window(self) -> int:
+        """Context queries the policy scores with (Need.WINDOW_QUERIES); 0 when it needs none."""
+        return 0
 
     def score(self, view: LayerView) -> Tensor:
         """(B, Hkv, T) keep-priority of each held token; higher is kept first."""
@@ -97,6 +117,8 @@ class KVPolicy:
             )
         if isinstance(b, int) and b < 1:
             raise ConfigError(f"policy.budget={b} keeps no token; give a fraction such as 0.25 or tokens such as 512")
+        if self.decode and not self.decodable:
+            raise ConfigError(f"{self.name} compresses once, after the prompt: set policy.decode=false")
         self.check_params()
         if shortest_context is None:
             return
@@ -116,4 +138,4 @@ def gather_tokens(x: Tensor, idx: Tensor) -> Tensor:
     return x.gather(2, idx.unsqueeze(-1).expand(*idx.shape, x.shape[-1]))
 
 
-__all__ = ["KVPolicy", "LayerView", "gather_tokens"]
+__all__ = ["PER_TOKEN", "KVPolicy", "LayerView", "Need", "gather_tokens"]

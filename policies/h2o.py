@@ -14,7 +14,7 @@ from typing import ClassVar
 from torch import Tensor
 
 from evalkit.errors import ConfigError
-from evalkit.policies import KVPolicy, LayerView
+from evalkit.policies import KVPolicy, LayerView, Need
 
 
 @dataclass(kw_only=True)
@@ -27,7 +27,7 @@ class H2O(KVPolicy):
     # True: the mass divided by the number of queries that saw the key (seen - position, causally), as kvpress's
     # ObservedAttentionPress scores; the choice is recorded with the policy in every row.
     normalize: bool = False
-    needs: ClassVar[frozenset[str]] = frozenset({"attn_mass"})
+    needs: ClassVar[frozenset[Need]] = frozenset({Need.ATTN_MASS})
 
     def score(self, view: LayerView) -> Tensor:
         mass = view.state["attn_mass"]

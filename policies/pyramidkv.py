@@ -12,6 +12,7 @@ keep their own bound and get no share of the pyramid.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from evalkit.errors import ConfigError
 from evalkit.policies.snapkv import SnapKV
@@ -36,14 +37,15 @@ class PyramidKV(SnapKV):
 
     name: str = "pyramidkv"
     beta: float = 20.0
+    # Re-apportioning the pyramid as tokens arrive would have to grow layers that already evicted; the per-layer
+    # budgets are not defined chunk by chunk either.
+    decodable: ClassVar[bool] = False
+    chunkable: ClassVar[bool] = False
 
     def keep_per_layer(self, seen: int, n_layers: int) -> list[int]:
         return pyramid(self.target(seen), n_layers, self.beta, self.window, seen)
 
     def check_params(self) -> None:
-        if self.decode:
-            # Re-apportioning the pyramid as tokens arrive would have to grow layers that already evicted.
-            raise ConfigError("pyramidkv compresses once, after the prompt, as published: set policy.decode=false")
         if self.beta < 1:
             raise ConfigError(f"policy.beta={self.beta} must be >= 1 (1 = uniform budgets, larger = steeper)")
         super().check_params()

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from evalkit.errors import ConfigError
-from evalkit.policies import KVPolicy, LayerView
+from evalkit.policies import KVPolicy, LayerView, Need
 
 
 def window_attention(view: LayerView, window: int) -> Tensor:
@@ -45,7 +45,10 @@ class SnapKV(KVPolicy):
     kernel: int = 5
     pooling: str = "avg"
     decode: bool = False  # as published: compress the prompt once
-    needs: ClassVar[frozenset[str]] = frozenset({"window_queries"})
+    needs: ClassVar[frozenset[Need]] = frozenset({Need.WINDOW_QUERIES})
+
+    def observation_window(self) -> int:
+        return self.window
 
     def score(self, view: LayerView) -> Tensor:
         scores = window_attention(view, self.window)  # (B, Hkv, T)

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_module
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 import evalkit.__main__  # noqa: F401  (registers the resolvers of the run-folder pattern)
 from evalkit import models
 from evalkit.cache import compress
+from evalkit.config import build
 from evalkit.engine import prefill
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,7 +57,9 @@ def policy(name: str, budget, **overrides):
     cfg = compose_config(f"policy={name}", f"++policy.budget={budget}", *extra)
     if "window" in cfg.policy:
         cfg.policy.window = 8
-    return instantiate(cfg.policy, _convert_="all")
+    if cfg.policy.get("inner") == "snapkv":  # a wrapper's SnapKV gets the same 8-token window
+        cfg.policy.inner = {"name": "snapkv", "window": 8}
+    return build(cfg.policy, "policy")
 
 
 @pytest.fixture(scope="session")

@@ -43,37 +43,51 @@ def test_baseline_matches_one_shot_forward(tiny, ids):
         torch.testing.assert_close(step, ref[i], rtol=0, atol=1e-5)
 
 
-def expected_held(pol, seen: int, n_layers: int) -> list[int]:
-    """Decode-time policies hold the target for the tokens seen; prefill-only ones grow from their target."""
-    if pol.decode:
-        return pol.keep_per_layer(seen, n_layers)
-    return [k + seen - CTX for k in pol.keep_per_layer(CTX, n_layers)]
+# Tokens seen after each forward of the decode: the 7-token question, then one token per step.
+SEEN = [CTX + QUESTION + i for i in range(STEPS)]  # 103 ... 108
 
 
-# pyramidkv compresses once: decode=true is a config error for it (tested in test_policies).
+def expected_held(name: str, budget, decode: bool) -> tuple[list[int], list[list[int]]]:
+    """By hand, for the 3-layer tiny Llama at CTX = 96: (held per layer after the prefill, held per layer after each
+    decode forward). A fraction holds ceil(f * seen) (the documented rule), a whole number that many tokens; a
+    policy that does not evict while decoding grows by the tokens each forward adds."""
+    n_layers = 3
+    if name == "none":  # keeps everything
+        return [CTX] * n_layers, [[s] * n_layers for s in SEEN]
+    if name == "pyramidkv":  # beta = 2, window 8, by the KVCache-Factory / kvpress formula
+        # k = 24: low = 24/2 = 12, high = 2*24 - 12 = 36 (under the cap 96 - 8 = 88): 36, 24, 12 (step 12)
+        # k = 40: low = 20, high = 60 (under 88): 60, 40, 20 (step 20); both sum to 3 k, as SnapKV's uniform k
+        after = {0.25: [36, 24, 12], 40: [60, 40, 20]}[budget]
+    else:
+        after = [{0.25: 24, 40: 40}[budget]] * n_layers  # ceil(0.25 * 96) = 24, or the 40 tokens asked
+    if not decode:
+        return after, [[k + s - CTX for k in after] for s in SEEN]
+    # ceil(0.25 * seen) for seen = 103 ... 108: 25.75, 26, 26.25, 26.5, 26.75, 27 -> 26, 26, 27, 27, 27, 27
+    per_step = {0.25: [26, 26, 27, 27, 27, 27], 40: [40] * STEPS}[budget]
+    return after, [[k] * n_layers for k in per_step]
+
+
+# pyramidkv compresses once: decode=true is a config error for it (tested in test_policies). Its beta is 2 here, a
+# pyramid the formula does not flatten (at beta 20 these budgets fall back to uniform ones).
 MODES = [(name, decode) for name in POLICIES for decode in (True, False) if not (name == "pyramidkv" and decode)]
 
 
 @pytest.mark.parametrize(("name", "decode"), MODES, ids=[f"{n}-{'decode' if d else 'prefill-only'}" for n, d in MODES])
 @pytest.mark.parametrize("budget", [0.25, 40])
 def test_budget_exact_per_layer_and_head_after_prefill_and_every_decode_step(tiny, ids, name, budget, decode):
-    pol = policy(name, budget, decode=decode)
-    n_layers = tiny.model.config.num_hidden_layers
+    pol = policy(name, budget, decode=decode, **({"beta": 2} if name == "pyramidkv" else {}))
+    after, per_step = expected_held(name, budget, decode)
     seen_held = []
     full, cache = compressed(tiny.model, ids, pol)
-    assert held_per_layer(cache) == pol.keep_per_layer(CTX, n_layers)
-    if name == "pyramidkv":
-        assert sum(held_per_layer(cache)) == n_layers * pol.target(CTX)
+    assert held_per_layer(cache) == after
 
-    def after():
+    def after_forward():
         if pol.decode:
             enforce(cache, pol)
         seen_held.append((cache.get_seq_length(), held_per_layer(cache)))
 
-    greedy(tiny.model, cache, ids[:, CTX:], STEPS, set(), after)
-    assert len(seen_held) == STEPS
-    for seen, held in seen_held:
-        assert held == expected_held(pol, seen, n_layers)
+    greedy(tiny.model, cache, ids[:, CTX:], STEPS, set(), after_forward)
+    assert seen_held == list(zip(SEEN, per_step, strict=True))
     for layer in cache.layers:  # per head: rectangular tensors, one position per held key
         assert layer.keys.shape[-2] == layer.positions.shape[-1] == layer.values.shape[-2]
         assert all(len(set(head.tolist())) == head.numel() for head in layer.positions[0])
@@ -90,9 +104,10 @@ def test_fraction_and_token_budgets_have_their_meaning():
 @pytest.mark.parametrize(
     ("name", "protected"),
     [
-        ("streaming_llm", lambda pol, seen, k: set(range(pol.n_sink))),
-        ("snapkv", lambda pol, seen, k: set(range(seen - pol.window, seen))),
-        ("h2o", lambda pol, seen, k: set(range(seen - int(pol.recent * k), seen))),
+        ("streaming_llm", lambda seen: set(range(4))),  # the 4 sinks
+        ("snapkv", lambda seen: set(range(seen - 8, seen))),  # the 8-token window of tests.conftest.policy
+        ("h2o", lambda seen: set(range(seen - 12, seen))),  # int(0.5 * 24) most recent, as the H2O code rounds
+        ("window", lambda seen: set(range(seen - 24, seen))),  # no sinks: its whole budget is the 24 most recent
     ],
 )
 def test_protected_tokens_are_never_evicted(tiny, ids, name, protected):
@@ -102,9 +117,9 @@ def test_protected_tokens_are_never_evicted(tiny, ids, name, protected):
 
     def check():
         seen = cache.get_seq_length()
-        for i, layer in enumerate(cache.layers):
-            k = pol.keep_per_layer(seen, len(cache.layers))[i]
-            want = protected(pol, seen, k)
+        for layer in cache.layers:
+            want = protected(seen)
+            assert layer.positions.shape[-1] == 24  # an absolute budget of 24 tokens, in every layer
             for head in layer.positions[0]:
                 checks.append(want <= set(head.tolist()))
 
@@ -130,7 +145,7 @@ def test_kv_bytes_are_the_held_tensors(tiny, ids):
     pol = policy("snapkv", 0.25)
     full, cache = compressed(tiny.model, ids, pol)
     assert kv_bytes(full) == per_token * CTX
-    assert kv_bytes(cache) == per_token * pol.target(CTX)
+    assert kv_bytes(cache) == per_token * 24  # ceil(0.25 * 96) tokens held
     assert kv_bytes(full) == per_token * CTX, "compressing must not modify the full cache"
 
 
@@ -154,7 +169,9 @@ def test_every_sample_is_compressed_and_runs_are_deterministic(tiny, name):
     first, second = outcomes(), outcomes()
     n_layers = tiny.model.config.num_hidden_layers
     for p, out in zip(prompts, first, strict=True):
-        assert out.tokens_held == pol.keep_per_layer(p.n_context, n_layers)
+        # ceil(0.25 * n) = 16, 20, 24 in every layer (pyramidkv's default beta 20 falls back to uniform budgets:
+        # low = k/20 < its window)
+        assert out.tokens_held == [p.n_context // 4] * n_layers
         assert out.kv_bytes < run_sample(tiny.model, p, [], 1, set())[0].kv_bytes
     assert [(o.tokens, o.tokens_held) for o in first] == [(o.tokens, o.tokens_held) for o in second]
 

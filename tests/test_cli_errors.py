@@ -24,7 +24,10 @@ UNLOADABLE = ["model=hf", "model.name_or_path=/nonexistent/model", "model.max_co
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["policy=h2oo"], "unknown policy 'h2oo' (did you mean h2o?); valid names: h2o, knorm, none, pyramidkv"),
+        (
+            ["policy=h2oo"],
+            "unknown policy 'h2oo' (did you mean h2o?); valid names: chunkkv, h2o, keydiff, knorm, none, pyramidkv",
+        ),
         (["task=haystack"], "unknown task 'haystack'"),
         (["model=llama"], "unknown model 'llama'"),
         ([*UNLOADABLE, "policy.budget=1.5"], "policy.budget=1.5 is outside (0, 1]"),

@@ -9,7 +9,7 @@ import torch
 from hydra.utils import instantiate
 
 from evalkit import models
-from evalkit.config import check, check_choices, options
+from evalkit.config import build, check, check_choices, options
 from evalkit.errors import ConfigError
 from evalkit.hydra_errors import describe, fits, precheck
 from evalkit.policies import KVPolicy
@@ -31,7 +31,9 @@ from tests.conftest import compose_config
 def test_every_policy_config_composes_and_instantiates(name):
     cfg = compose_config(f"policy={name}", "model=tiny-random")
     policy = instantiate(cfg.policy, _convert_="all")
-    assert isinstance(policy, KVPolicy) and policy.name == name  # one name: file, class `name`, records
+    # one name: file, class `name`, records; a wrapper records the policy it wraps, chunkkv(snapkv)
+    assert isinstance(policy, KVPolicy) and policy.name.split("(")[0] == name
+    assert build(cfg.policy, "policy") == policy  # evalkit's build gives what Hydra's instantiate gives
     policy.validate(None)  # every value of the shipped YAML has its field's type
     check(cfg)  # and the whole config passes the checks made before a model loads
 
@@ -121,6 +123,28 @@ def test_every_logger_config_composes(name):
         (["+task.keys=1000"], "task.keys=1000: at most 440 distinct keys exist"),
         (["-m", "policy=h2o,snapkv", "policy.window=8"], "[model=tiny-random policy=h2o policy.window=8] unknown key"),
         (["-m", "policy.budget=0.25,2.0"], "[model=tiny-random policy.budget=2.0] policy.budget=2.0 is outside (0, 1]"),
+        # a wrapper's policy (ChunkKV's inner), and wrappers in variants
+        (
+            ["policy=chunkkv", "policy.inner.window=8"],
+            "policy.inner=snapkv names a policy; to set its fields too, write 'policy.inner={name:snapkv,window:8}'",
+        ),
+        (["policy=chunkkv", "policy.inner=snapk"], "policy.inner: unknown policy 'snapk' (did you mean snapkv?)"),
+        (["policy=chunkkv", "policy.inner=[1]"], "policy.inner=[1]: give a policy's name, e.g. policy.inner=snapkv"),
+        (
+            ["policy=chunkkv", "policy.inner={name:snapkv,windw:8}"],
+            "unknown key policy.inner.windw (did you mean policy.inner.window?)",
+        ),
+        (["policy=chunkkv", "policy.inner={name:snapkv,window:0}"], "policy.inner.window=0: the observation window"),
+        (["policy=chunkkv", "policy.inner=pyramidkv", "policy.decode=true"], "chunkkv(pyramidkv) compresses once"),
+        (["policy=chunkkv", "policy.chunk_size=0"], "policy.chunk_size=0: a chunk holds at least 1 token"),
+        (
+            ["variants=[chunkkv(snapkv)@0.25,h2o@0.25]"],
+            "Hydra reads chunkkv(snapkv) as a function call: quote the variants that wrap a policy, "
+            "'variants=[\"chunkkv(snapkv)@0.25\",h2o@0.25]', or write them as chunkkv/snapkv@0.25",
+        ),
+        (['variants=["snapkv(h2o)@0.25"]'], "variants: snapkv in 'snapkv(h2o)@0.25' wraps no policy"),
+        (['variants=["chunkkv(h2oo)@0.25"]'], "variants: unknown policy 'h2oo' in 'chunkkv(h2oo)@0.25' (did you mean"),
+        (["variants=[chunkkv/pyramidkv@0.25:chunk64]"], "chunkkv(pyramidkv) does not support a chunked prefill"),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else None,
 )
@@ -134,6 +158,8 @@ def test_precheck_passes_good_commands_and_leaves_other_modes_to_hydra():
     precheck(["model=tiny-random", "policy=snapkv", "task.depths=[0.5]", "+task.digits=5"])
     precheck(["-m", "model=tiny-random", "policy=h2o,snapkv", "policy.budget=0.25,512", "hydra/launcher=joblib"])
     precheck(["-m", "model=tiny-random", "policy=glob(*kv)"])  # a glob needs the config to list: left to the jobs
+    precheck(["model=tiny-random", "policy=chunkkv", "policy.inner={name:snapkv,window:8}", "policy.chunk_size=4"])
+    precheck(["model=tiny-random", 'variants=["chunkkv(snapkv)@0.25",chunkkv/h2o@0.5,"chunkkv(chunkkv(knorm))@64"]'])
     precheck(["--cfg", "job", "policy.budgt=1"])  # Hydra prints the config; nothing runs
     precheck(["--help"])
 

@@ -9,7 +9,7 @@ from scipy.stats import binomtest
 
 from evalkit.analysis import paired, summarize
 from evalkit.gate import Thresholds, judge, load_thresholds, main
-from evalkit.stats import flip_cause, mcnemar_exact, paired_bootstrap_ci
+from evalkit.stats import flip_cause, mcnemar_exact
 from tests.conftest import run_cli
 
 
@@ -59,12 +59,6 @@ def test_paired_statistics_on_known_records():
     assert mcnemar_exact(0, 0) == 1.0
 
 
-def test_bootstrap_ci_brackets_the_drop_and_collapses_without_variance():
-    lo, hi = paired_bootstrap_ci([1] * 50, [1] * 40 + [0] * 10)
-    assert lo <= 0.2 <= hi and 0.05 < lo and hi < 0.35
-    assert paired_bootstrap_ci([1, 0, 1], [1, 0, 1]) == (0.0, 0.0)
-
-
 def test_flips_are_classified_evicted_or_ignored():
     assert flip_cause({"flip": "lost", "evidence_retained_per_layer": [0.0, 0.2, 0.1]}) == "evicted"
     assert flip_cause({"flip": "lost", "evidence_retained_per_layer": [1.0, 0.9, 0.7]}) == "ignored"
@@ -73,49 +67,52 @@ def test_flips_are_classified_evicted_or_ignored():
     assert s["snapkv@0.25"]["flip_causes"] == {"evicted": 1, "ignored": 1}
 
 
+N = 60  # samples: one more than the 59 a PASS with no loss needs at the default margin (0.05) and confidence (0.95)
+
+
 def test_gate_passes_a_faithful_variant():
-    v = judge(rows([1] * 30, [1] * 30), [], Thresholds())
-    assert v.passed and v.reasons == []
+    v = judge(rows([1] * N, [1] * N), [], Thresholds())
+    assert v.passed and v.reasons == [] and v.status == "PASS"
 
 
 def test_gate_fails_with_every_reason_in_words():
     cell = lambda i: {"depth": 0.5 if i % 2 else 1.0}  # noqa: E731
-    v = judge(rows([1] * 30, [0 if i % 2 else 1 for i in range(30)], cell=cell), [], Thresholds())
-    assert not v.passed
+    v = judge(rows([1] * N, [0 if i % 2 else 1 for i in range(N)], cell=cell), [], Thresholds())
+    assert v.status == "FAIL"
     text = "\n".join(v.reasons)
-    assert "95% CI upper bound" in text and "flipped from right to wrong" in text
-    assert "cell depth=0.5: accuracy 0.00 (baseline 1.00) is below 0.5" in text and "depth=1.0" not in text
+    assert "lower bound" in text and "shown over the 0.05 margin" in text and "flipped from right to wrong" in text
+    # 30 wrong of 30 in cell depth=0.5: p = 0.5**30, shown below 0.5 after Holm over the two cells
+    assert "cell depth=0.5: accuracy 0.00 (baseline 1.00, n=30) shown below 0.5" in text and "depth=1.0" not in text
 
 
 @pytest.mark.parametrize(
     ("records", "infos", "message"),
     [
-        (rows([1] * 5, [1] * 5), [], "5 samples, fewer than the 20 required"),
-        (rows([1] * 30, [1] * 30, kv=(100, 100)), [], "compression was asked but the measured KV bytes are 1.000x"),
+        (rows([1] * N, [1] * N, kv=(100, 100)), [], "compression was asked but its KV bytes are 1.000x the full cache"),
         (
-            rows([1] * 30, [1] * 30),
+            rows([1] * N, [1] * N),
             [{"model": {"name": "m", "fingerprint": "a"}}, {"model": {"name": "m", "fingerprint": "b"}}],
             "the runs of model m used different weights",
         ),
-        (rows([1] * 30, [1] * 30), [{"protocol": "query_aware"}, {"protocol": "query_agnostic"}], "differ in protocol"),
+        (rows([1] * N, [1] * N), [{"protocol": "query_aware"}, {"protocol": "query_agnostic"}], "differ in protocol"),
         (
-            [{**r, "prefill_peak_tokens": 90, "prefill_bound_tokens": 80} for r in rows([1] * 30, [1] * 30)],
+            [{**r, "prefill_peak_tokens": 90, "prefill_bound_tokens": 80} for r in rows([1] * N, [1] * N)],
             [],
             "held 90 tokens in a layer, over its bound of 80",
         ),
     ],
-    ids=["too-few-samples", "no-compression", "mixed-models", "mixed-protocols", "over-bound"],
+    ids=["no-compression", "mixed-models", "mixed-protocols", "over-bound"],
 )
 def test_gate_fails_closed(records, infos, message):
     v = judge(records, infos, Thresholds())
-    assert v.judged and not v.passed and v.status == "FAIL"
+    assert not v.passed and v.status == "FAIL"
     assert any(message in r for r in v.reasons), v.reasons
 
 
 @pytest.mark.parametrize(
     ("records", "message"),
     [
-        ([r for r in rows([1] * 30, [1] * 30) if r["variant"] != "baseline"], "no baseline rows"),
+        ([r for r in rows([1] * N, [1] * N) if r["variant"] != "baseline"], "no baseline rows"),
         ([], "no rows"),
         ([r for r in rows([1] * 30, [1] * 30) if r["variant"] == "baseline"], "only baseline rows (30 samples)"),
         (rows([0] * 30, [0] * 30), "the full-cache baseline scores 0.00 on this task"),
@@ -124,7 +121,7 @@ def test_gate_fails_closed(records, infos, message):
 )
 def test_gate_cannot_judge_degenerate_records(records, message):
     v = judge(records, [], Thresholds())
-    assert not v.judged and not v.passed and v.status == "CANNOT JUDGE"
+    assert not v.passed and v.status == "CANNOT JUDGE"
     assert any(message in r for r in v.reasons), v.reasons
 
 
@@ -136,12 +133,15 @@ def write_run(folder, records, run_id="r1"):
 
 
 def test_gate_command_line_writes_verdict_and_report_and_exits_by_verdict(tmp_path):
-    good = write_run(tmp_path / "good", rows([1] * 30, [1] * 30))
-    bad = write_run(tmp_path / "bad", rows([1] * 30, [0] * 30))
+    good = write_run(tmp_path / "good", rows([1] * N, [1] * N))
+    bad = write_run(tmp_path / "bad", rows([1] * N, [0] * N))
+    small = write_run(tmp_path / "small", rows([1] * 20, [1] * 20))
     assert main([str(good)]) == 0
     assert json.loads((good / "verdict.json").read_text())["verdict"] == "PASS"
     assert main([str(bad)]) == 1
     assert "FAIL" in (bad / "report.md").read_text()
+    assert main([str(small)]) == 2
+    assert json.loads((small / "verdict.json").read_text())["verdict"] == "INCONCLUSIVE"
     assert main([str(tmp_path / "missing")]) == 2
     assert main([str(good), "--gate", "nope"]) == 2
     assert load_thresholds("default").max_drop == 0.05
@@ -152,14 +152,16 @@ def test_gate_after_a_run_sets_the_exit_code(tmp_path):
     # tiny-random cannot find a needle (its baseline scores 0): the baseline check is switched off to test the FAIL
     args = ["model=tiny-random", "task.context_lengths=[128]", "task.depths=[0.5]", "policy.budget=0.5"]
     result = run_cli(*args, "gate=default", "gate.min_baseline_accuracy=null", f"hydra.run.dir={tmp_path}")
-    assert result.returncode == 1, result.stderr  # 1 sample < 20 required: fails closed
-    assert "evalkit gate: FAIL" in result.stdout and "fewer than the 20 required" in result.stdout
+    # one sample cannot show anything: INCONCLUSIVE, exit 2, with the samples a PASS would need (59 with no loss)
+    assert result.returncode == 2, result.stderr
+    assert "evalkit gate: INCONCLUSIVE" in result.stdout
+    assert "59 samples would show it: add at least 58" in result.stderr
     assert (tmp_path / "verdict.json").exists() and (tmp_path / "report.md").exists()
 
 
 def test_capacity_counts_sequences_that_fit_after_the_weights():
     t = Thresholds(capacity={"gpu_gib": 1, "context": 1000})
-    v = judge(rows([1] * 30, [1] * 30, kv=(25, 100)), [{"model": {"weights_bytes": 2**29}}], t)
+    v = judge(rows([1] * N, [1] * N, kv=(25, 100)), [{"model": {"weights_bytes": 2**29}}], t)
     assert v.capacity["baseline"]["kv_bytes_per_token"] == 1.0
     assert v.capacity["baseline"]["sequences"] == 2**29 // 1000
     assert v.capacity["snapkv@0.25"]["sequences"] == 2**29 // 250  # a quarter of the bytes: four times the sequences

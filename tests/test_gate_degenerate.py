@@ -20,7 +20,8 @@ from evalkit.gate import main
 from evalkit.records import read_rows
 from tests.conftest import compose_config, run_cli
 
-N = 24  # samples: above the default min_samples (20)
+N = 24  # samples: enough for a FAIL or CANNOT JUDGE; a PASS needs 59 at the default margin (N_PASS)
+N_PASS = 60
 DEPTHS = [0.0, 0.5, 1.0]  # cell of sample i: depth DEPTHS[i % 3], so 8 samples a cell
 RUN_ID = "run-a"
 INFO = {
@@ -93,14 +94,15 @@ def assert_cannot_judge(capsys, d: Path, *messages: str, args=()) -> dict:
 
 
 def test_positive_control_a_healthy_run_passes(tmp_path, capsys):
-    # 24 samples >= 20; baseline and policy both 1.0: drop 0 (CI [0, 0]), no flips, every cell 1.0; KV 250/1000
-    d = folder(tmp_path)
+    # 60 samples, baseline and policy both 1.0: no flips; the drop's 95% upper bound 1 - 0.05**(1/60) = 0.0487 is
+    # below the 0.05 margin; every cell 1.0; KV 250/1000
+    d = folder(tmp_path, healthy(ids=range(N_PASS)))
     code, out, err = gate(capsys, d)
     assert code == 0, (out, err)
     assert "evalkit gate: PASS" in out and err == ""
     verdict = json.loads((d / "verdict.json").read_text())
     assert verdict["verdict"] == "PASS" and verdict["reasons"] == [] and verdict["not_judged"] == []
-    assert verdict["variants"]["snapkv@0.25"]["n"] == N and verdict["variants"]["snapkv@0.25"]["kv_ratio"] == 0.25
+    assert verdict["variants"]["snapkv@0.25"]["n"] == N_PASS and verdict["variants"]["snapkv@0.25"]["kv_ratio"] == 0.25
 
 
 def test_positive_control_a_worse_policy_fails_with_1(tmp_path, capsys):
@@ -178,17 +180,18 @@ def test_a_baseline_that_cannot_do_the_task(tmp_path, capsys):
         "about the policy; use a stronger model or an easier task",
     )
     assert verdict["variants"]["baseline"]["accuracy"] == 0.0  # the tables are still written
-    # null switches the check off: then judged, and with nothing lost it passes
+    # null switches the check off: then judged; nothing lost of 24 is not yet shown below the margin (59 needed)
     off = tmp_path / "off.yaml"
     off.write_text("min_baseline_accuracy: null\n")
     code, out, _ = gate(capsys, d, "--gate", str(off))
-    assert code == 0 and "evalkit gate: PASS" in out
+    assert code == 2 and "evalkit gate: INCONCLUSIVE" in out and "add at least 35" in out
 
 
 def test_cells_where_the_baseline_fails_are_named_not_judged(tmp_path, capsys):
-    # the baseline fails at depth 0.5 (8 of 24 samples): 16/24 = 0.67 overall, above 0.5, so the run is judged; the
+    # the baseline fails at depth 0.5 (20 of 60 samples): 40/60 = 0.67 overall, above 0.5, so the run is judged; the
     # policy matches it everywhere, so it passes, and the depth 0.5 cell is named as not judged
-    d = folder(tmp_path, healthy(base=lambda i: 0.0 if i % 3 == 1 else 1.0, pol=lambda i: 0.0 if i % 3 == 1 else 1.0))
+    fails = lambda i: 0.0 if i % 3 == 1 else 1.0  # noqa: E731
+    d = folder(tmp_path, healthy(base=fails, pol=fails, ids=range(N_PASS)))
     code, out, _ = gate(capsys, d)
     assert code == 0 and "evalkit gate: PASS" in out
     cell = "cell context_length=1024 depth=0.5: the baseline scores 0.00 there, below 0.5"
@@ -199,7 +202,10 @@ def test_cells_where_the_baseline_fails_are_named_not_judged(tmp_path, capsys):
 
 def test_teacher_forced_fidelity_rows_are_judged(tmp_path, capsys):
     # fidelity rows: the baseline scores 1.0 by construction (top-1 agreement with itself)
-    rows = [{**r, "task": "fidelity", "kl_mean": 0.0 if r["variant"] == "baseline" else 0.01} for r in healthy()]
+    rows = [
+        {**r, "task": "fidelity", "kl_mean": 0.0 if r["variant"] == "baseline" else 0.01}
+        for r in healthy(ids=range(N_PASS))
+    ]
     code, out, _ = gate(capsys, folder(tmp_path, rows))
     assert code == 0 and "evalkit gate: PASS" in out
 
@@ -306,7 +312,7 @@ def test_the_report_lists_the_problems_as_warnings_and_exits_0(tmp_path, capsys)
 
 
 def test_output_folders(tmp_path, capsys):
-    d = folder(tmp_path)
+    d = folder(tmp_path, healthy(ids=range(N_PASS)))
     out = tmp_path / "new" / "verdicts"  # does not exist yet: created
     code, stdout, _ = gate(capsys, d, "--out", str(out))
     assert code == 0 and (out / "verdict.json").exists() and (out / "report.md").exists()
@@ -339,8 +345,16 @@ def test_a_bug_exits_3_and_ctrl_c_130(tmp_path, capsys, monkeypatch):
     assert report_module.main([str(d)]) == 3
 
 
-@pytest.mark.parametrize(("rows", "code"), [(healthy(), 0), (healthy() + healthy(), 2)], ids=["healthy", "repeated"])
-def test_a_sweep_that_cannot_be_judged_exits_2(tmp_path, capsys, monkeypatch, rows, code):
+@pytest.mark.parametrize(
+    ("rows", "code", "status"),
+    [
+        (healthy(ids=range(N_PASS)), 0, "PASS"),
+        (healthy(), 2, "INCONCLUSIVE"),
+        (healthy() + healthy(), 2, "CANNOT JUDGE"),
+    ],
+    ids=["healthy", "too-few", "repeated"],
+)
+def test_a_sweep_that_cannot_be_judged_exits_2(tmp_path, capsys, monkeypatch, rows, code, status):
     monkeypatch.setattr(sweep, "exit_code", None)
     job = tmp_path / "sweep" / "needle" / "m" / "snapkv"
     job.mkdir(parents=True)
@@ -350,7 +364,7 @@ def test_a_sweep_that_cannot_be_judged_exits_2(tmp_path, capsys, monkeypatch, ro
     sweep.MergeJobs().on_multirun_end(cfg)
     assert sweep.exit_code == code
     verdict = json.loads((tmp_path / "sweep" / "verdict.json").read_text())["verdict"]
-    assert verdict == ("PASS" if code == 0 else "CANNOT JUDGE")
+    assert verdict == status
     assert (tmp_path / "sweep" / "report" / "report.md").exists()
 
 

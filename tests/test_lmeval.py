@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,6 +15,9 @@ import torch
 lm_eval = pytest.importorskip("lm_eval", reason="pip install 'lm-eval>=0.4.9,<0.5' for the lm-eval integration")
 
 from evalkit import lmeval  # noqa: E402
+from evalkit.cache import held_per_layer  # noqa: E402
+from evalkit.engine import Variant, run_sample  # noqa: E402
+from evalkit.prompt import Prompt  # noqa: E402
 from evalkit.records import read_rows  # noqa: E402
 from tests.conftest import ROOT, run_cli  # noqa: E402
 
@@ -32,6 +36,162 @@ def lm_for(tiny, variant):
     lm = lmeval.EvalkitLM(loaded=tiny)
     (lm.variant,) = lmeval.parse_variants(lmeval.OmegaConf.create({"seed": 0, "variants": [variant]}))
     return lm
+
+
+# The tiny model (conf/model/tiny-random.yaml): its KV bytes are counted here by hand, not by evalkit.cache.
+LAYERS, KV_HEADS, HEAD_DIM, FLOAT32 = 3, 2, 16, 4
+
+
+def kv_by_hand(tokens: int) -> int:
+    """Bytes of the keys and values of `tokens` tokens in every layer of the tiny model."""
+    return 2 * LAYERS * KV_HEADS * HEAD_DIM * tokens * FLOAT32
+
+
+def test_kv_by_hand_describes_the_tiny_model(tiny):
+    c = tiny.model.config
+    assert (c.num_hidden_layers, c.num_key_value_heads, c.head_dim) == (LAYERS, KV_HEADS, HEAD_DIM)
+    assert tiny.model.dtype == torch.float32
+
+
+def engine_loglikelihoods(tiny, variant, context: str, continuation: str) -> tuple[float, float]:
+    """(variant, baseline) log-likelihood of continuation after context by the engine's own teacher-forced run of a
+    sample: the context but its last token prefilled and compressed, the rest fed one token at a time."""
+    ctx = tiny.tokenizer(context).input_ids
+    whole = tiny.tokenizer(context + continuation).input_ids
+    assert whole[: len(ctx)] == ctx
+    prompt = Prompt(torch.tensor([whole]), len(ctx) - 1, [], "query_agnostic")
+    base, (out,) = run_sample(tiny.model, prompt, [variant], 0, set(), forced=True)
+    targets = torch.tensor(whole[len(ctx) :])
+    lp = [float(torch.stack(o.logits).log_softmax(-1).gather(1, targets[:, None]).sum()) for o in (out, base)]
+    return lp[0], lp[1]
+
+
+def streaming_by_mask(tiny, context: str, continuation: str, sinks: int, budget: int) -> float:
+    """StreamingLLM's log-likelihood of continuation written out as one forward of the full model under a mask: the
+    context (but its last token) is prefilled with full causal attention; every later token q then sees only what
+    a cache evicting to `budget` after every step holds when q goes through: the first `sinks` tokens and the
+    budget - sinks most recent tokens before q, and q itself."""
+    ctx = tiny.tokenizer(context).input_ids
+    whole = tiny.tokenizer(context + continuation).input_ids
+    n, size = len(ctx) - 1, len(whole)
+    seen = torch.zeros(size, size, dtype=torch.bool)
+    for q in range(size):
+        if q < n:
+            seen[q, : q + 1] = True
+        else:
+            seen[q, :sinks] = True
+            seen[q, max(sinks, q - (budget - sinks)) : q + 1] = True
+    mask = torch.zeros(1, 1, size, size).masked_fill(~seen, float("-inf"))
+    with torch.inference_mode():
+        lp = tiny.model(input_ids=torch.tensor([whole]), attention_mask=mask).logits[0].float().log_softmax(-1)
+    return sum(float(lp[i - 1, whole[i]]) for i in range(len(ctx), size))
+
+
+def capture_caches(monkeypatch) -> list:
+    """The caches the adapter teacher-forces on, in order (variant, then baseline, per request)."""
+    caches = []
+    real = lmeval.teacher_forced
+    monkeypatch.setattr(
+        lmeval, "teacher_forced", lambda model, cache, *a, **k: caches.append(cache) or real(model, cache, *a, **k)
+    )
+    return caches
+
+
+CONTEXT, CONTINUATION = "word " * 40 + "end", " and then a long continuation goes on and on"  # 203 and 44 tokens
+
+
+def test_loglikelihood_evicts_while_scoring_as_the_engine_does(tiny, monkeypatch):
+    budget = 16
+    lm = lm_for(tiny, f"streaming_llm@{budget}")
+    assert lm.variant.policy.decode and len(tiny.tokenizer(CONTINUATION).input_ids) > 1
+    caches = capture_caches(monkeypatch)
+    ((got, _),) = lm.loglikelihood([request((CONTEXT, CONTINUATION))])
+    evicting, baseline = engine_loglikelihoods(tiny, lm.variant, CONTEXT, CONTINUATION)
+    kept = engine_loglikelihoods(
+        tiny, Variant(dataclasses.replace(lm.variant.policy, decode=False)), CONTEXT, CONTINUATION
+    )[0]
+    assert got == pytest.approx(evicting, abs=1e-4)
+    assert got == pytest.approx(
+        streaming_by_mask(tiny, CONTEXT, CONTINUATION, lm.variant.policy.n_sink, budget), abs=1e-3
+    )
+    assert abs(got - kept) > 0.05  # the continuation outgrows the budget: not evicting would score it otherwise
+    assert lm.baseline_answers[lmeval._key("loglikelihood", (CONTEXT, CONTINUATION))][0] == pytest.approx(
+        baseline, abs=1e-4
+    )
+    # after scoring, every layer of the variant holds its budget; the baseline holds every token it was fed
+    n_fed = len(tiny.tokenizer(CONTEXT + CONTINUATION).input_ids) - 1
+    variant_cache, baseline_cache = caches
+    assert held_per_layer(variant_cache) == [budget] * LAYERS
+    assert held_per_layer(baseline_cache) == [n_fed] * LAYERS
+    record = lm.kv[("t", 0)]
+    assert record["kv_bytes_final"] == kv_by_hand(budget) and record["tokens_held_per_layer"] == [budget] * LAYERS
+
+
+def test_loglikelihood_records_the_full_prefill_as_the_peak_not_the_compressed_bytes(tiny):
+    lm = lm_for(tiny, "streaming_llm@16")
+    lm.loglikelihood([request((CONTEXT, CONTINUATION))])
+    n_context = len(tiny.tokenizer(CONTEXT).input_ids) - 1  # the last context token is fed with the continuation
+    n_fed = len(tiny.tokenizer(CONTEXT + CONTINUATION).input_ids) - 1
+    record = lm.kv[("t", 0)]
+    assert record["kv_bytes"] == kv_by_hand(16) and record["kv_bytes_baseline"] == kv_by_hand(n_context)
+    assert record.get("peak_kv_bytes") == kv_by_hand(n_context)  # the full cache, not the 16 tokens compressed
+    assert record["prefill_peak_kv_bytes"] == kv_by_hand(n_context)
+    base = lm.kv_baseline[("t", 0)]
+    assert base["kv_bytes"] == kv_by_hand(n_context)
+    assert base["peak_kv_bytes"] == base["kv_bytes_final"] == kv_by_hand(n_fed)
+
+
+def test_the_peak_counts_every_step_before_its_eviction(tiny):
+    # a context shorter than the budget: the prefill holds 10 tokens, each step 17 before it evicts back to 16
+    lm = lm_for(tiny, "streaming_llm@16")
+    context = "abcdefghijk"
+    lm.loglikelihood([request((context, CONTINUATION))])
+    assert len(tiny.tokenizer(context).input_ids) - 1 == 10
+    record = lm.kv[("t", 0)]
+    assert record["kv_bytes"] == record["prefill_peak_kv_bytes"] == kv_by_hand(10)
+    assert record["peak_kv_bytes"] == kv_by_hand(17) and record["kv_bytes_final"] == kv_by_hand(16)
+    # a policy that compresses once: the continuation grows the cache past the context it was prefilled from
+    lm = lm_for(tiny, "knorm@0.5")
+    lm.loglikelihood([request((context, CONTINUATION))])
+    n_cont = len(tiny.tokenizer(context + CONTINUATION).input_ids) - len(tiny.tokenizer(context).input_ids)
+    record = lm.kv[("t", 0)]
+    assert record["kv_bytes"] == kv_by_hand(5)
+    assert record["peak_kv_bytes"] == record["kv_bytes_final"] == kv_by_hand(5 + n_cont) > kv_by_hand(10)
+
+
+def test_loglikelihood_prefills_a_chunked_variant_in_chunks(tiny, monkeypatch):
+    calls = []
+    real = lmeval.prefill
+    monkeypatch.setattr(lmeval, "prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
+    lm = lm_for(tiny, "streaming_llm@16:chunk8")
+    ((got, _),) = lm.loglikelihood([request((CONTEXT, CONTINUATION))])
+    assert got == pytest.approx(engine_loglikelihoods(tiny, lm.variant, CONTEXT, CONTINUATION)[0], abs=1e-4)
+    assert len(calls) == 1  # the baseline's full prefill; the variant never holds the full cache
+    record = lm.kv[("t", 0)]
+    # chunks of 8 onto a cache evicted to 16: at most 24 tokens, while the continuation holds 17 at most
+    assert record["prefill"] == {"mode": "chunked", "chunk": 8} and record["prefill_peak_tokens"] == 24
+    assert record["peak_kv_bytes"] == record["prefill_peak_kv_bytes"] == kv_by_hand(24)
+    assert record["prefill_bound_tokens"] == 24 and record["kv_bytes_final"] == kv_by_hand(16)
+
+
+def test_rolling_and_generate_until_record_the_true_peak(tiny, monkeypatch):
+    lm = lm_for(tiny, "streaming_llm@16")
+    caches = capture_caches(monkeypatch)
+    text = "some text " * 20
+    lm.loglikelihood_rolling([request((text,))])
+    ids = [tiny.tokenizer.bos_token_id or tiny.tokenizer.eos_token_id] + tiny.tokenizer(text).input_ids
+    split = int(len(ids) * lm.rolling_split)
+    record = lm.kv[("t", 0)]
+    assert record["context_tokens"] == split - 1
+    assert record["peak_kv_bytes"] == kv_by_hand(split - 1) and record["kv_bytes_final"] == kv_by_hand(16)
+    assert held_per_layer(caches[0]) == [16] * LAYERS and held_per_layer(caches[1]) == [len(ids) - 1] * LAYERS
+    assert lm.kv_baseline[("t", 0)]["peak_kv_bytes"] == kv_by_hand(len(ids) - 1)
+
+    lm.generate_until([request(("word " * 40, {"until": ["\n"], "max_gen_toks": 5}), doc_id=1)])
+    n_context = len(tiny.tokenizer("word " * 40).input_ids) - 1
+    record, base = lm.kv[("t", 1)], lm.kv_baseline[("t", 1)]
+    assert record["kv_bytes"] == kv_by_hand(16) and record["peak_kv_bytes"] == kv_by_hand(n_context)
+    assert kv_by_hand(n_context) < base["peak_kv_bytes"] <= kv_by_hand(n_context + 5)
 
 
 def test_loglikelihood_equals_the_full_model_at_full_budget(tiny):
@@ -99,6 +259,13 @@ def test_evalkit_cli_runs_lm_eval_tasks_with_one_row_per_document(tmp_path):
         (f"evalkit_recall/{i}", v) for i in range(3) for v in ("baseline", "snapkv@0.5")
     )
     assert all(r["metric"] == "acc" and r["kv_bytes"] for r in rows)
+    # the peak is what was really held: the full cache during the prefill, and more while the baseline scores
+    for r in rows:
+        if r["variant"] == "baseline":
+            assert r["kv_bytes"] == r["kv_bytes_baseline"] < r["peak_kv_bytes"]
+        else:
+            assert r["kv_bytes"] < r["kv_bytes_baseline"] <= r["peak_kv_bytes"]
+        assert r["prefill_peak_kv_bytes"] == r["kv_bytes_baseline"]
     results = json.loads((tmp_path / "lm_eval_results.json").read_text())
     assert set(results) == {"baseline", "snapkv@0.5"}
 

@@ -1,7 +1,11 @@
-"""Each policy against a plain reference that materialises the attention matrix (transformers' eager attention
-with output_attentions), on small inputs: kept indices must be equal, exactly."""
+"""Each policy against references written from its paper's definition and code, none of evalkit's helpers: on the
+tiny model, a plain reference that materialises the attention matrix (transformers' eager attention with
+output_attentions), whose top set the kept tokens must be (ties among equal scores aside); and hand-built layers
+whose scores can be worked out by hand, with the tokens kept written out."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -11,7 +15,7 @@ from evalkit.cache import compress, share
 from evalkit.engine import greedy, prefill
 from evalkit.errors import ConfigError
 from evalkit.policies.pyramidkv import pyramid
-from tests.conftest import CTX, QUESTION, by_kv_head, compressed, policy, pool_by_hand, top_k
+from tests.conftest import CTX, QUESTION, by_kv_head, compressed, policy, pool_by_hand
 
 BUDGET = 24
 
@@ -23,38 +27,73 @@ def reference(eager, ids):
     return out.attentions, [layer.keys for layer in out.past_key_values.layers]  # (B, Hq, T, T), (B, Hkv, T, D)
 
 
-def reference_keep(name, pol, attn, keys, k) -> torch.Tensor:
+def reference_choice(name, pol, attn, keys, k) -> tuple[torch.Tensor, range, range]:
+    """Written from each paper's definition (and its code) over the eager model's attention matrices (B, Hq, T, T)
+    and keys (B, Hkv, T, D), with none of evalkit's helpers: (scores (1, Hkv, n) of the candidate positions, the
+    candidate positions, the positions every head keeps whatever the scores). A head keeps those, and the
+    k - len(always) candidates of highest score."""
     hkv = keys.shape[1]
-    pos = torch.arange(CTX).expand(1, hkv, CTX)
     if name == "h2o":
-        return top_k(by_kv_head(attn.sum(dim=2), hkv), pos >= CTX - int(pol.recent * k), k)
+        # H2O's code: int(recent_ratio * budget) most recent tokens, the rest of the budget the heavy hitters, the
+        # tokens of largest attention received, summed over every query (and the query heads of the KV group).
+        recent = int(0.5 * k)
+        return by_kv_head(attn.sum(dim=2), hkv)[..., : CTX - recent], range(CTX - recent), range(CTX - recent, CTX)
     if name in ("snapkv", "pyramidkv"):
-        # The paper's code: the window queries' attention on the prefix only, summed, pooled; the window kept.
-        prefix = CTX - pol.window
-        win = by_kv_head(attn[:, :, -pol.window :, :prefix].sum(dim=2), hkv)  # (B, Hkv, prefix)
-        pooled = pool_by_hand(win, pol.kernel, pol.pooling)
-        return top_k(torch.cat([pooled, pooled.new_zeros(1, hkv, pol.window)], -1), pos >= prefix, k)
-    if name == "knorm":
-        return top_k(-keys.norm(dim=-1), torch.zeros_like(pos, dtype=torch.bool), k)
-    if name == "streaming_llm":
-        return top_k(pos.float(), pos < pol.n_sink, k)
+        # SnapKV's code: the last `window` queries' attention (softmax over every key) on the prefix before the
+        # window, summed over those queries, pooled along the prefix only; top (k - window) of it, plus the window.
+        prefix = CTX - WINDOW
+        win = by_kv_head(attn[:, :, -WINDOW:, :prefix].sum(dim=2), hkv)  # (1, Hkv, prefix)
+        # kernel 5: the SnapKV code's and conf/policy's default
+        return pool_by_hand(win, 5, pol.pooling), range(prefix), range(prefix, CTX)
+    if name == "knorm":  # the k keys of lowest L2 norm
+        return -keys.norm(dim=-1), range(CTX), range(0)
+    if name == "streaming_llm":  # the 4 sink tokens, then the most recent
+        return torch.arange(4, CTX).float().expand(1, hkv, -1), range(4, CTX), range(4)
     raise AssertionError(name)
 
 
-CASES = [("h2o", {}), ("knorm", {}), ("streaming_llm", {})] + [
-    (name, {"pooling": pooling}) for name in ("snapkv", "pyramidkv") for pooling in ("avg", "max")
+def assert_keeps_a_top_set(held: torch.Tensor, scores: torch.Tensor, candidates: range, always: range, k: int):
+    """Each head of `held` (1, Hkv, k) keeps `always` and k - len(always) candidates, none scoring below a candidate
+    it evicted: exactly the reference's top set, up to the order among equal scores (max pooling makes neighbours
+    equal, and which of them a top-k takes is arbitrary)."""
+    assert held.shape[-1] == k
+    for h, head in enumerate(held[0].tolist()):
+        assert set(always) <= set(head), f"head {h}"
+        kept = [i for i, p in enumerate(candidates) if p in set(head)]
+        evicted = [i for i, p in enumerate(candidates) if p not in set(head)]
+        assert len(kept) == k - len(always), f"head {h}"
+        s = scores[0, h]
+        assert not evicted or s[kept].min() >= s[evicted].max(), f"head {h}: a better-scoring token was evicted"
+
+
+WINDOW = 8  # tests.conftest.policy gives SnapKV and PyramidKV an 8-token observation window
+# Tokens held per layer of the 3-layer tiny Llama at a budget of 24 tokens of CTX = 96, by hand:
+# uniform policies hold 24 everywhere. PyramidKV by the reference formula (k = 24, window 8): beta 20 gives
+# low = 24/20 = 1.2 < window 8, so the reference falls back to SnapKV's uniform 24; beta 2 gives low = 12,
+# high = 2*24 - 12 = 36 (below 96 - 8 = 88, no cap), step (36 - 12)/2 = 12 -> 36, 24, 12 (same 72 in all).
+CASES = [
+    ("h2o", {}, [24] * 3),
+    ("knorm", {}, [24] * 3),
+    ("streaming_llm", {}, [24] * 3),
+    *[("snapkv", {"pooling": p}, [24] * 3) for p in ("avg", "max")],
+    *[("pyramidkv", {"pooling": p}, [24] * 3) for p in ("avg", "max")],
+    *[("pyramidkv", {"pooling": p, "beta": 2}, [36, 24, 12]) for p in ("avg", "max")],
 ]
 
 
-@pytest.mark.parametrize(("name", "options"), CASES, ids=[f"{n}-{o.get('pooling', '')}".strip("-") for n, o in CASES])
-def test_kept_indices_equal_the_naive_reference(tiny, ids, reference, name, options):
+@pytest.mark.parametrize(
+    ("name", "options", "held"),
+    CASES,
+    ids=["-".join([n, *(f"{k}{v}" for k, v in o.items())]) for n, o, _ in CASES],
+)
+def test_kept_indices_equal_the_naive_reference(tiny, ids, reference, name, options, held):
     pol = policy(name, BUDGET, **options)
     _, cache = compressed(tiny.model, ids, pol)
     attentions, keys = reference
-    ks = pol.keep_per_layer(CTX, len(keys))
+    assert [layer.positions.shape[-1] for layer in cache.layers] == held
     for layer_idx, (attn, k) in enumerate(zip(attentions, keys, strict=True)):
-        want = reference_keep(name, pol, attn, k, ks[layer_idx])
-        assert torch.equal(cache.layers[layer_idx].positions, want), f"layer {layer_idx}"
+        scores, candidates, always = reference_choice(name, pol, attn, k, held[layer_idx])
+        assert_keeps_a_top_set(cache.layers[layer_idx].positions, scores, candidates, always, held[layer_idx])
 
 
 @pytest.mark.parametrize("chunk_elements", [1, 97, 1 << 24], ids=["one-query-chunks", "odd-chunks", "one-chunk"])
@@ -135,3 +174,77 @@ def test_h2o_normalize_divides_the_mass_by_the_queries_that_saw_each_key():
     view = LayerView(0, 1, 6, torch.zeros(1, 1, 6, 4), torch.zeros(1, 1, 6, 4), positions, {"attn_mass": mass})
     assert H2O(budget=2, recent=0.0).select(view, 2).tolist() == [[[0, 1]]]
     assert H2O(budget=2, recent=0.0, normalize=True).select(view, 2).tolist() == [[[0, 3]]]
+
+
+def view(positions, seen, keys=None, state=None, observations=None):
+    """One layer, one KV head, one query head, head_dim 1: a LayerView whose scores can be worked out by hand."""
+    from evalkit.policies import LayerView
+
+    pos = torch.tensor(positions).view(1, 1, -1)
+    if keys is None:
+        keys = [0.0] * pos.shape[-1]
+    keys = torch.tensor(keys, dtype=torch.float).view(1, 1, -1, 1)
+    return LayerView(0, 1, seen, keys, torch.zeros_like(keys), pos, state or {}, observations or {})
+
+
+# SnapKV by hand. Ten tokens, a window of the last 2 (positions 8, 9), each window query q = 1 (already scaled) and
+# each key ln(w): query 8 sees keys 0..8, query 9 keys 0..9, so a prefix key j (0..7, seen by both) scores
+# w_j (1/Z8 + 1/Z9), in proportion to w_j. The window token 9 takes most of the attention (w = 20).
+SNAP_W = [6, 3, 1, 3, 4, 1, 1, 3, 6, 20]
+
+
+def snap_view():
+    keys = [math.log(w) for w in SNAP_W]
+    obs = {"window_queries": torch.ones(1, 1, 2, 1), "window_positions": torch.tensor([8, 9])}
+    return view(list(range(10)), 10, keys=keys, observations=obs)
+
+
+def test_snapkv_pools_the_prefix_only_with_the_zero_padding_counted_kernel_5():
+    """Avg pooling, kernel 5, over the prefix w_0..w_7 = 6 3 1 3 4 1 1 3 with zeros beyond both ends, divided by 5:
+    sums 10 13 17 12 10 12 9 5 -> the top two are positions 2 (17) and 1 (13); kept with the window: 1 2 8 9.
+    What each departure would keep instead: the padding not counted (means 3.33 3.25 3.4 ...) 0 2; pooling over
+    the window too (position 7 sums 1+1+3+6+20 = 31) 2 7; kernel 7 (sums 13 17 18 19 ...) 2 3; no pooling 0 4."""
+    from evalkit.policies.snapkv import SnapKV
+
+    assert SnapKV(budget=4, window=2).select(snap_view(), 4).tolist() == [[[1, 2, 8, 9]]]
+    conf = policy("snapkv", 4)
+    conf.window = 2  # tests.conftest.policy sets 8
+    assert (conf.kernel, conf.pooling) == (5, "avg")
+    assert conf.select(snap_view(), 4).tolist() == [[[1, 2, 8, 9]]]
+
+
+def test_snapkv_max_pooling_by_hand():
+    """Max over the 5 prefix scores centred on each position (nothing beyond the prefix): 6 6 6 4 4 4 4 3 -> the top
+    three are 0 1 2, kept with the window: 0 1 2 8 9. Pooling over the window too would give position 7 the 20."""
+    from evalkit.policies.snapkv import SnapKV
+
+    assert SnapKV(budget=5, window=2, pooling="max").select(snap_view(), 5).tolist() == [[[0, 1, 2, 8, 9]]]
+
+
+def test_h2o_keeps_the_recent_share_then_the_heaviest_by_hand():
+    """Eight tokens seen, masses by hand 5 1 4 2 3 0.5 0.1 0.2. Keeping 4 with recent=0.5: the 2 most recent (6, 7,
+    however light) and the two heaviest of the rest, 0 (5) and 2 (4). Keeping 5: int(0.5 * 5) = 2 recent, as the
+    H2O code rounds, and three heavy, 0 2 4; rounding up would keep 5 6 7 and 0 2."""
+    from evalkit.policies.h2o import H2O
+
+    state = {"attn_mass": torch.tensor([5.0, 1.0, 4.0, 2.0, 3.0, 0.5, 0.1, 0.2]).view(1, 1, 8)}
+    v = view(list(range(8)), 8, state=state)
+    assert H2O(budget=4).select(v, 4).tolist() == [[[0, 2, 6, 7]]]
+    assert H2O(budget=5).select(v, 5).tolist() == [[[0, 2, 4, 6, 7]]]
+
+
+def test_streaming_llm_keeps_the_sinks_and_the_most_recent_by_hand():
+    """After earlier evictions a head holds positions 0 1 2 3 7 8 9 10 11 12 of 13 seen. Keeping 7 with 4 sinks:
+    the sinks 0 1 2 3 and the three most recent, 10 11 12 (indices 5 6 7 8 9 -> 7 8 9 of the held list)."""
+    from evalkit.policies.streaming_llm import StreamingLLM
+
+    v = view([0, 1, 2, 3, 7, 8, 9, 10, 11, 12], 13)
+    assert StreamingLLM(budget=7).select(v, 7).tolist() == [[[0, 1, 2, 3, 7, 8, 9]]]
+    assert policy("streaming_llm", 7).select(v, 7).tolist() == [[[0, 1, 2, 3, 7, 8, 9]]]
+
+
+def test_knorm_keeps_the_keys_of_lowest_norm_by_hand():
+    """Keys (head_dim 1) 3 -1 2 -5 0.5: norms 3 1 2 5 0.5, the two lowest at indices 4 and 1."""
+    from evalkit.policies.knorm import KNorm
+
+    assert KNorm(budget=2).select(view(list(range(5)), 5, keys=[3.0, -1.0, 2.0, -5.0, 0.5]), 2).tolist() == [[[1, 4]]]

@@ -66,17 +66,30 @@ def test_killed_run_resumes_where_it_stopped(tmp_path):
 
 
 def test_torn_last_line_is_cut_on_resume(tmp_path):
+    """The uninterrupted run is the expectation: after a torn last row and a resume, the file holds the same rows,
+    per (sample, variant), in the same order, none repeated and none lost, with the same content (all but the run's
+    id and timings); the rows before the torn one are kept byte for byte."""
     args = ["model=tiny-random", "task.context_lengths=[128]", "task.depths=[0.0,1.0]", f"hydra.run.dir={tmp_path}"]
     assert run_cli(*args).returncode == 0
     rows_path = tmp_path / "samples.jsonl"
     lines = rows_path.read_bytes().splitlines(keepends=True)
+    uninterrupted = [json.loads(x) for x in lines]
+    # 2 samples (depths 0 and 1) x (baseline + the default policy), in the order the run writes them
+    assert [r["variant"] for r in uninterrupted] == ["baseline", "streaming_llm@0.25"] * 2
+    assert len({r["sample_id"] for r in uninterrupted}) == 2
     rows_path.write_bytes(b"".join(lines[:-1]) + lines[-1][:40])  # as if killed while writing the last row
     result = run_cli(*args, "resume=true")
     assert result.returncode == 0, result.stderr
-    assert rows_path.read_bytes() == b"".join(lines[:-1]) + rows_path.read_bytes().splitlines(keepends=True)[-1]
-    assert [json.loads(x)["sample_id"] for x in rows_path.read_bytes().splitlines()] == [
-        json.loads(x)["sample_id"] for x in lines
-    ]
+    final = rows_path.read_bytes().splitlines(keepends=True)
+    assert final[:-1] == lines[:-1], "the complete rows are kept as they were"
+    resumed = [json.loads(x) for x in final]
+    key = [(r["sample_id"], r["variant"]) for r in uninterrupted]
+    assert [(r["sample_id"], r["variant"]) for r in resumed] == key
+
+    def content(row):
+        return {k: v for k, v in row.items() if k not in ("run_id", "seconds")}
+
+    assert [content(r) for r in resumed] == [content(r) for r in uninterrupted]
 
 
 def test_resume_refuses_a_different_config(tmp_path):

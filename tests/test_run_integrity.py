@@ -157,6 +157,26 @@ def test_a_copied_folder_resumes_elsewhere(tmp_path):
     assert len(read_rows(copy / "samples.jsonl")) == len(rows) == 2 * 2 * 2
 
 
+def test_resume_with_more_samples_extends_a_finished_run(finished, tmp_path):
+    """issue 13: a larger task.samples_per_cell with resume=true runs the new samples only; the old rows stay as they
+    were, and a smaller count is refused (the rows would answer samples the run no longer has)."""
+    copy_of(finished, tmp_path)
+    before = (tmp_path / "samples.jsonl").read_bytes()
+    old = {(r["sample_id"], r["variant"]) for r in read_rows(tmp_path / "samples.jsonl")}
+    assert len(old) == 2 * 2  # two cells (depths 0 and 1) of one sample, baseline and the policy
+    done = run_cli(*TINY, "task.samples_per_cell=3", f"hydra.run.dir={tmp_path}", "resume=true")
+    assert done.returncode == 0, done.stderr
+    assert "2 samples done before, 4 new" in done.stdout
+    assert (tmp_path / "samples.jsonl").read_bytes().startswith(before)
+    rows = read_rows(tmp_path / "samples.jsonl")
+    keys = [(r["sample_id"], r["variant"]) for r in rows]
+    assert len(keys) == len(set(keys)) == 2 * 3 * 2 and old <= set(keys)  # nothing repeated, nothing lost
+    info = json.loads((tmp_path / "run.json").read_text())
+    assert info["data"]["extended"] == [{"from": 2, "to": 6}] and info["config"]["task"]["samples_per_cell"] == 3
+    line = one_line_error(run_cli(*TINY, "task.samples_per_cell=2", f"hydra.run.dir={tmp_path}", "resume=true"))
+    assert "2 gone of 6" in line
+
+
 @pytest.mark.parametrize("mode", [[], ["-m"]], ids=["run", "sweep"])
 def test_an_internal_error_exits_3_with_its_traceback(tmp_path, mode):
     script = (

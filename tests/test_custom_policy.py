@@ -1,0 +1,189 @@
+"""Your own policy, first-class: a class outside evalkit and its YAML in your own config folder (Hydra's search path)
+run with `policy=NAME`, in `variants=[...]` beside evalkit's policies, inside a wrapper and under the gate; a
+`_target_` that cannot be imported or is not a KVPolicy is one line, exit 2.
+
+The module below holds the README's example (README, Write a policy) as it is written there, and `Oldest`, whose
+choice is known by hand: it keeps the first tokens of the context.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from evalkit.config import check_choices, options, searching, variants
+from evalkit.errors import ConfigError
+from evalkit.hydra_errors import precheck
+from tests.conftest import compose_config, run_cli
+
+MODULE = '''
+"""my_policies.py: keep the tokens whose values have the largest L2 norm, and always the most recent ones."""
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from evalkit.errors import ConfigError
+from evalkit.policies import KVPolicy, LayerView
+
+
+@dataclass(kw_only=True)
+class ValueNorm(KVPolicy):
+    name: str = "vnorm"
+    recent: int = 8  # the most recent tokens, always kept
+    decode: bool = False  # compress once, after the prompt
+
+    def score(self, view: LayerView) -> Tensor:
+        return view.values.float().norm(dim=-1)  # (B, Hkv, T): each KV head ranks its own tokens
+
+    def protected(self, view: LayerView, k: int) -> Tensor:
+        return view.positions >= view.seen - self.recent
+
+    def min_tokens(self) -> int:
+        return self.recent + 1
+
+    def check_params(self) -> None:
+        if self.recent < 0:
+            raise ConfigError(f"policy.recent={self.recent} is negative; give e.g. policy.recent=8")
+
+
+@dataclass(kw_only=True)
+class Oldest(KVPolicy):
+    name: str = "oldest"
+    decode: bool = False
+
+    def score(self, view: LayerView) -> Tensor:
+        return -view.positions.float()  # the older, the higher
+
+
+class NotAPolicy:
+    pass
+'''
+
+YAMLS = {
+    "vnorm": "_target_: my_policies.ValueNorm\nname: vnorm\nbudget: 0.25\nrecent: 8\ndecode: false\n",
+    "oldest": "_target_: my_policies.Oldest\nname: oldest\nbudget: 0.5\n",
+    "ghost": "_target_: no_such_module.Ghost\nname: ghost\n",
+    "impostor": "_target_: my_policies.NotAPolicy\nname: impostor\n",
+    "untargeted": "name: untargeted\nbudget: 0.5\n",
+    # a user's config may extend one of evalkit's through Hydra's defaults list
+    "snap16": "defaults:\n  - snapkv\n  - _self_\nname: snap16\nwindow: 16\n",
+}
+
+TINY = ["model=tiny-random", "task.context_lengths=[128]"]
+
+
+@pytest.fixture
+def user(tmp_path, monkeypatch) -> tuple[Path, Path]:
+    """(folder of the module, config folder), the module importable here too (for the in-process checks)."""
+    src, conf = tmp_path / "src", tmp_path / "my_conf"
+    src.mkdir()
+    (conf / "policy").mkdir(parents=True)
+    (src / "my_policies.py").write_text(textwrap.dedent(MODULE))
+    for name, text in YAMLS.items():
+        (conf / "policy" / f"{name}.yaml").write_text(text)
+    monkeypatch.syspath_prepend(str(src))
+    return src, conf
+
+
+def cli(user, *args, run_dir: Path):
+    src, conf = user
+    return run_cli(*args, f"hydra.searchpath=[file://{conf}]", f"hydra.run.dir={run_dir}", env={"PYTHONPATH": str(src)})
+
+
+def rows(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
+
+
+def test_own_policy_runs_alone_under_the_gate(user, tmp_path):
+    run_dir = tmp_path / "run"
+    result = cli(user, *TINY, "task.depths=[0.5]", "policy=vnorm", "gate=default", "gate.min_baseline_accuracy=null",
+                 run_dir=run_dir)  # fmt: skip
+    # the tiny random model finds no needle; one sample shows nothing either way: the gate says so (exit 2)
+    assert result.returncode == 2 and "evalkit gate: INCONCLUSIVE" in result.stdout, result.stderr
+    verdict = json.loads((run_dir / "verdict.json").read_text())
+    assert "vnorm@0.25" in verdict["variants"]  # judged by its name
+    (row,) = [r for r in rows(run_dir) if r["variant"] != "baseline"]
+    assert row["policy"] == {"name": "vnorm", "budget": 0.25, "decode": False, "recent": 8}  # its name and fields
+    assert row["context_tokens"] == 128
+    assert row["tokens_held_per_layer"] == [32] * 3  # ceil(0.25 * 128) in each of the 3 layers
+
+
+def test_own_policy_in_a_sweep_beside_builtin_ones_and_inside_a_wrapper(user, tmp_path):
+    listed = 'variants=[oldest@0.5,vnorm@40,snapkv@0.5,"chunkkv(oldest)@40"]'
+    result = cli(user, *TINY, "task.depths=[0.0,1.0]", listed, run_dir=tmp_path / "run")
+    assert result.returncode == 0, result.stderr
+    got = rows(tmp_path / "run")
+    assert len({r["sample_id"] for r in got}) == 2 and len(got) == 2 * 5  # baseline + 4 variants, same samples
+    held = {"oldest@0.5": math.ceil(0.5 * 128), "vnorm@40": 40, "snapkv@0.5": 64, "chunkkv(oldest)@40": 40}
+    for r in got:
+        assert r["context_tokens"] == 128
+        assert r["tokens_held_per_layer"] == [held.get(r["variant"], 128)] * 3, r["variant"]
+    oldest = {r["cell"]["depth"]: r for r in got if r["variant"] == "oldest@0.5"}
+    assert oldest[0.0]["policy"] == {"name": "oldest", "budget": 0.5, "decode": False}
+    # Oldest keeps positions 0..63: the needle (its sentence is shorter than 64 byte-level tokens) is held whole at
+    # depth 0, at the start of the context, and not at all at depth 1, at its end, in every layer: the user's class
+    # made the choice.
+    assert oldest[0.0]["evidence_retained_per_layer"] == [1.0] * 3
+    assert oldest[1.0]["evidence_retained_per_layer"] == [0.0] * 3
+    wrapped = next(r for r in got if r["variant"] == "chunkkv(oldest)@40")
+    assert wrapped["policy"]["inner"] == {"name": "oldest", "budget": 40, "decode": False}
+    assert next(r for r in got if r["variant"] == "vnorm@40")["policy"]["recent"] == 8
+
+
+def test_target_that_cannot_be_imported_is_one_line_exit_2(user, tmp_path):
+    result = cli(user, *TINY, "policy=ghost", run_dir=tmp_path / "run")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "evalkit: error: policy._target_='no_such_module.Ghost' cannot be imported (ModuleNotFoundError: No module "
+        "named 'no_such_module'); make 'no_such_module' importable (on PYTHONPATH, or pip install -e your package) "
+        "and fix _target_"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["policy=impostor"], "policy._target_='my_policies.NotAPolicy' is not a policy: subclass "),
+        (["policy=untargeted"], "policy 'untargeted' has no _target_: name its class in its YAML"),
+        (["policy=vnorm", "policy.recent=-1"], "policy.recent=-1 is negative; give e.g. policy.recent=8"),
+        (["policy=vnorm", "policy.recnt=1"], "unknown key policy.recnt (did you mean policy.recent?)"),
+        (["variants=[vnorm@0.25,ghost@0.5]"], "policy._target_='no_such_module.Ghost' cannot be imported"),
+        (["-m", "policy=oldest,impostor"], "[model=tiny-random policy=impostor] policy._target_="),
+        (["policy=olds"], "unknown policy 'olds' (did you mean oldest?); valid names: chunkkv, ghost, h2o,"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
+def test_bad_own_policies_are_one_line_before_any_model_loads(user, argv, message):
+    args = ["model=tiny-random", f"hydra.searchpath=[file://{user[1]}]", *argv]
+    with pytest.raises(ConfigError) as err:
+        check_choices(args)
+        precheck(args)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_own_configs_are_looked_up_like_evalkits(user):
+    _, conf = user
+    path = (f"file://{conf}",)
+    assert {"oldest", "vnorm", "snapkv"} <= set(options("policy", path)) and "oldest" not in options("policy")
+    precheck(["model=tiny-random", f"hydra.searchpath=[file://{conf}]", "policy=oldest"])
+    precheck(["-m", "model=tiny-random", f"hydra.searchpath=[file://{conf}]", "policy=oldest,vnorm,snapkv"])
+    with searching(path):
+        cfg = compose_config(
+            f"hydra.searchpath=[file://{conf}]", "model=tiny-random", 'variants=["chunkkv(snap16)@0.5",oldest@64]'
+        )
+        snap16, oldest = (v.policy for v in variants(cfg))
+    assert snap16.name == "chunkkv(snap16)" and snap16.inner.window == 16 and snap16.inner.kernel == 5
+    assert type(oldest).__name__ == "Oldest" and oldest.budget == 64
+    # Hydra looks in evalkit's conf/ first: a config of the user's named like one of evalkit's is refused
+    (conf / "policy" / "snapkv.yaml").write_text("_target_: my_policies.Oldest\nname: snapkv\n")
+    with pytest.raises(ConfigError, match=r"my_conf/policy/snapkv.yaml has the name of evalkit's own policy 'snap"):
+        check_choices(["policy=snapkv", f"hydra.searchpath=[file://{conf}]"])
+    with pytest.raises(ConfigError, match="rename yours"), searching(path):
+        variants(compose_config("model=tiny-random", "variants=[snapkv@0.5]"))
+    with pytest.raises(ConfigError, match=r"unknown policy 'oldest'.*add hydra.searchpath=\[file://FOLDER\]"):
+        check_choices(["policy=oldest"])

@@ -1,0 +1,187 @@
+"""The gate's statistics against published worked examples and by simulation (issue 13): Tango's interval for paired
+0/1 data, the exact bound with no loss, the BCa bootstrap against scipy's, Holm's correction, and the three
+outcomes on built records."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy.optimize import minimize_scalar
+from scipy.stats import bootstrap
+
+from evalkit.decide import cell_samples, min_samples
+from evalkit.errors import ConfigError
+from evalkit.gate import Thresholds, judge, main, thresholds
+from evalkit.stats import BCa, adjust, binary_bounds, binary_p, paired_drop, tango_z
+from tests.test_gate import rows
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_tango_interval_matches_the_published_example():
+    # Cavo et al. 2012 (complete response before/after consolidation), Fagerland, Lydersen & Laake, "Statistical
+    # Analysis of Contingency Tables" (2017) ch. 8: n12 = 6, n21 = 16, N = 161; Tango's 95% CI -0.1240 to -0.0054
+    lo, hi = binary_bounds(6, 16, 161, level=0.975)  # a two-sided 95% interval is two one-sided 97.5% bounds
+    assert (round(lo, 4), round(hi, 4)) == (-0.1240, -0.0054)
+
+
+@pytest.mark.parametrize(("b", "c", "n", "delta"), [(6, 16, 161, 0.03), (3, 1, 20, -0.1), (0, 5, 40, 0.05)])
+def test_tango_constrained_estimate_is_the_likelihood_maximum(b, c, n, delta):
+    """The closed form of Tango's restricted estimate against the multinomial likelihood maximised numerically."""
+    lo, hi = max(0.0, -delta) + 1e-12, (1 - delta) / 2 - 1e-12
+
+    def nll(p21):
+        p12 = p21 + delta
+        return -(b * math.log(p12) + c * math.log(p21) + (n - b - c) * math.log(1 - p12 - p21))
+
+    p21 = minimize_scalar(nll, bounds=(lo, hi), method="bounded", options={"xatol": 1e-12}).x
+    z = (b - c - n * delta) / math.sqrt(n * (2 * p21 + delta * (1 - delta)))
+    assert tango_z(b, c, n, delta) == pytest.approx(z, rel=1e-5)
+
+
+def test_no_loss_is_bounded_exactly():
+    # 0 lost of n: the exact one-sided 95% bound on the loss rate is 1 - 0.05 ** (1 / n) (Clopper-Pearson)
+    assert binary_bounds(0, 0, 20)[1] == pytest.approx(1 - 0.05 ** (1 / 20)) == pytest.approx(0.1391, abs=1e-4)
+    assert binary_bounds(0, 0, 58)[1] > 0.05 > binary_bounds(0, 0, 59)[1]
+    assert min_samples(Thresholds()) == 59
+    below, above = binary_p(0, 0, 59, 0.05)
+    assert below == pytest.approx(0.95**59) and below < 0.05  # the p-value agrees with the bound
+
+
+def test_bca_matches_scipy_and_does_not_collapse():
+    rng = np.random.default_rng(3)
+    base = rng.random(60)
+    pol = np.clip(base - rng.normal(0.02, 0.08, 60), 0, 1)
+    p = paired_drop(list(base), list(pol), level=0.95)
+    ref = bootstrap((base - pol,), np.mean, method="BCa", confidence_level=0.90, n_resamples=9999, random_state=0)
+    assert p.method == "bca-bootstrap"
+    assert p.lower == pytest.approx(ref.confidence_interval.low, abs=3e-3)
+    assert p.upper == pytest.approx(ref.confidence_interval.high, abs=3e-3)
+    bca = BCa.of(base - pol)
+    assert bca.p_below(p.upper) == pytest.approx(0.05, abs=2e-3)  # the p-value inverts the bound
+    flat = paired_drop([0.5] * 30, [0.5] * 30)  # every difference 0: the percentile bootstrap said [0, 0]
+    assert flat.method == "exact-sign" and flat.upper == pytest.approx(1 - 0.05 ** (1 / 30))
+    assert paired_drop([0.5] * 10, [0.25] * 5 + [0.5] * 5).method == "none"  # graded, fewer than 20: not judged
+
+
+def _coverage_module():
+    spec = importlib.util.spec_from_file_location("stats_coverage", ROOT / "benchmarks" / "stats_coverage.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("n", [10, 20, 59, 200])
+@pytest.mark.parametrize(("p_lost", "p_gained"), [(0.0, 0.0), (0.05, 0.0), (0.05, 0.02), (0.10, 0.05), (0.3, 0.1)])
+def test_bounds_cover_the_true_drop(n, p_lost, p_gained):
+    up, lo, both = _coverage_module().coverage(p_lost, p_gained, n, draws=2000)
+    assert min(up, lo, both) >= 0.94, (up, lo, both)
+
+
+def test_holm_and_bonferroni_on_the_textbook_example():
+    # Holm (1979) as usually taught: p = 0.01, 0.04, 0.03, 0.005 at alpha 0.05. Sorted, 0.005 < 0.05/4 and
+    # 0.01 < 0.05/3 are rejected, 0.03 > 0.05/2 stops.
+    p = [0.01, 0.04, 0.03, 0.005]
+    assert adjust(p, 0.05, "holm") == [True, False, False, True]
+    assert adjust(p, 0.05, "bonferroni") == [True, False, False, True]
+    assert adjust(p, 0.05, "none") == [True, True, True, True]
+    # where they differ: 0.01 < 0.05/3, then 0.02 < 0.05/2, then 0.04 < 0.05 (Holm); Bonferroni holds all to 0.05/3
+    assert adjust([0.01, 0.02, 0.04], 0.05, "holm") == [True, True, True]
+    assert adjust([0.01, 0.02, 0.04], 0.05, "bonferroni") == [True, False, False]
+    assert adjust([0.01, math.nan], 0.05, "holm") == [True, False]  # NaN: not judged, not in the family
+
+
+def _task_run(samples_per_cell: int) -> list[dict]:
+    return [{"config": {"task": {"name": "middoc", "samples_per_cell": samples_per_cell}}}]
+
+
+def test_zero_lost_of_20_is_inconclusive_with_the_samples_that_settle_it():
+    cells = lambda i: {"position": i % 10}  # noqa: E731  ten cells of two samples, as middoc with samples_per_cell=2
+    v = judge(rows([1] * 20, [1] * 20, cell=cells), _task_run(2), Thresholds())
+    assert v.status == "INCONCLUSIVE"
+    assert "the drop may be as large as 0.139" in "\n".join(v.reasons)
+    assert v.advice == "at the observed rates, 59 samples would show it: add at least 39, e.g. " + (
+        "task.samples_per_cell=6 resume=true"
+    )
+    # every cell has 2 samples: none can be shown failing (8 are needed with Holm over 10 cells)
+    assert {c["status"] for c in v.cells} == {"not judged: 2 samples, a failure here can be shown from 8"}
+
+
+def test_zero_lost_of_59_passes_and_a_clear_regression_fails():
+    assert judge(rows([1] * 59, [1] * 59), [], Thresholds()).status == "PASS"
+    assert judge(rows([1] * 58, [1] * 58), [], Thresholds()).status == "INCONCLUSIVE"
+    worse = judge(rows([1] * 40, [0] * 12 + [1] * 28), [], Thresholds())  # 12 of 40 lost
+    assert worse.status == "FAIL"
+    assert "shown over the 0.05 margin" in "\n".join(worse.reasons)
+
+
+def test_holm_changes_a_borderline_cell_fail():
+    # ten cells of 8 samples, the baseline right everywhere. Cell 0: the policy gets 0 of 8 right (p = 1/256);
+    # cell 1: 1 of 8 (p = 9/256 = 0.035). Uncorrected both are below 0.05; Holm over 10 cells rejects 1/256 < 0.005,
+    # then compares 0.035 with 0.05/9 and stops.
+    def policy_score(i):
+        cell, k = divmod(i, 8)
+        return 0 if (cell == 0 or (cell == 1 and k > 0)) else 1
+
+    records = rows([1] * 80, [policy_score(i) for i in range(80)], cell=lambda i: {"cell": i // 8})
+    status = {
+        m: {c["cell"]: c["status"] for c in judge(records, [], Thresholds(multiplicity=m)).cells}
+        for m in ("holm", "none")
+    }
+    assert status["holm"]["cell=0"] == "shown to fail" and status["holm"]["cell=1"] == "no failure shown"
+    assert status["none"]["cell=0"] == status["none"]["cell=1"] == "shown to fail"
+    assert cell_samples(0.5, 0.005) == 8  # 0.5**8 = 0.0039 < 0.005 < 0.5**7
+
+
+def test_several_variants_are_corrected_together():
+    # 0 of 75 lost: the bound at 95% is 0.0392, at 97.5% (Holm's first step over 2 variants) 0.0480: both PASS;
+    # 0 of 60: 0.0487 and 0.0596, so with a second variant it is no longer shown
+    one = rows([1] * 60, [1] * 60)
+    two = one + [r for r in rows([1] * 60, [1] * 60, variant="knorm@0.25") if r["variant"] != "baseline"]
+    assert judge(one, [], Thresholds()).status == "PASS"
+    v = judge(two, [], Thresholds())
+    assert v.status == "INCONCLUSIVE" and "Holm's correction over 2 variants" in "\n".join(v.reasons)
+    assert judge(two, [], Thresholds(multiplicity="none")).status == "PASS"
+
+
+def test_plan_prints_the_samples_a_pass_needs(capsys, tmp_path):
+    assert main(["--plan", "--cells", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "loss rate  0.0%: 59 samples (6 per cell)" in out and "default gate.min_samples" in out
+    assert main(["--plan", "--variants", "0"]) == 2
+    assert main([]) == 2
+
+
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        ({"confidence": 1.5}, "gate.confidence=1.5"),
+        ({"multiplicity": "fdr"}, "gate.multiplicity='fdr'"),
+        ({"max_drop": -0.1}, "gate.max_drop=-0.1"),
+        ({"min_samples": 0}, "gate.min_samples=0"),
+    ],
+)
+def test_bad_thresholds_are_one_line_errors(cfg, message):
+    from omegaconf import OmegaConf
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        thresholds(OmegaConf.create(cfg), "'test'")
+
+
+def test_verdict_lists_every_cell(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    cells = lambda i: {"position": i % 3}  # noqa: E731
+    (folder / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows([1] * 30, [1] * 30, cell=cells)))
+    (folder / "run.json").write_text(json.dumps({"run_id": "r1"}))
+    assert main([str(folder)]) == 2
+    doc = json.loads((folder / "verdict.json").read_text())
+    assert doc["verdict"] == "INCONCLUSIVE" and len(doc["cells"]) == 3
+    assert all({"n", "lost", "gained", "bounds", "status"} <= set(c) for c in doc["cells"])
+    report = (folder / "report.md").read_text()
+    assert "| snapkv@0.25 | position=0 | 10 | 1.00 | 1.00 | 0 | 0 |" in report
