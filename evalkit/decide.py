@@ -12,7 +12,7 @@ is shown broken (the drop's lower bound above the margin, the flip rate above it
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -47,8 +47,7 @@ def _drop_check(rows: list[dict], margin: float, level: float) -> tuple[Check, A
     base = [r["baseline_score"] for r in rows]
     pol = [r["score"] for r in rows]
     p = paired_drop(base, pol, level)
-    holds, broken = p.p_values(margin, np.asarray(base, dtype=float) - np.asarray(pol, dtype=float))
-    return Check("drop", holds, broken), p
+    return Check("drop", *p.p_values(margin)), p
 
 
 def _flip_check(lost: int, n: int, limit: float) -> Check:
@@ -91,13 +90,7 @@ def fewest_samples(lost: int, gained: int, n: int, t, binary: bool) -> int | Non
 
 def min_samples(t) -> int:
     """The fewest samples a variant that loses nothing needs to PASS: the default `min_samples`."""
-    return fewest_samples(0, 0, 1, _with(t, min_samples=0), True) or 1
-
-
-def _with(t, **kw):
-    from dataclasses import replace
-
-    return replace(t, **kw)
+    return fewest_samples(0, 0, 1, replace(t, min_samples=0), True) or 1
 
 
 def variant_decisions(by_variant: dict[str, list[dict]], t) -> dict[str, Decision]:
@@ -180,12 +173,14 @@ def cell_decisions(by_variant: dict[str, list[dict]], t) -> list[CellResult]:
     An exact binomial test (0/1 scores) or a one-sided t-test (graded), Holm or Bonferroni across all cells judged;
     a cell too small to ever be shown failing at the corrected level is `not judged`."""
     results: list[CellResult] = []
+    scores_of: dict[tuple[str, str], list[float]] = {}  # (variant, cell) -> the policy's scores there
     for name in sorted(by_variant):
         cells: dict[str, list[dict]] = {}
         for r in by_variant[name]:
             cells.setdefault(cell_key(r["cell"]), []).append(r)
         for cell, rows in sorted(cells.items()):
             base, pol = [r["baseline_score"] for r in rows], [r["score"] for r in rows]
+            scores_of[name, cell] = pol
             p = paired_drop(base, pol, t.confidence)
             results.append(
                 CellResult(
@@ -219,8 +214,7 @@ def cell_decisions(by_variant: dict[str, list[dict]], t) -> list[CellResult]:
     need = cell_samples(limit, first)
     pvalues = []
     for c in judged:
-        rows = [r for r in by_variant[c.variant] if cell_key(r["cell"]) == c.cell]
-        scores = [r["score"] for r in rows]
+        scores = scores_of[c.variant, c.cell]
         if c.n < need:
             c.status = f"not judged: {c.n} samples, a failure here can be shown from {need}"
             pvalues.append(math.nan)
@@ -252,7 +246,7 @@ def plan(t, variants: int = 1, cells: int = 1) -> list[str]:
     """What a PASS needs at these thresholds: samples per variant at several loss rates, and per cell."""
     alpha = 1 - t.confidence
     first = alpha / variants if t.multiplicity != "none" and variants > 1 else alpha
-    at = _with(t, confidence=1 - first, min_samples=0)
+    at = replace(t, confidence=1 - first, min_samples=0)
     lines = [
         f"gate: margin max_drop={t.max_drop}, max_flip_rate={t.max_flip_rate}, one-sided confidence "
         f"{t.confidence:.0%}, multiplicity {t.multiplicity} over {variants} variant(s) and {cells} cell(s) each",

@@ -19,7 +19,7 @@ decision needs; `bounds(...)[0]` and `[1]` together are a two-sided interval at 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.optimize import brentq
@@ -158,14 +158,14 @@ class Paired:
     upper: float
     method: str  # tango-score, bca-bootstrap, exact-sign, or none (too few samples)
     level: float
+    bca: BCa | None = field(default=None, repr=False, compare=False)  # the bootstrap behind bca-bootstrap bounds
 
-    def p_values(self, margin: float, diff: np.ndarray | None = None) -> tuple[float, float]:
+    def p_values(self, margin: float) -> tuple[float, float]:
         """(p for "drop < margin", p for "drop > margin"); NaN where the method cannot say."""
         if self.method == "tango-score":
             return binary_p(self.lost, self.gained, self.n, margin)
-        if self.method == "bca-bootstrap" and diff is not None:
-            bca = BCa.of(diff)
-            below = bca.p_below(margin)
+        if self.bca is not None:
+            below = self.bca.p_below(margin)
             return below, 1 - below
         if self.method == "exact-sign":
             dropped = self.lost
@@ -190,7 +190,7 @@ def paired_drop(baseline: list[float], policy: list[float], level: float = 0.95)
     if n < MIN_GRADED:
         return Paired(n, lost, gained, drop, math.nan, math.nan, "none", level)
     bca = BCa.of(diff)
-    return Paired(n, lost, gained, drop, bca.bound(level, False), bca.bound(level, True), "bca-bootstrap", level)
+    return Paired(n, lost, gained, drop, bca.bound(level, False), bca.bound(level, True), "bca-bootstrap", level, bca)
 
 
 def adjust(pvalues: list[float], alpha: float, method: str) -> list[bool]:
