@@ -38,7 +38,32 @@ def presses(ratio: float) -> dict[str, tuple[object, str]]:
         "observed_attention": (kvpress.ObservedAttentionPress(compression_ratio=ratio), "eager"),
         "tova": (kvpress.TOVAPress(compression_ratio=ratio), "sdpa"),
         "keydiff": (kvpress.KeyDiffPress(compression_ratio=ratio), "sdpa"),
+        # kvpress's defaults: 512 future positions, 4 sinks, covariance and value norm used, epsilon 0
+        "expected_attention": (kvpress.ExpectedAttentionPress(compression_ratio=ratio), "sdpa"),
+        # head-adaptive: kvpress keeps every key and masks the evicted ones (module.masked_key_indices)
+        "adakv_snapkv": (
+            kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=ratio, window_size=WINDOW, kernel_size=KERNEL)),
+            "sdpa",
+        ),
     }
+
+
+def masked_positions(model, n_tokens: int) -> list[list[list[int]]] | None:
+    """Per layer and KV head, the positions a masking press (AdaKV) left unmasked after the prefill; None when no
+    layer masked anything (the press gathered rows instead)."""
+    layers = model.model.layers
+    if all(getattr(layer.self_attn, "masked_key_indices", None) is None for layer in layers):
+        return None
+    out = []
+    for layer in layers:
+        hkv = model.config.num_key_value_heads
+        keep = torch.ones(hkv, n_tokens, dtype=torch.bool)
+        masked = layer.self_attn.masked_key_indices
+        if masked is not None:
+            _, heads, seq = masked
+            keep[heads.cpu(), seq.cpu()] = False
+        out.append([torch.nonzero(k).flatten().tolist() for k in keep])
+    return out
 
 
 @torch.inference_mode()
@@ -97,9 +122,17 @@ def main() -> None:
                 if args.presses and name not in args.presses:
                     continue
                 model.set_attn_implementation(impl)
+                for layer in model.model.layers:
+                    layer.self_attn.masked_key_indices = None
                 layers = prefill(model, ids, press)
                 key = f"{name}@{ratio}"
                 kept[key], held[key] = [], []
+                unmasked = masked_positions(model, ids.shape[1])
+                if unmasked is not None:
+                    kept[key] = unmasked
+                    held[key] = [sum(len(h) for h in layer) for layer in unmasked]  # all heads: heads differ
+                    print(f"{prompt['name']} {key}: held per layer {held[key]}", file=sys.stderr, flush=True)
+                    continue
                 for layer, (h_keys, f_keys) in enumerate(zip(layers, full[impl], strict=True)):
                     pos, dist = positions(h_keys, f_keys)
                     if dist > 1e-4:
@@ -129,6 +162,14 @@ def main() -> None:
             "observed_attention": {"attn_implementation": "eager"},
             "tova": {"attn_implementation": "sdpa"},
             "keydiff": {"attn_implementation": "sdpa"},
+            "expected_attention": {
+                "n_future_positions": 512,
+                "n_sink": 4,
+                "use_covariance": True,
+                "use_vnorm": True,
+                "epsilon": 0.0,
+                "attn_implementation": "sdpa",
+            },
         },
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }

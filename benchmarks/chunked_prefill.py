@@ -73,8 +73,8 @@ def main() -> None:
         child(*args.child, args.length, args.budget, args.chunk)
         return
     print(
-        f"{'policy':<14} {'prefill':<9} {'tokens':>7} {'peak KV MB':>11} {'bound MB':>9} {'within':>7} "
-        f"{'held after':>11} {'peak RSS above start MB':>24} {'prefill s':>10}"
+        f"{'policy':<14} {'prefill':<9} {'tokens':>7} {'peak KV MiB':>11} {'bound MiB':>9} {'within':>7} "
+        f"{'held after':>11} {'peak RSS above start MiB':>24} {'prefill s':>10}"
     )
     for policy in ("streaming_llm", "h2o"):
         for mode in ("oneshot", "chunked"):

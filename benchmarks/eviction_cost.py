@@ -75,7 +75,7 @@ def bench_time(args) -> None:
 
 
 def rss_mb(field: str) -> float:
-    """VmRSS (now) or VmHWM (peak since the last reset) of this process, in MB."""
+    """VmRSS (now) or VmHWM (peak since the last reset) of this process, in MiB."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -99,7 +99,7 @@ def memory_child(mode: str, length: int) -> None:
 
 
 def bench_memory(args) -> None:
-    print(f"{'mode':<22} {'tokens':>7} {'peak RSS MB':>12} {'above start MB':>15} {'peak vs plain':>14}")
+    print(f"{'mode':<22} {'tokens':>7} {'peak RSS MiB':>12} {'above start MiB':>15} {'peak vs plain':>14}")
     results = {}
     for mode in ["plain", "h2o", "snapkv", "eager"]:
         out = subprocess.run(

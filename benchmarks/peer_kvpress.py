@@ -23,6 +23,10 @@ count as an integer budget. Pairs compared (kvpress press <-> evalkit policy):
     ObservedAttentionPress (eager)           <-> h2o (normalize=true, recent=0: mass / queries that saw the key)
     TOVAPress                                <-> tova (the last query's attention, mean over the layer's heads)
     KeyDiffPress                             <-> keydiff (-cos(key, mean unit key) per KV head)
+    AdaKVPress(SnapKVPress, alpha 0.2)       <-> adakv(snapkv) (the layer's top k x Hkv across heads, each head's
+                                                 int(0.2 k) best first; kvpress masks, evalkit stores ragged heads)
+    ExpectedAttentionPress (defaults)        <-> expected_attention (512 future positions, 4 sinks, covariance,
+                                                 value norm, epsilon 0)
 
 Printed per pair, budget and prompt: the mean Jaccard index of the kept sets over layers x KV heads, and how many
 heads keep exactly the same set; `--presses tova keydiff` compares only those. --write-fixture also writes
@@ -48,6 +52,8 @@ from evalkit import models
 from evalkit.cache import compress, held_positions
 from evalkit.engine import prefill
 from evalkit.policies import KVPolicy
+from evalkit.policies.adakv import AdaKV
+from evalkit.policies.expected_attention import ExpectedAttention
 from evalkit.policies.h2o import H2O
 from evalkit.policies.keydiff import KeyDiff
 from evalkit.policies.knorm import KNorm
@@ -74,6 +80,8 @@ PAIRS = {
     "observed_attention": "h2o",
     "tova": "tova",
     "keydiff": "keydiff",
+    "expected_attention": "expected_attention",
+    "adakv_snapkv": "adakv(snapkv)",
 }
 
 
@@ -104,6 +112,8 @@ def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) ->
         "h2o": H2O(budget=k, recent=0.0, normalize=True, decode=False),
         "tova": TOVA(budget=k, decode=False),
         "keydiff": KeyDiff(budget=k, decode=False),
+        "expected_attention": ExpectedAttention(budget=k),  # kvpress's defaults are its defaults
+        "adakv(snapkv)": AdaKV(inner=SnapKV(budget=k, **snap), budget=k, alpha=0.2),  # kvpress alpha_safeguard
     }
     for pol in pols.values():
         pol.validate(n_tokens)
@@ -139,7 +149,8 @@ def evalkit_kept(model, ids: list[int], pols: dict[str, KVPolicy]) -> dict[str, 
     out = {}
     for name, pol in pols.items():
         cache = compress(full, pol, obs)
-        out[name] = [[sorted(h.tolist()) for h in held_positions(layer)[0]] for layer in cache.layers]
+        # a ragged layer's padding slots are at position -1
+        out[name] = [[sorted(p for p in h.tolist() if p >= 0) for h in held_positions(lay)[0]] for lay in cache.layers]
     return out
 
 
@@ -194,12 +205,25 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
             "observed_attention": {"policy": "h2o", "normalize": True, "recent": 0.0},
             "tova": {"policy": "tova"},
             "keydiff": {"policy": "keydiff"},
+            "adakv_snapkv": {"policy": "adakv", "inner": "snapkv", "alpha": 0.2, "window": WINDOW, "kernel": KERNEL},
+            "expected_attention": {
+                "policy": "expected_attention",
+                "n_future_positions": 512,
+                "n_sink": 4,
+                "use_covariance": True,
+                "use_vnorm": True,
+                "epsilon": 0.0,
+            },
         },
         "encoding": "kept[press@compression_ratio][layer][kv_head] is a hex bitmask: position p is kept when "
-        "(int(s, 16) >> p) & 1; keys are compression ratios (fraction removed), 0.5 and 0.75",
+        "(int(s, 16) >> p) & 1; keys are compression ratios (fraction removed), 0.5 and 0.75; held_per_layer is "
+        "head 0's count (AdaKV's heads hold different counts)",
     }
     kept = {key: [[to_hex(h) for h in layer] for layer in layers] for key, layers in kv_prompt["kept"].items()}
     held = {key: [len(layer[0]) for layer in layers] for key, layers in kv_prompt["kept"].items()}
+    old = json.loads(FIXTURE.read_text()) if FIXTURE.exists() else {}
+    if old.get("ids") == prompt["ids"]:  # --presses: the other pairs' choices stay as they were
+        kept, held = {**old["kept"], **kept}, {**old["held_per_layer"], **held}
     data = {"header": header, "ids": prompt["ids"], "held_per_layer": held, "kept": kept}
     FIXTURE.parent.mkdir(parents=True, exist_ok=True)
     FIXTURE.write_text(json.dumps(data, separators=(",", ":")) + "\n")
@@ -215,11 +239,13 @@ def main() -> None:
     )
     ap.add_argument("--kvpress-json", help="reuse kvpress's output saved by --save-kvpress instead of running it")
     ap.add_argument("--save-kvpress", help="save kvpress's output (kept positions, versions) to this file")
-    ap.add_argument("--write-fixture", action="store_true", help=f"write {FIXTURE.relative_to(ROOT)}")
+    ap.add_argument(
+        "--write-fixture",
+        action="store_true",
+        help=f"write {FIXTURE.relative_to(ROOT)} (with --presses: update those pairs, keep the others')",
+    )
     ap.add_argument("--presses", nargs="+", choices=list(PAIRS), default=list(PAIRS), help="compare only these")
     args = ap.parse_args()
-    if args.write_fixture and set(args.presses) != set(PAIRS):
-        ap.error("--write-fixture needs every press: drop --presses")
 
     cfg = OmegaConf.load(CONF)
     loaded = models.load(cfg, "cpu")
@@ -253,9 +279,9 @@ def main() -> None:
                 rows.append((f"{label} ~ {press}", 1 - ratio, prompt["name"], n_kept(n, ratio), mean, low, same, total))
 
     print()
-    print(f"{'evalkit ~ kvpress':36} {'kept':>5} {'prompt':>11} {'k':>5} {'Jaccard':>8} {'min':>6} {'identical':>11}")
+    print(f"{'evalkit ~ kvpress':40} {'kept':>5} {'prompt':>11} {'k':>5} {'Jaccard':>8} {'min':>6} {'identical':>11}")
     for label, kept, name, k, mean, low, same, total in rows:
-        print(f"{label:36} {kept:5.2f} {name:>11} {k:5d} {mean:8.4f} {low:6.3f} {same:5d}/{total:<5d}")
+        print(f"{label:40} {kept:5.2f} {name:>11} {k:5d} {mean:8.4f} {low:6.3f} {same:5d}/{total:<5d}")
 
     if args.write_fixture:
         write_fixture(prompts[0], peer["prompts"][0], meta, "SmolLM2-135M-Instruct (tokenizer of the converted GGUF)")

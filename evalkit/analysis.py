@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from evalkit.stats import flip_cause, mcnemar_exact, paired_drop
+from evalkit.units import fmt_bytes
 
 BASELINE = "baseline"
 FIDELITY = ("kl_mean", "top1_agreement", "ppl_ratio")
@@ -200,21 +201,6 @@ def _nominal(row: dict[str, Any]) -> float | None:
     return float(budget) if isinstance(budget, float) else None
 
 
-def capacity(summary: dict[str, Any], weights_bytes: int, gpu_gib: float, context: int) -> dict[str, Any]:
-    """How many sequences of `context` tokens fit in `gpu_gib` of accelerator memory after the weights, per variant,
-    from the KV bytes per context token of the run as a deployment holds them (fp16/bf16, or packed)."""
-    free = gpu_gib * 2**30 - weights_bytes
-    out = {}
-    for name, s in summary.items():
-        per_seq = s["kv_bytes_per_token"] * context
-        out[name] = {
-            "kv_bytes_per_token": s["kv_bytes_per_token"],
-            "kv_bytes_per_sequence": per_seq,
-            "sequences": int(free // per_seq) if per_seq > 0 and free > 0 else 0,
-        }
-    return out
-
-
 def _drop(p: dict[str, Any]) -> str:
     lo, hi = p["drop_bounds"]
     return f"{p['drop']:+.2f} [{lo:+.2f}, {hi:+.2f}]"
@@ -232,7 +218,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(
             f"{name:<{w}}{s['n']:>5}{s['baseline_accuracy']:>10.2f}{s['accuracy']:>8.2f}{s['lost']:>6}"
             f"{s['gained']:>8}{_drop(s['paired']):>22}{s['paired']['mcnemar_p']:>11.3g}"
-            f"{s['kv_bytes'] / 2**20:>10.2f} MiB{s['kv_ratio']:>14.3f}x"
+            f"{fmt_bytes(s['kv_bytes'], 'MiB'):>14}{s['kv_ratio']:>14.3f}x"
         )
     for name, s in summary.items():
         if s.get("budget_clipped"):

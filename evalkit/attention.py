@@ -25,6 +25,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+VALID = "evalkit_valid"  # on keys from a ragged cache layer (evalkit.cache): its (B, Hkv, T) mask of real slots
+
 NAME = "evalkit_sdpa"
 CHUNK_ELEMENTS = 1 << 24  # score elements per query chunk: bounds the observation's extra memory (64 MiB fp32)
 MAX_CHUNK = 64
@@ -68,6 +70,10 @@ class PrefillObserver:
     mass: bool = False
     window: int = 0
     observations: dict[int, dict[str, Tensor]] = field(default_factory=dict)
+    # Need.QUERY_STATS: the statistics of the pre-RoPE queries from each of these positions on (ExpectedAttention),
+    # and the model's rotary embedding (model.model.rotary_emb), whose RoPE the queries are rotated back by
+    query_stats: tuple[int, ...] = ()
+    rotary: torch.nn.Module | None = None
 
     def record(self, layer_idx: int, layer, query: Tensor, key: Tensor, scaling: float) -> None:
         if getattr(layer, "is_sliding", False):
@@ -79,6 +85,49 @@ class PrefillObserver:
             obs["window_queries"] = query[:, :, -self.window :].float() * scaling  # (B, Hq, W, D)
             tk = key.shape[-2]
             obs["window_positions"] = torch.arange(max(0, tk - self.window), tk, device=key.device)  # (W,)
+        if self.query_stats:
+            self.record_query_stats(obs, query, key.shape[-2])
+
+    def record_query_stats(self, obs: dict[str, Tensor], query: Tensor, tk: int, chunk: int = 1024) -> None:
+        """For each s in `query_stats`: `query_mean:{s}` (B, Hq, D) and `query_cov:{s}` (B, Hq, D, D) of the pre-RoPE
+        queries at positions s.. (the covariance divided by their count, not count - 1); and the RoPE's `rope_inv_freq`
+        (D/2,) and `rope_scaling` (). The post-RoPE queries (the last Tq of the tk tokens) are rotated back by their
+        positions, the cos and sin computed as transformers' rotary embeddings do. Two passes (mean, then centred
+        products) over `chunk` queries at a time: memory O(chunk x D) beyond the statistics."""
+        if self.rotary is None:
+            raise ValueError("Need.QUERY_STATS: the model's rotary embedding was not given to the observer")
+        inv_freq = getattr(self.rotary, "inv_freq", None)
+        attn_scaling = getattr(self.rotary, "attention_scaling", 1.0)
+        if inv_freq is None:  # one RoPE per layer type (Gemma 3): the full-attention layers'
+            inv_freq = self.rotary.full_attention_inv_freq
+            attn_scaling = self.rotary.full_attention_attention_scaling
+        b, hq, tq, d = query.shape
+        if 2 * inv_freq.shape[-1] != d:
+            raise ValueError(f"Need.QUERY_STATS: RoPE over {2 * inv_freq.shape[-1]} of {d} head dims is not supported")
+        inv_freq = inv_freq.to(query.device, torch.float32)
+        obs["rope_inv_freq"] = inv_freq
+        obs["rope_scaling"] = torch.tensor(float(attn_scaling), device=query.device)
+
+        def pre_rope(lo: int, hi: int) -> Tensor:  # (B, Hq, hi - lo, D): queries lo..hi-1 of this forward
+            pos = torch.arange(tk - tq + lo, tk - tq + hi, device=query.device, dtype=torch.float32)
+            angles = pos[:, None] * inv_freq[None, :]
+            cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
+            q = query[:, :, lo:hi].float()
+            q_half = torch.cat([q[..., d // 2 :], -q[..., : d // 2]], dim=-1)  # the inverse of rotate_half
+            return (q * cos + q_half * sin) / attn_scaling
+
+        for start in self.query_stats:
+            first = max(0, start - (tk - tq))
+            n = tq - first
+            if n < 1:
+                continue
+            spans = [(lo, min(lo + chunk, tq)) for lo in range(first, tq, chunk)]
+            mean = sum(pre_rope(lo, hi).sum(dim=2) for lo, hi in spans) / n  # (B, Hq, D)
+            cov = query.new_zeros(b, hq, d, d, dtype=torch.float32)
+            for lo, hi in spans:
+                centred = pre_rope(lo, hi) - mean[:, :, None]
+                cov += centred.transpose(-1, -2) @ centred
+            obs[f"query_mean:{start}"], obs[f"query_cov:{start}"] = mean, cov / n
 
 
 @dataclass
@@ -114,6 +163,61 @@ class StepObserver:
         layer.observations = {**layer.observations, "window_queries": queries, "window_positions": positions}
 
 
+def reconstruction_key(sinks: int, chunk: int) -> str:
+    """The observation that holds the scores of a reconstruction pass with these settings (KVzip)."""
+    return f"reconstruction:{sinks}:{chunk}"
+
+
+def max_attention_received(
+    query: Tensor, key: Tensor, scaling: float, scored: tuple[int, int], chunk_elements: int = CHUNK_ELEMENTS
+) -> Tensor:
+    """(B, Hkv, hi - lo) for scored = (lo, hi): the most attention each key in [lo, hi) receives from any query and
+    any query head of its KV group. The queries are the last Tq keys (causal among themselves) and every earlier key
+    is visible to all of them; the softmax runs over all the keys given. Chunked over queries like
+    `attention_mass`: memory O(chunk x Tk)."""
+    b, hq, tq, d = query.shape
+    hkv, tk = key.shape[1], key.shape[2]
+    group, past = hq // hkv, tk - tq
+    lo, hi = scored
+    chunk = max(1, min(MAX_CHUNK, chunk_elements // (b * hq * tk)))
+    q = query.view(b, hkv, group, tq, d)
+    keys_t = key.float().transpose(-1, -2)  # (B, Hkv, D, Tk)
+    best = torch.zeros(b, hkv, hi - lo, dtype=torch.float32, device=key.device)
+    for start in range(0, tq, chunk):
+        end = min(start + chunk, tq)
+        seen = past + end
+        rows = (q[:, :, :, start:end].float() * scaling).reshape(b, hkv, group * (end - start), d)
+        scores = rows @ keys_t[..., :seen]  # (B, Hkv, G*c, seen)
+        visible = torch.arange(seen, device=key.device) <= past + torch.arange(start, end, device=key.device)[:, None]
+        scores.masked_fill_(~visible.repeat(group, 1), float("-inf"))
+        best = torch.maximum(best, scores.softmax(dim=-1)[..., lo:hi].amax(dim=2))
+    return best
+
+
+@dataclass
+class ReconstructionObserver:
+    """KVzip's second pass (policies/kvzip.py): while the model reads a repeat prompt and one chunk of the context
+    over the prefilled cache, records per full-attention layer the most attention each cached key of the chunk,
+    [start, end), receives from any of the pass's queries and query heads of its KV group. As in the reference code
+    (kvpress's KVzipPress, after snu-mllab/KVzip) each query's softmax runs over the first `sinks` cached keys, the
+    chunk's cached keys and the pass's own keys; other cached keys take no share. `scores` (per layer, (B, Hkv,
+    cached)) keeps the running max over the chunks' passes."""
+
+    sinks: int
+    start: int
+    end: int
+    scores: dict[int, Tensor]
+
+    def record(self, layer_idx: int, layer, query: Tensor, key: Tensor, scaling: float) -> None:
+        if getattr(layer, "is_sliding", False):
+            return
+        tq, s = query.shape[-2], self.sinks
+        keys = torch.cat([key[:, :, :s], key[:, :, self.start : self.end], key[:, :, -tq:]], dim=2)
+        got = max_attention_received(query, keys, scaling, (s, s + self.end - self.start))
+        held = self.scores[layer_idx][..., self.start : self.end]
+        self.scores[layer_idx][..., self.start : self.end] = torch.maximum(held, got)
+
+
 @contextmanager
 def observe(observer, cache):
     """Within the block, every forward through the model reports its attention to `observer`."""
@@ -144,6 +248,9 @@ def evalkit_sdpa(module, query, key, value, attention_mask, **kwargs):
         return owner.attend(module, query, attention_mask, **kwargs)
     active = _observer.get()
     attention_mask = fit_mask(attention_mask, query, key)
+    valid = getattr(key, VALID, None)
+    if valid is not None:  # a ragged layer: each KV head masks its own padding slots
+        attention_mask = mask_padding(attention_mask, valid, query)
     if active is not None:
         scaling = kwargs.get("scaling") or module.scaling
         active[0].record(module.layer_idx, active[1].layers[module.layer_idx], query, key, scaling)
@@ -155,6 +262,18 @@ def fit_mask(attention_mask: Tensor | None, query: Tensor, key: Tensor) -> Tenso
     if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
         return causal_tail_mask(query.shape[-2], key.shape[-2], query.device)
     return attention_mask
+
+
+def mask_padding(attention_mask: Tensor | None, valid: Tensor, query: Tensor) -> Tensor:
+    """(B, Hq, q, k) bool: the layer's mask (causal when None) and, per KV head, only its real slots (`valid`,
+    (B, Hkv, k)), repeated over the query heads of each KV group."""
+    q_len, k_len = query.shape[-2], valid.shape[-1]
+    if attention_mask is None:
+        attention_mask = causal_tail_mask(q_len, k_len, query.device)
+    elif attention_mask.dtype != torch.bool:  # additive: 0 where attended
+        attention_mask = attention_mask == 0
+    heads = valid.repeat_interleave(query.shape[1] // valid.shape[1], dim=1)  # (B, Hq, k)
+    return attention_mask & heads[:, :, None, :]
 
 
 def register() -> str:

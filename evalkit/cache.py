@@ -1,8 +1,15 @@
 """Caches that hold a chosen subset of tokens, built on transformers' public cache-layer classes.
 
-Invariant (DESIGN.md section 4.2): a compacted layer reports the tokens *seen* from `get_seq_length()`, so
-transformers gives every new token its true absolute (RoPE) position, while `get_mask_sizes()` reports the
-tokens *held*, with an offset that keeps the causal mask right for several new tokens at once.
+Invariant (docs/invariants.md, invariant 2; docs/architecture.md, section 4): a compacted layer reports the tokens
+*seen* from `get_seq_length()`, so transformers gives every new token its true absolute (RoPE) position, while
+`get_mask_sizes()` reports the tokens *held*, with an offset that keeps the causal mask right for several new tokens
+at once.
+
+Ragged layers (head-adaptive policies: AdaKV, DuoAttention) let each KV head hold its own number of tokens. They are
+stored padded to the longest head: a padding slot has position -1 and is marked invalid in `valid` (B, Hkv, T), and
+the keys a ragged layer returns carry that mask (`VALID`), so that `evalkit_sdpa` masks the padding out of the
+attention. `kv_bytes` counts what is allocated here (the padded tensors); `deployed_bytes` and `fp16_bytes` count
+the tokens really held, what a paged engine stores.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
+from evalkit.attention import VALID
 from evalkit.policies import PER_TOKEN, KVPolicy, LayerView, gather_tokens
 
 
@@ -36,12 +44,18 @@ class EvictingLayer(DynamicLayer):
         self.state = dict(state or {})  # per held token (B, Hkv, T_held), gathered along with the keys
         self.observations = observations or {}  # per layer, from the prefill
         self.seen = seen
+        self.valid: Tensor | None = None  # (B, Hkv, T_held) False on padding slots; None: every slot is a token
         self.device = keys.device
         self.is_initialized = True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         self.advance(key_states.shape[2])
-        return super().update(key_states, value_states)
+        keys, values = super().update(key_states, value_states)
+        if self.valid is None:
+            return keys, values
+        keys = keys.view_as(keys)
+        setattr(keys, VALID, self.valid)  # evalkit_sdpa masks the padding out
+        return keys, values
 
     def advance(self, q: int) -> None:
         """Account for q new tokens: their absolute positions, zero per-token state, the tokens seen."""
@@ -49,6 +63,8 @@ class EvictingLayer(DynamicLayer):
         new = torch.arange(self.seen, self.seen + q, device=self.positions.device).expand(b, h, q)
         self.positions = torch.cat([self.positions, new], dim=-1)
         self.state = {k: torch.cat([v, v.new_zeros(b, h, q)], dim=-1) for k, v in self.state.items()}
+        if self.valid is not None:
+            self.valid = torch.cat([self.valid, self.valid.new_ones(b, h, q)], dim=-1)
         self.seen += q
 
     def get_seq_length(self) -> int:
@@ -62,18 +78,42 @@ class EvictingLayer(DynamicLayer):
 
     @property
     def held(self) -> int:
+        """Slots per KV head: the tokens each head holds, or for a ragged layer the longest head's."""
         return self.keys.shape[-2]
 
+    def tokens(self) -> Tensor:
+        """(B, Hkv) tokens each KV head really holds (padding not counted)."""
+        if self.valid is None:
+            return torch.full(self.keys.shape[:2], self.held, device=self.keys.device)
+        return self.valid.sum(-1)
+
     def keep(self, idx: Tensor) -> None:
-        """Keep only the tokens at per-head indices idx (B, Hkv, k)."""
+        """Keep only the tokens at per-head indices idx (B, Hkv, k); an index of -1 is a padding slot (ragged
+        policies: heads keep different counts)."""
+        pad = idx < 0
+        ragged = bool(pad.any()) or self.valid is not None
+        idx = idx.clamp(min=0)
         self.keys = gather_tokens(self.keys, idx)
         self.values = gather_tokens(self.values, idx)
         self.positions = gather_tokens(self.positions, idx)
         self.state = {k: gather_tokens(v, idx) for k, v in self.state.items()}
+        if ragged:
+            valid = ~pad if self.valid is None else gather_tokens(self.valid, idx) & ~pad
+            self.positions = self.positions.masked_fill(~valid, -1)
+            self.state = {k: v.masked_fill(~valid, 0) for k, v in self.state.items()}
+            self.valid = None if bool(valid.all()) else valid
 
     def view(self, layer_idx: int, n_layers: int) -> LayerView:
         return LayerView(
-            layer_idx, n_layers, self.seen, self.keys, self.values, self.positions, self.state, self.observations
+            layer_idx,
+            n_layers,
+            self.seen,
+            self.keys,
+            self.values,
+            self.positions,
+            self.state,
+            self.observations,
+            self.valid,
         )
 
 
@@ -113,12 +153,14 @@ def enforce(cache: Cache, policy: KVPolicy) -> None:
     targets = dict(zip(evictable, budgets, strict=True))
     for layer_idx in evictable:
         layer = cache.layers[layer_idx]
-        if layer.held > targets[layer_idx]:
-            layer.keep(policy.select(layer.view(layer_idx, n_layers), targets[layer_idx]))
+        view = layer.view(layer_idx, n_layers)
+        if policy.over(view, targets[layer_idx]):
+            layer.keep(policy.select(view, targets[layer_idx]))
 
 
 def kv_bytes(cache: Cache) -> int:
-    """Bytes of the tensors actually held (keys and values; packed codes, scales and minima), over all layers."""
+    """Bytes of the tensors held here (keys and values, a ragged layer's padding included; packed codes, scales and
+    minima), over all layers."""
     total = 0
     for layer in cache.layers:
         if hasattr(layer, "nbytes"):
@@ -134,30 +176,40 @@ DEPLOYED_ELEMENT_BYTES = 2  # fp16 or bf16: what a GPU deployment holds dense ke
 
 def deployed_bytes(cache: Cache) -> int:
     """Bytes the cache would hold in a deployment: dense layers in fp16/bf16 whatever dtype this machine computes
-    in (float32 on the CPU), quantized layers as packed (their codes, fp16 scales and residual window)."""
-    total = 0
-    for layer in cache.layers:
-        if hasattr(layer, "nbytes"):
-            total += layer.nbytes()
-        elif getattr(layer, "keys", None) is not None and layer.keys.numel():
-            total += (layer.keys.numel() + layer.values.numel()) * DEPLOYED_ELEMENT_BYTES
-    return total
+    in (float32 on the CPU), ragged layers only their real tokens (a paged engine stores no padding), quantized
+    layers as packed (their codes, fp16 scales and residual window)."""
+    return sum(layer.nbytes() if hasattr(layer, "nbytes") else fp16_layer_bytes(layer) for layer in cache.layers)
+
+
+def fp16_layer_bytes(layer) -> int:
+    """Bytes a layer's real tokens take as fp16 keys and values (padding of a ragged layer not counted)."""
+    if getattr(layer, "keys", None) is None or not layer.keys.numel():
+        return 0
+    dense = layer.keys.shape[:3].numel()  # (B, Hkv, T)
+    tokens = int(layer.tokens().sum()) if isinstance(layer, EvictingLayer) else dense
+    return 2 * DEPLOYED_ELEMENT_BYTES * tokens * layer.keys.shape[-1]
 
 
 def fp16_bytes(cache: Cache) -> int:
     """Bytes the held tokens would take as fp16 keys and values: the reference for quantized storage."""
-    return sum(
-        2 * 2 * held * layer.keys.shape[1] * layer.keys.shape[-1]
-        for held, layer in zip(held_per_layer(cache), cache.layers, strict=True)
-    )
+    return sum(fp16_layer_bytes(layer) for layer in cache.layers)
 
 
-def held_per_layer(cache: Cache) -> list[int]:
-    """Tokens each layer holds per KV head (the same for every head of a layer)."""
-    return [
-        layer.held if isinstance(layer, EvictingLayer) else (layer.keys.shape[-2] if layer.keys is not None else 0)
-        for layer in cache.layers
-    ]
+def held_per_layer(cache: Cache) -> list[int | float]:
+    """Tokens each layer holds per KV head: the same for every head of a dense layer; for a ragged layer the mean
+    over its heads (2 decimals), the padding not counted."""
+    out = []
+    for layer in cache.layers:
+        if isinstance(layer, EvictingLayer):
+            out.append(layer.held if layer.valid is None else round(layer.tokens().float().mean().item(), 2))
+        else:
+            out.append(layer.keys.shape[-2] if layer.keys is not None else 0)
+    return out
+
+
+def allocated_per_layer(cache: Cache) -> list[int]:
+    """Slots each layer allocates per KV head here: the tokens held, or a ragged layer's longest head."""
+    return [layer.keys.shape[-2] if layer.keys is not None else 0 for layer in cache.layers]
 
 
 def held_positions(layer) -> Tensor:
@@ -174,6 +226,7 @@ def retained_fraction(cache: Cache, positions: list[int]) -> list[float]:
     out = []
     for layer in cache.layers:
         wanted = torch.tensor(positions, device=layer.keys.device)
+        # padding slots of a ragged layer are at position -1, never wanted
         hit = torch.isin(held_positions(layer), wanted).sum(-1).float() / max(len(positions), 1)  # (B, Hkv)
         out.append(round(hit.mean().item(), 4))
     return out

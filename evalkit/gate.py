@@ -26,12 +26,14 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from evalkit.analysis import BASELINE, capacity, chunked_vs_oneshot, is_baseline, merge, summarize
+from evalkit.analysis import BASELINE, chunked_vs_oneshot, is_baseline, merge, summarize
 from evalkit.cli import guarded
 from evalkit.decide import cell_decisions, plan, variant_decisions
 from evalkit.errors import EXIT_FAIL, EXIT_OK, CannotJudge, ConfigError
+from evalkit.plan import capacity
 from evalkit.records import RUN, SAMPLES, scan_rows, torn_line, write_atomic
 from evalkit.stats import MULTIPLICITY
+from evalkit.units import fmt_bytes
 
 VERDICT, REPORT = "verdict.json", "report.md"
 
@@ -500,7 +502,7 @@ def tables(verdict: Verdict, t: Thresholds) -> list[str]:
         lines.append(
             f"| {name} | {status} | {s['n']} | {p['baseline']:.2f} | {p['policy']:.2f} | {p['drop']:+.3f} "
             f"[{lo:+.3f}, {hi:+.3f}] | {p['method']} | {p['mcnemar_p']:.3g} | {s['lost']} | {s['gained']} | "
-            f"{s['kv_ratio']:.3f}x | {s['kv_bytes'] / 2**20:.2f} MiB ({s['kv_ratio_measured']:.3f}x) |"
+            f"{s['kv_ratio']:.3f}x | {fmt_bytes(s['kv_bytes'], 'MiB')} ({s['kv_ratio_measured']:.3f}x) |"
         )
     gib, ctx = t.capacity["gpu_gib"], t.capacity["context"]
     lines += [
@@ -516,7 +518,7 @@ def tables(verdict: Verdict, t: Thresholds) -> list[str]:
         nominal = "-" if s["nominal_budget"] is None else f"{s['nominal_budget']:g}"
         lines.append(
             f"| {name} | {c['kv_bytes_per_token']:.0f} | {c['sequences']} | {nominal} | "
-            f"{s['kv_ratio']:.3f}x | {s['peak_prefill_kv_bytes'] / 2**20:.1f} MiB |"
+            f"{s['kv_ratio']:.3f}x | {fmt_bytes(s['peak_prefill_kv_bytes'], 'MiB', 1)} |"
         )
     return lines + chunked_table(verdict.chunked)
 
@@ -538,8 +540,8 @@ def chunked_table(comparisons: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"| {c['variant']} | {c['chunk']} | {c['n']} | {c['baseline']:.2f} | {c['oneshot']:.2f} | "
             f"{c['chunked']:.2f} | {c['difference']:+.3f} [{lo:+.3f}, {hi:+.3f}] | {c['chunked_lost']}/"
-            f"{c['chunked_gained']} | {c['oneshot_peak_kv_bytes'] / 2**20:.2f} MiB | "
-            f"{c['chunked_peak_kv_bytes'] / 2**20:.2f} MiB | {c['chunked_peak_tokens']} |"
+            f"{c['chunked_gained']} | {fmt_bytes(c['oneshot_peak_kv_bytes'], 'MiB')} | "
+            f"{fmt_bytes(c['chunked_peak_kv_bytes'], 'MiB')} | {c['chunked_peak_tokens']} |"
         )
     return lines
 

@@ -14,6 +14,12 @@ prefill (the full cache exists during a one-shot prefill), compression and every
     python -m evalkit task=lm_eval 'task.tasks=[evalkit_recall]' policy=snapkv     # through evalkit
     python -m evalkit.lmeval --model evalkit --model_args model=tiny-random,variant=snapkv@0.5 \\
         --tasks evalkit_recall                                                      # lm-eval's own command line
+
+Both routes write the same paired records (samples.jsonl: a baseline and a variant row per document, with flips;
+summary.json; run.json). Each row is scored by one per-document metric chosen before any document runs
+(plan_metrics: `task.metric`, or a default per task, or a refusal); for lm-eval's RULER (Hsieh et al. 2024, "RULER:
+What's the Real Context Size of Your Long-Context Language Models?", arXiv:2404.06654) that is the score at the
+document's own length, never the -1 lm-eval logs under the lengths a document was not generated at.
 """
 
 from __future__ import annotations
@@ -37,10 +43,21 @@ from tqdm import tqdm
 from transformers.cache_utils import Cache
 
 from evalkit import models
-from evalkit.cache import enforce, kv_bytes, share
+from evalkit.cache import kv_bytes, share
 from evalkit.config import variants as parse_variants
-from evalkit.engine import Held, Outcome, Variant, chunked_prefill, outcome, prefill, run_sample, teacher_forced
+from evalkit.engine import (
+    Held,
+    Outcome,
+    Variant,
+    chunked_prefill,
+    evictor,
+    outcome,
+    prefill,
+    run_sample,
+    teacher_forced,
+)
 from evalkit.errors import ConfigError
+from evalkit.policies import Need
 from evalkit.prompt import Prompt
 
 TASKS = ("evalkit_recall",)
@@ -107,6 +124,8 @@ class EvalkitLM(LM):
         max_gen_toks: int = 64,
         rolling_split: float = 0.5,
         loaded: models.LoadedModel | None = None,
+        metric: str | None = None,
+        records: str | None = None,
         **_: Any,
     ):
         super().__init__()
@@ -118,6 +137,8 @@ class EvalkitLM(LM):
         self.loaded, self.model, self.tok = loaded, loaded.model, loaded.tokenizer
         (self.variant,) = parse_variants(OmegaConf.create({"seed": 0, "variants": [variant]}))
         self.max_gen_toks, self.rolling_split = int(max_gen_toks), float(rolling_split)
+        # lm-eval's command line (main): the per-document metric of the paired records, and where they are written
+        self.metric, self.records = metric, records
         self.baseline_answers: dict[str, Any] = {}
         # (task, doc) -> the KV bytes of its requests: the variant's (compressed context, final, peak), the baseline's
         self.kv: dict[tuple[str, int], dict[str, Any]] = {}
@@ -127,6 +148,7 @@ class EvalkitLM(LM):
     def for_variant(cls, loaded: models.LoadedModel, variant: Variant) -> EvalkitLM:
         lm = cls(loaded=loaded)
         lm.variant = variant
+        variant.policy.prepare(loaded.model, loaded.tokenizer)  # once per policy (DuoAttention's head roles)
         return lm
 
     def baseline(self) -> LM:
@@ -155,7 +177,7 @@ class EvalkitLM(LM):
         """
         held = Held.of(cache)
         cache, policy = share(cache), self.variant.policy
-        after = (lambda: enforce(cache, policy)) if evict and policy.decode else None
+        after = evictor(cache, policy) if evict else None
         return outcome(name, held, cache, teacher_forced(self.model, cache, tokens, after), prefill_peak)
 
     def _both(self, ctx: _Context, tokens: Tensor) -> tuple[Outcome, Outcome]:
@@ -192,6 +214,7 @@ class EvalkitLM(LM):
                 "prefill_peak_kv_bytes": o.prefill_peak_kv_bytes,
                 "prefill_peak_tokens": o.prefill_peak_tokens,
                 "tokens_held_per_layer": o.tokens_held,
+                "tokens_allocated_per_layer": o.tokens_allocated,
                 **extra,
             }
             old = store.get(key, {})
@@ -291,23 +314,183 @@ class _Replay(LM):
         return self._get("generate_until", requests)
 
 
+def refuse_reconstruction(variants: list[Variant]) -> None:
+    for variant in variants:
+        if Need.RECONSTRUCTION in variant.policy.needs:
+            raise ConfigError(
+                f"{variant.name}: task=lm_eval does not run KVzip's reconstruction pass (its requests are raw "
+                "token ids, without the chat template and context boundary the repeat prompt is built from); "
+                "use an evalkit task (needle, jsonl, ...)"
+            )
+
+
+def model_tokenizer(loaded: models.LoadedModel) -> str:
+    """A name or folder AutoTokenizer loads the evaluated model's tokenizer from: RULER sizes its haystacks with it
+    when task.metadata names none. A tokenizer built in memory (tiny-random) is saved once to evalkit's cache."""
+    name = str(getattr(loaded.tokenizer, "name_or_path", "") or "")
+    if name:
+        return name
+    out = Path(user_cache_dir("evalkit")) / "lmeval_tokenizers" / loaded.name
+    if not (out / "tokenizer_config.json").exists():
+        loaded.tokenizer.save_pretrained(out)
+    return str(out)
+
+
+def load_tasks(manager, names: list[str], seeds: dict | None = None) -> list:
+    """Each named task, group or tag built once (RULER generates its documents here), to be handed to lm-eval as
+    objects: the variant and the replayed baseline then run on the very same documents. RULER draws its needles
+    from Python's global `random`: it is seeded first as lm-eval's simple_evaluate seeds it before it loads tasks
+    (its random_seed, numpy_random_seed, torch_random_seed; `seeds` overrides them), so the documents are the ones
+    `lm_eval --model hf` builds."""
+    import random
+
+    import numpy as np
+
+    seeds = {k: v for k, v in (seeds or {}).items() if v is not None}
+    random.seed(seeds.get("random_seed", 0))
+    np.random.seed(seeds.get("numpy_random_seed", 1234))
+    torch.manual_seed(seeds.get("torch_random_seed", 1234))
+    out = []
+    for name in names:
+        built = manager.load([name])
+        group = built["groups"].get(name)
+        out.extend([group] if group is not None else built["tasks"].values())
+    return out
+
+
+# A per-document metric for the task families that log several: LongBench's unified `score` (equal to the task's own
+# metric, qa_f1_score, rouge_score, ...; the one its groups aggregate).
+DEFAULT_METRICS = {"longbench_": "score"}
+OWN_LENGTH = None  # plan_metrics' entry for RULER: each document is scored under its own length
+
+
+def _metric_names(task) -> list[str]:
+    return [str(m) for m in task.aggregation()]
+
+
+def _is_ruler(task, names: list[str]) -> bool:
+    """RULER's layout (lm_eval/tasks/ruler/common_utils.process_results): one metric per sequence length, the
+    document's own `max_length` holding its score and every other length the placeholder -1."""
+    if not names or not all(n.isdigit() for n in names):
+        return False
+    docs = task.eval_docs
+    return len(docs) > 0 and "max_length" in docs[0]
+
+
+def plan_metrics(tasks: dict[str, Any], wanted: str | dict[str, str] | None) -> dict[str, str | None]:
+    """The per-document metric each lm-eval task's rows are scored by, chosen before any document runs.
+
+    `wanted` (task.metric): one name for every task, or {task: name}. Unset, a task's metric is its only one;
+    RULER's is the document's own length (OWN_LENGTH: never another length's -1 placeholder); LongBench's `score`.
+    A task that logs several metrics and has no default is refused (ConfigError), as is a name it does not log."""
+    if isinstance(wanted, dict):
+        unknown = sorted(set(wanted) - set(tasks))
+        if unknown:
+            raise ConfigError(
+                f"task.metric names {', '.join(map(repr, unknown))}, not among the tasks run: {', '.join(tasks)}"
+            )
+    plan: dict[str, str | None] = {}
+    for name, task in tasks.items():
+        names = _metric_names(task)
+        asked = wanted.get(name) if isinstance(wanted, dict) else wanted
+        if _is_ruler(task, names):
+            lengths = sorted({int(d["max_length"]) for d in task.eval_docs})
+            if asked is not None and [str(n) for n in lengths] != [str(asked)]:
+                raise ConfigError(
+                    f"task.metric={asked!r} for {name}: RULER scores each document under its own length "
+                    f"({', '.join(map(str, lengths))} here) and logs -1 under every other one; leave task.metric "
+                    "unset for RULER"
+                )
+            plan[name] = OWN_LENGTH
+        elif asked is not None:
+            if asked not in names:
+                raise ConfigError(f"task.metric={asked!r}: lm-eval task {name!r} logs {', '.join(names)} per document")
+            plan[name] = asked
+        else:
+            default = next((m for p, m in DEFAULT_METRICS.items() if name.startswith(p) and m in names), None)
+            if default is None and len(names) != 1:
+                raise ConfigError(
+                    f"lm-eval task {name!r} logs several per-document metrics ({', '.join(names)}): choose the one "
+                    f"flips are scored by with task.metric={names[0] if names else 'NAME'} "
+                    f"(or task.metric.{name}=...; from lm-eval's command line, --model_args metric=...)"
+                    if names
+                    else f"lm-eval task {name!r} logs no per-document metric; evalkit's records need one"
+                )
+            plan[name] = default or names[0]
+    return plan
+
+
+def doc_score(task: str, doc: dict, plan: dict[str, str | None]) -> tuple[str, float]:
+    """(metric, value) of a logged lm-eval document under the planned metric; a placeholder is never a score."""
+    metric = plan[task]
+    if metric is OWN_LENGTH:
+        metric = str(doc["doc"]["max_length"])
+        if doc.get(metric) == -1:
+            raise RuntimeError(f"{task}/{doc['doc_id']}: RULER logged its -1 placeholder at the document's own length")
+    value = doc.get(metric)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"lm-eval task {task!r} logged no numeric {metric!r} for document {doc['doc_id']}")
+    return metric, float(value)
+
+
+def paired_rows(
+    name: str, lm: EvalkitLM, run: dict, baseline: dict, plan: dict[str, str | None], with_baseline: bool
+) -> list[dict]:
+    """One row per document for the variant (and, with_baseline, the baseline) from both runs' logged samples."""
+    rows = []
+    for task, docs in run["samples"].items():
+        base = {d["doc_id"]: d for d in baseline["samples"][task]}
+        for d in docs:
+            b = base[d["doc_id"]]
+            metric, score = doc_score(task, d, plan)
+            _, base_score = doc_score(task, b, plan)
+            cell = {"lm_eval_task": task}
+            if plan[task] is OWN_LENGTH:
+                cell["max_length"] = int(d["doc"]["max_length"])
+            sid = f"{task}/{d['doc_id']}"
+            common = {"sample_id": sid, "cell": cell, "baseline_score": base_score, "metric": metric}
+            common["answers"] = d.get("target")
+            key = (task, d["doc_id"])
+            rows.append({**common, "variant": name, "score": score, **_response(d), **lm.kv.get(key, {})})
+            if with_baseline:
+                rows.append({**common, "variant": "baseline", "score": base_score, **_response(b)})
+                rows[-1].update(lm.kv_baseline.get(key, {}))
+    return rows
+
+
+def _response(doc: dict) -> dict:
+    """What the model answered, as lm-eval logged it after its filters: the text of a generation, else the scores."""
+    resps = doc.get("filtered_resps")
+    if isinstance(resps, list) and len(resps) == 1 and isinstance(resps[0], str):
+        return {"prediction": resps[0]}
+    return {"response": resps}
+
+
 def evaluate(task, loaded: models.LoadedModel, variants: list[Variant]) -> tuple[list[dict], dict]:
     """Run lm-eval tasks for every variant and, by replay, the baseline; per-document rows and lm-eval's results.
 
-    Each row: task, doc id, variant, the task's first per-document numeric metric as the score, the baseline's
-    score on the same document, and the KV bytes of the document's compressed context.
+    Each row: task, doc id, variant, the planned per-document metric (plan_metrics) as the score, the baseline's
+    score on the same document, what each answered, and the KV bytes of the document's compressed context.
+    `task.metadata` is lm-eval's task metadata (RULER's max_seq_lengths; its tokenizer, by default the model's).
     """
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    manager = TaskManager(include_path=str(task_dir()))
+    refuse_reconstruction(variants)
+    metadata = task.lm_eval_metadata()
+    if "tokenizer" not in metadata and "pretrained" not in metadata:
+        metadata["tokenizer"] = model_tokenizer(loaded)
+    manager = TaskManager(include_path=str(task_dir()), metadata=metadata)
+    objects = load_tasks(manager, list(task.tasks))
+    plan = plan_metrics(manager.load(objects)["tasks"], task.metric)
     kwargs = {
-        "tasks": list(task.tasks),
+        "tasks": objects,
         "task_manager": manager,
         "limit": task.limit,
         "log_samples": True,
         "num_fewshot": task.num_fewshot,
         "bootstrap_iters": 0,
+        "gen_kwargs": task.lm_eval_gen_kwargs(),
     }
     rows, results, baseline = [], {}, None
     for variant in variants:
@@ -317,60 +500,147 @@ def evaluate(task, loaded: models.LoadedModel, variants: list[Variant]) -> tuple
             baseline = simple_evaluate(model=lm.baseline(), **kwargs)
             results["baseline"] = baseline["results"]
         results[variant.name] = run["results"]
-        for name, docs in run["samples"].items():
-            metric = _doc_metric(name, docs[0])
-            base = {d["doc_id"]: float(d[metric]) for d in baseline["samples"][name]}
-            for d in docs:
-                kv = lm.kv.get((name, d["doc_id"]), {})
-                kv_base = lm.kv_baseline.get((name, d["doc_id"]), {})
-                sid = f"{name}/{d['doc_id']}"
-                rows.append(
-                    {
-                        "sample_id": sid,
-                        "cell": {"lm_eval_task": name},
-                        "variant": variant.name,
-                        "score": float(d[metric]),
-                        "baseline_score": base[d["doc_id"]],
-                        "metric": metric,
-                        **kv,
-                    }
-                )
-                if variant is variants[0]:
-                    rows.append(
-                        {
-                            "sample_id": sid,
-                            "cell": {"lm_eval_task": name},
-                            "variant": "baseline",
-                            "score": base[d["doc_id"]],
-                            "baseline_score": base[d["doc_id"]],
-                            "metric": metric,
-                            **kv_base,
-                        }
-                    )
+        rows += paired_rows(variant.name, lm, run, baseline, plan, with_baseline=variant is variants[0])
     return rows, results
 
 
-def _doc_metric(task: str, doc: dict) -> str:
-    """The first metric of a logged document with a numeric value (acc, exact_match, ...)."""
-    for key in doc.get("metrics", []):
-        if isinstance(doc.get(key), (int, float)):
-            return key
-    raise ConfigError(f"lm-eval task {task!r} logs no per-document numeric metric; evalkit's records need one")
+def write_records(out_dir: Path, rows: list[dict], run_info: dict, task_name: str) -> dict:
+    """samples.jsonl (rows with flips, as the Hydra route writes them), run.json and summary.json in out_dir; the
+    summary."""
+    from evalkit.analysis import format_summary, summarize
+    from evalkit.records import RUN, SAMPLES, SUMMARY, RecordWriter, read_rows, write_json
+    from evalkit.run import flip
+
+    if (out_dir / SAMPLES).exists():
+        raise ConfigError(f"{out_dir} already holds results; choose another folder with --model_args records=DIR")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(out_dir / RUN, run_info)
+    writer = RecordWriter(out_dir / SAMPLES)
+    try:
+        for row in rows:
+            flipped = flip(row["score"], row["baseline_score"])
+            writer.write(
+                {
+                    "run_id": run_info["run_id"],
+                    "task": task_name,
+                    "protocol": run_info["protocol"],
+                    "flip": flipped,
+                    **row,
+                }
+            )
+    finally:
+        writer.close()
+    summary = summarize(read_rows(out_dir / SAMPLES))
+    write_json(out_dir / SUMMARY, summary)
+    print(format_summary(summary), file=sys.stderr)
+    print(
+        f"evalkit: paired records (baseline and {rows[0]['variant'] if rows else 'variant'}): {out_dir}",
+        file=sys.stderr,
+    )
+    return summary
+
+
+def _paired_evaluate(real, *, model=None, model_args=None, **kwargs):
+    """lm-eval's simple_evaluate for its command line: `--model evalkit` runs the variant, replays its baseline
+    through lm-eval on the same task objects, and writes evalkit's paired records (write_records) beside lm-eval's
+    own output; the variant's results go back to lm-eval's command line. Any other model runs as lm-eval runs it."""
+    if model != "evalkit":
+        return real(model=model, model_args=model_args, **kwargs)
+    import time
+    import uuid
+
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import simple_parse_args_string
+
+    from evalkit.records import versions
+
+    if kwargs.get("use_cache"):
+        raise ConfigError("--use_cache: a cached answer has no baseline beside it; run the evalkit model without it")
+    args = simple_parse_args_string(model_args) if isinstance(model_args, str) else dict(model_args or {})
+    extra = {k: kwargs.get(k) for k in ("batch_size", "max_batch_size", "device")}
+    lm = EvalkitLM.create_from_arg_obj(args, extra)
+    refuse_reconstruction([lm.variant])
+    manager = kwargs.pop("task_manager", None)
+    include = manager.include_path if manager is not None else str(task_dir())
+    metadata = {**args, **(kwargs.get("metadata") or {})}
+    if not (metadata.get("tokenizer") or metadata.get("pretrained")):
+        # RULER would read `model=` (evalkit's config name) as a tokenizer: size its haystacks with the model's own
+        metadata["tokenizer"] = model_tokenizer(lm.loaded)
+        manager = None
+    manager = manager or TaskManager(include_path=include, metadata=metadata)
+    names = kwargs.pop("tasks")
+    objects = load_tasks(
+        manager, list(names), {k: kwargs.get(k) for k in ("random_seed", "numpy_random_seed", "torch_random_seed")}
+    )
+    plan = plan_metrics(manager.load(objects)["tasks"], lm.metric)
+    asked_samples = bool(kwargs.pop("log_samples", False))
+    started = time.strftime("%Y-%m-%dT%H:%M:%S")
+    run = real(model=lm, tasks=objects, task_manager=manager, log_samples=True, **kwargs)
+    quiet = {**kwargs, "evaluation_tracker": None}
+    baseline = real(model=lm.baseline(), tasks=objects, task_manager=manager, log_samples=True, **quiet)
+    rows = paired_rows(lm.variant.name, lm, run, baseline, plan, with_baseline=True)
+    label = "".join(c if c.isalnum() or c in "@.+-_" else "_" for c in lm.variant.name)
+    out = Path(lm.records or Path("results") / "lm_eval_cli" / lm.loaded.name / label / started.replace(":", "-"))
+    info = {
+        "run_id": uuid.uuid4().hex[:12],
+        "route": "lm_eval command line (python -m evalkit.lmeval)",
+        "config": {
+            "model": {"name": lm.loaded.name},
+            "task": {
+                "name": "lm_eval",
+                "tasks": list(names),
+                "limit": kwargs.get("limit"),
+                "num_fewshot": kwargs.get("num_fewshot"),
+                "metadata": kwargs.get("metadata"),
+                "metric": lm.metric,
+            },
+            "variants": [lm.variant.name],
+            "model_args": args,
+            "protocol": "query_agnostic",
+            "seed": 0,
+        },
+        "versions": versions(),
+        "command": sys.argv,
+        "started": started,
+        "protocol": "query_agnostic",
+        "seed": 0,
+        "model": {
+            "name": lm.loaded.name,
+            "fingerprint": lm.loaded.fingerprint,
+            "weights_bytes": sum(p.numel() * p.element_size() for p in lm.model.parameters()),
+            "dtype": str(lm.model.dtype).removeprefix("torch."),
+            "source": lm.loaded.source,
+        },
+    }
+    write_records(out, rows, info, "lm_eval")
+    from evalkit.records import write_json
+
+    write_json(out / "lm_eval_results.json", {"baseline": baseline["results"], lm.variant.name: run["results"]})
+    if not asked_samples:
+        run.pop("samples", None)
+    run.setdefault("config", {})["model"] = "evalkit"
+    return run
 
 
 def main() -> int:
     """lm-eval's own command line, with evalkit's model registered and its offline tasks on the include path,
-    under evalkit's exit codes (lm-eval reports bad arguments, such as an unknown task, as ValueError: exit 2)."""
+    under evalkit's exit codes (lm-eval reports bad arguments, such as an unknown task, as ValueError: exit 2).
+    With `--model evalkit`, the paired records are written too (_paired_evaluate)."""
+    import lm_eval
     from lm_eval.__main__ import cli_evaluate
 
     if "--include_path" not in sys.argv:
         sys.argv += ["--include_path", str(task_dir())]
+    real = lm_eval.simple_evaluate
+    lm_eval.simple_evaluate = functools.partial(_paired_evaluate, real)
     try:
         cli_evaluate()
     except ConfigError:
         raise
     except ValueError as err:
         raise ConfigError(f"lm-eval: {str(err).splitlines()[0]}") from None
+    finally:
+        lm_eval.simple_evaluate = real
     return 0
 
 

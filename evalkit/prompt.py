@@ -6,7 +6,7 @@ the baseline and every variant therefore see exactly the ids of the joined promp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 
 import torch
@@ -20,12 +20,31 @@ from evalkit.tasks import Sample
 PROTOCOLS = ("query_agnostic", "query_aware")
 
 
+# KVzip's repeat prompts (kvpress KVzipPress), for the first chunk of the context and for each later one
+REPEAT = "\n\nRepeat the previous context exactly."
+REPEAT_PART = "\n\nRepeat the part of the previous context exactly, starting with"
+
+
+@dataclass
+class Repeat:
+    """The ids of KVzip's reconstruction prompt (policies/kvzip.py): the pass over chunk [lo, hi) of the prefilled
+    context reads `first` (or `part` and the previous chunk's last 8 ids), `suffix` (the chat template's end of the
+    user turn and start of the assistant's), then ids[lo:hi]. The default (no text: a prompt made from raw ids)
+    reconstructs every prefilled token with no instruction."""
+
+    start: int = 0  # ids[:, :start] are the template's opening (system turn, user header): not reconstructed
+    first: list[int] = field(default_factory=list)
+    part: list[int] = field(default_factory=list)
+    suffix: list[int] = field(default_factory=list)
+
+
 @dataclass
 class Prompt:
     ids: Tensor  # (1, N) the whole prompt
     n_context: int  # ids[:, :n_context] are prefilled and compressed; the rest is appended afterwards
     evidence: list[int]  # absolute positions of the tokens that hold the answer
     protocol: str
+    repeat: Repeat | None = None  # KVzip's reconstruction prompt (build_prompt sets it); None: Repeat()
 
 
 def prompt_text(tokenizer: PreTrainedTokenizerBase, sample: Sample) -> tuple[str, int, bool]:
@@ -57,7 +76,26 @@ def build_prompt(tokenizer: PreTrainedTokenizerBase, sample: Sample, protocol: s
     spans = [(lo, lo + len(e)) for lo, e in zip(starts, sample.evidence, strict=True)]
     evidence = [i for i, (s, e) in enumerate(offsets) if any(s < hi and e > lo for lo, hi in spans)]
 
-    return Prompt(torch.tensor([ids]), n_context, evidence, protocol)
+    start = next((i for i, (s, _) in enumerate(offsets) if s >= ctx_start), n_context)
+    return Prompt(torch.tensor([ids]), n_context, evidence, protocol, repeat_prompt(tokenizer, chat, start))
+
+
+def repeat_prompt(tokenizer: PreTrainedTokenizerBase, chat: bool, start: int) -> Repeat:
+    """KVzip's reconstruction prompt for a context whose first token is `start`, tokenised as kvpress does: the
+    instruction as text (no special tokens) and, in a chat prompt, the template's text between the end of the user's
+    message and the assistant's answer ("\n" without a template)."""
+    suffix = "\n"
+    if chat:
+        mark = "\x00evalkit-user-message\x00"
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": mark}], tokenize=False, add_generation_prompt=True
+        )
+        suffix = text[text.index(mark) + len(mark) :]
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    return Repeat(start, ids(REPEAT), ids(REPEAT_PART), ids(suffix))
 
 
 def user_spans(text: str, sample: Sample, ctx_start: int) -> list[tuple[int, int]]:

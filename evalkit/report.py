@@ -32,6 +32,7 @@ from evalkit.gate import (  # noqa: E402
     output_folder,
     read_runs,
 )
+from evalkit.units import fmt_bytes  # noqa: E402
 
 
 def pareto(points: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
@@ -158,7 +159,8 @@ def markdown(
         lines.append(
             f"| {name} | {s['n']} | {p['baseline']:.2f} | {p['policy']:.2f} | {p['drop']:+.3f} "
             f"[{p['drop_bounds'][0]:+.3f}, {p['drop_bounds'][1]:+.3f}] | {p['mcnemar_p']:.3g} | {s['lost']} "
-            f"({c.get('evicted', 0)}/{c.get('ignored', 0)}) | {s['kv_ratio']:.3f}x | {s['kv_bytes'] / 2**20:.2f} MiB |"
+            f"({c.get('evicted', 0)}/{c.get('ignored', 0)}) | {s['kv_ratio']:.3f}x | "
+            f"{fmt_bytes(s['kv_bytes'], 'MiB')} |"
         )
     lines += chunked_table(list(chunked))
     lines.append("")

@@ -78,6 +78,9 @@ def _run(cfg: DictConfig, out_dir: Path, task: Task, variants: list[Variant]) ->
         "source": loaded.source,
         "load_seconds": round(loaded.load_seconds, 3),
     }
+    prepared = prepare_policies(variants, loaded)
+    if prepared:
+        run_info["prepared"] = prepared
     write_json(out_dir / RUN, run_info)
 
     if task.external:
@@ -88,6 +91,8 @@ def _run(cfg: DictConfig, out_dir: Path, task: Task, variants: list[Variant]) ->
     if done:
         print(f"evalkit: resuming {out_dir}: {len(samples) - len(pending)} of {len(samples)} samples already done")
     stop_ids = _stop_ids(loaded)
+    contexts = [_context_key(p) for _, p in pending]
+    shared = None
     writer = RecordWriter(rows_path)
     try:
         for i, (sample, prompt) in enumerate(
@@ -97,8 +102,16 @@ def _run(cfg: DictConfig, out_dir: Path, task: Task, variants: list[Variant]) ->
                 raise interrupt.Interrupted(
                     f"stopped: {len(pending) - i} of {len(samples)} samples left to run in {out_dir}"
                 )
+            if i == 0 or contexts[i] != contexts[i - 1]:  # one prefill and compression for the questions on a context
+                shared = {} if contexts[i + 1 : i + 2] == [contexts[i]] else None
             baseline, outcomes = run_sample(
-                loaded.model, prompt, variants, task.max_new_tokens, stop_ids, forced=task.teacher_forced
+                loaded.model,
+                prompt,
+                variants,
+                task.answer_tokens(sample),
+                stop_ids,
+                forced=task.teacher_forced,
+                shared=shared,
             )
             results = score_outcomes(loaded, task, sample, prompt, baseline, outcomes)
             for variant, outcome, (score, base_score, extra) in zip(
@@ -119,6 +132,18 @@ def _run(cfg: DictConfig, out_dir: Path, task: Task, variants: list[Variant]) ->
         writer.close()
 
     return _finish(rows_path, out_dir)
+
+
+def prepare_policies(variants: list[Variant], loaded) -> dict[str, dict]:
+    """Let each policy learn what it needs from the loaded model (KVPolicy.prepare); what they report, timed, by
+    variant name."""
+    prepared = {}
+    for v in variants:
+        t = time.perf_counter()
+        info = v.policy.prepare(loaded.model, loaded.tokenizer)
+        if info is not None:
+            prepared[v.name] = {**info, "seconds": round(time.perf_counter() - t, 3)}
+    return prepared
 
 
 def _finish(rows_path: Path, out_dir: Path) -> dict[str, Any]:
@@ -181,9 +206,9 @@ def check_samples(
     tokens), can every budget hold on it? A budget larger than a sample's context is run as the full context and
     said here (rows record it as `budget_clipped`)."""
     too_long = [
-        f"{s.id!r} ({p.ids.shape[1]} + {task.max_new_tokens})"
+        f"{s.id!r} ({p.ids.shape[1]} + {task.answer_tokens(s)})"
         for s, p in zip(samples, prompts, strict=True)
-        if int(p.ids.shape[1]) + task.max_new_tokens > limit
+        if int(p.ids.shape[1]) + task.answer_tokens(s) > limit
     ]
     if too_long:
         more = f" and {len(too_long) - 5} more" if len(too_long) > 5 else ""
@@ -286,6 +311,8 @@ def _start(out_dir: Path, config: dict, resume: bool, task: Task) -> dict[str, A
 
 def _input_files(task: Task) -> list[str]:
     """The files a task reads its samples from (JSONL data), whose bytes are part of the run's identity."""
+    if hasattr(task, "input_files"):  # task=hf: a file, a folder's data files, or none for a Hub id
+        return task.input_files()
     path = getattr(task, "path", "")
     return [str(Path(path).resolve())] if path else []
 
@@ -355,6 +382,11 @@ def _check_model(run_info: dict, loaded: models.LoadedModel) -> None:
         raise ConfigError(f"resume=true, but the model weights changed ({old} -> {loaded.fingerprint})")
 
 
+def _context_key(prompt: Prompt) -> bytes:
+    """The ids a prompt prefills and compresses: prompts with the same key share one prefill (run_sample's shared)."""
+    return prompt.ids[0, : prompt.n_context].numpy().tobytes()
+
+
 def _stop_ids(loaded: models.LoadedModel) -> set[int]:
     ids = {loaded.tokenizer.eos_token_id}
     eos = getattr(loaded.model.generation_config, "eos_token_id", None)
@@ -405,10 +437,12 @@ def _row(
         if variant and variant.chunk
         else None,
         "tokens_held_per_layer": outcome.tokens_held,
+        "tokens_allocated_per_layer": outcome.tokens_allocated,
         "evidence_retained_per_layer": outcome.evidence_retained,
         "budget_clipped": budget_clipped(variant, prompt),
         "context_tokens": prompt.n_context,
         "prompt_tokens": int(prompt.ids.shape[1]),
         "generated_tokens": len(outcome.tokens),
         "seconds": {k: round(v, 4) for k, v in outcome.seconds.items()},
+        **task.row_fields(sample),  # what a task records of each sample beyond these (task=hf: its truncation)
     }

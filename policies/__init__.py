@@ -6,6 +6,7 @@ A policy scores tokens; the base class turns scores into kept indices once, for 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -22,6 +23,12 @@ class Need(str, Enum):
 
     ATTN_MASS = "attn_mass"  # per token: the attention it has received, summed over queries (H2O)
     WINDOW_QUERIES = "window_queries"  # per layer: the last `observation_window()` queries it has seen (SnapKV, TOVA)
+    # per layer: the attention each context key gets while the model repeats the context in a second pass (KVzip);
+    # the policy names its pass by a `reconstruction()` method returning (sinks, chunk) (policies/kvzip.py)
+    RECONSTRUCTION = "reconstruction"
+    # per layer: mean and covariance of the pre-RoPE context queries from position `query_stats_from()` on, which
+    # the policy returns from a method of that name, and the RoPE frequencies (ExpectedAttention)
+    QUERY_STATS = "query_stats"
 
 
 # Needs carried per held token and gathered with the keys; the others are per layer.
@@ -40,6 +47,7 @@ class LayerView:
     positions: Tensor  # (B, Hkv, T) absolute position of each held token
     state: dict[str, Tensor] = field(default_factory=dict)  # per held token (B, Hkv, T), e.g. attn_mass
     observations: dict[str, Tensor] = field(default_factory=dict)  # per layer, e.g. window_queries (B, Hq, W, D)
+    valid: Tensor | None = None  # (B, Hkv, T) False on the padding slots of a ragged layer (positions -1); None: none
 
 
 @dataclass(kw_only=True)
@@ -52,16 +60,23 @@ class KVPolicy:
 
     name: str
     budget: float | int = 1.0
-    decode: bool = True  # also enforce the budget after every forward while decoding
+    decode: bool = True  # also enforce the budget while decoding
+    decode_interval: int = 1  # with decode=true: evict after every N-th forward (kvpress DecodingPress's interval)
 
     # What the engine and the config checks read; a new policy declares them and nothing else changes.
     needs: ClassVar[frozenset[Need]] = frozenset()  # observed in attention, beyond the held keys and values
     chunkable: ClassVar[bool] = True  # can evict chunk by chunk in a chunked prefill (prefill=chunked)
     decodable: ClassVar[bool] = True  # can keep its budget while decoding (decode=true)
+    ragged: ClassVar[bool] = False  # KV heads of a layer may keep different counts (select pads with -1)
 
     def observation_window(self) -> int:
         """Context queries the policy scores with (Need.WINDOW_QUERIES); 0 when it needs none."""
         return 0
+
+    def prepare(self, model, tokenizer) -> dict | None:
+        """Called once the model is loaded, before any sample: a policy that learns from the model (DuoAttention's
+        head roles) does it here and returns what run.json records under `prepared`; None: nothing to prepare."""
+        return None
 
     def score(self, view: LayerView) -> Tensor:
         """(B, Hkv, T) keep-priority of each held token; higher is kept first."""
@@ -84,6 +99,10 @@ class KVPolicy:
     def asked(self, seen: int) -> int:
         """Tokens the budget itself names for `seen` tokens: ceil(f * seen), or the token count."""
         return math.ceil(self.budget * seen) if isinstance(self.budget, float) else self.budget
+
+    def over(self, view: LayerView, k: int) -> bool:
+        """Whether the layer holds more than the policy keeps for a target of k tokens per head (then it evicts)."""
+        return view.keys.shape[2] > k
 
     def keep_per_layer(self, seen: int, n_layers: int) -> list[int]:
         """Tokens held per layer; uniform here, layer-dependent policies override it."""
@@ -119,6 +138,10 @@ class KVPolicy:
             raise ConfigError(f"policy.budget={b} keeps no token; give a fraction such as 0.25 or tokens such as 512")
         if self.decode and not self.decodable:
             raise ConfigError(f"{self.name} compresses once, after the prompt: set policy.decode=false")
+        if self.decode_interval < 1:
+            raise ConfigError(
+                f"policy.decode_interval={self.decode_interval}: evict every N >= 1 forwards while decoding, e.g. 16"
+            )
         self.check_params()
         if shortest_context is None:
             return
@@ -131,6 +154,98 @@ class KVPolicy:
             )
 
 
+@dataclass(kw_only=True)
+class SinkPolicy(KVPolicy):
+    """A policy that always keeps the first `n_sink` tokens of the context, the attention sinks (StreamingLLM,
+    Expected Attention, KVzip); its budget holds at least those and one more."""
+
+    n_sink: int = 4
+
+    def protected(self, view: LayerView, k: int) -> Tensor:
+        return (view.positions >= 0) & (view.positions < self.n_sink)  # a ragged layer's padding is at -1
+
+    def min_tokens(self) -> int:
+        return self.n_sink + 1
+
+    def check_params(self) -> None:
+        if self.n_sink < 0:
+            raise ConfigError(f"policy.n_sink={self.n_sink} is negative; give a number of sink tokens such as 4 (or 0)")
+
+
+@dataclass(kw_only=True)
+class Wrapper(KVPolicy):
+    """A policy over another (`inner`): what it needs observed, its window, protected tokens, per-layer budgets and
+    whether it can evict chunk by chunk or while decoding are the inner policy's, unless the wrapper says otherwise.
+    The inner policy takes the wrapper's budget and decode setting. Recorded as OUTER(INNER), e.g. chunkkv(snapkv)."""
+
+    # the scorer: a KVPolicy, or what config gives (resolved in __post_init__): a conf/policy name, or a mapping
+    # {name: snapkv, window: 16} (that YAML with those fields) or {_target_: ..., ...}
+    inner: KVPolicy = "snapkv"  # type: ignore[assignment]
+    decode: bool | None = None  # None: the inner policy's default (snapkv: false, h2o: true)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.inner, KVPolicy):  # a name or a mapping, e.g. when instantiated from YAML directly
+            from evalkit.config import policy_from  # here: evalkit.config imports the policies
+
+            self.inner = policy_from(self.inner, "policy.inner")
+        if self.decode is None:
+            self.decode = self.inner.decode
+        # A copy: the inner policy holds the wrapper's budget and decode setting, whoever else holds the original.
+        self.inner = dataclasses.replace(self.inner, budget=self.budget, decode=self.decode)
+        if "(" not in self.name:
+            self.name = f"{self.name}({self.inner.name})"
+
+    @property
+    def needs(self) -> frozenset[Need]:  # type: ignore[override]
+        return self.inner.needs
+
+    @property
+    def chunkable(self) -> bool:  # type: ignore[override]
+        return self.inner.chunkable
+
+    @property
+    def decodable(self) -> bool:  # type: ignore[override]
+        return self.inner.decodable
+
+    def observation_window(self) -> int:
+        return self.inner.observation_window()
+
+    def prepare(self, model, tokenizer) -> dict | None:
+        return self.inner.prepare(model, tokenizer)
+
+    def protected(self, view: LayerView, k: int) -> Tensor | None:
+        return self.inner.protected(view, k)
+
+    def min_tokens(self) -> int:
+        return self.inner.min_tokens()
+
+    def target(self, seen: int) -> int:
+        return self.inner.target(seen)
+
+    def keep_per_layer(self, seen: int, n_layers: int) -> list[int]:
+        return self.inner.keep_per_layer(seen, n_layers)
+
+    def score(self, view: LayerView) -> Tensor:
+        return self.inner.score(view)
+
+    def check_params(self) -> None:
+        check_fields(self.inner, "policy.inner")
+        if self.inner.ragged:
+            raise ConfigError(f"{self.name}: {self.inner.name} keeps ragged heads and cannot be wrapped; wrap a scorer")
+        try:
+            self.inner.check_params()
+        except ConfigError as err:  # its keys are the wrapper's policy.inner.*
+            raise ConfigError(str(err).replace("policy.", "policy.inner.")) from None
+
+
+def scorer(policy: KVPolicy, method: str) -> KVPolicy:
+    """The policy that defines `method` (e.g. KVzip's `reconstruction`), looking through wrappers (`inner`) to the
+    scorer they wrap, however deep: adakv(chunkkv(kvzip)) -> kvzip."""
+    while not hasattr(policy, method):
+        policy = policy.inner
+    return policy
+
+
 def gather_tokens(x: Tensor, idx: Tensor) -> Tensor:
     """Select tokens along dim 2 of (B, H, T, ...) with per-head indices (B, H, k)."""
     if x.dim() == 3:
@@ -138,4 +253,4 @@ def gather_tokens(x: Tensor, idx: Tensor) -> Tensor:
     return x.gather(2, idx.unsqueeze(-1).expand(*idx.shape, x.shape[-1]))
 
 
-__all__ = ["PER_TOKEN", "KVPolicy", "LayerView", "Need", "gather_tokens"]
+__all__ = ["PER_TOKEN", "KVPolicy", "LayerView", "Need", "SinkPolicy", "Wrapper", "gather_tokens", "scorer"]

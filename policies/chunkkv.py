@@ -30,7 +30,6 @@ budget and decode setting.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -38,65 +37,16 @@ import torch
 from torch import Tensor
 
 from evalkit.errors import ConfigError
-from evalkit.hydra_errors import check_fields
-from evalkit.policies import KVPolicy, LayerView, Need
+from evalkit.policies import LayerView, Wrapper
 
 
 @dataclass(kw_only=True)
-class ChunkKV(KVPolicy):
+class ChunkKV(Wrapper):
     """Whole chunks of `chunk_size` tokens ranked by the inner policy's summed scores; the budget exact."""
 
     name: str = "chunkkv"  # recorded as chunkkv(INNER), e.g. chunkkv(snapkv)
-    # the scorer: a KVPolicy, or what config gives (resolved in __post_init__): a conf/policy name, or a mapping
-    # {name: snapkv, window: 16} (that YAML with those fields) or {_target_: ..., ...}
-    inner: KVPolicy = "snapkv"  # type: ignore[assignment]
     chunk_size: int = 10  # the paper's default
     per_head: bool = False
-    decode: bool | None = None  # None: the inner policy's default (snapkv: false, h2o: true)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.inner, KVPolicy):  # a name or a mapping, e.g. when instantiated from YAML directly
-            from evalkit.config import policy_from  # here: evalkit.config imports the policies
-
-            self.inner = policy_from(self.inner, "policy.inner")
-        if self.decode is None:
-            self.decode = self.inner.decode
-        # A copy: the inner policy holds the wrapper's budget and decode setting, whoever else holds the original.
-        self.inner = dataclasses.replace(self.inner, budget=self.budget, decode=self.decode)
-        if "(" not in self.name:
-            self.name = f"{self.name}({self.inner.name})"
-
-    # --- what the engine and the config checks read: the inner policy's --------------------------------------
-
-    @property
-    def needs(self) -> frozenset[Need]:  # type: ignore[override]
-        return self.inner.needs
-
-    @property
-    def chunkable(self) -> bool:  # type: ignore[override]
-        return self.inner.chunkable
-
-    @property
-    def decodable(self) -> bool:  # type: ignore[override]
-        return self.inner.decodable
-
-    def observation_window(self) -> int:
-        return self.inner.observation_window()
-
-    def protected(self, view: LayerView, k: int) -> Tensor | None:
-        return self.inner.protected(view, k)
-
-    def min_tokens(self) -> int:
-        return self.inner.min_tokens()
-
-    def target(self, seen: int) -> int:
-        return self.inner.target(seen)
-
-    def keep_per_layer(self, seen: int, n_layers: int) -> list[int]:
-        return self.inner.keep_per_layer(seen, n_layers)
-
-    def score(self, view: LayerView) -> Tensor:
-        return self.inner.score(view)
 
     # --- the choice ----------------------------------------------------------------------------------------------
 
@@ -135,8 +85,4 @@ class ChunkKV(KVPolicy):
     def check_params(self) -> None:
         if self.chunk_size < 1:
             raise ConfigError(f"policy.chunk_size={self.chunk_size}: a chunk holds at least 1 token; e.g. 10")
-        check_fields(self.inner, "policy.inner")
-        try:
-            self.inner.check_params()
-        except ConfigError as err:  # its keys are the wrapper's policy.inner.*
-            raise ConfigError(str(err).replace("policy.", "policy.inner.")) from None
+        super().check_params()

@@ -30,9 +30,10 @@ def window_attention(view: LayerView, window: int) -> Tensor:
     group = hq // hkv
     keys = view.keys.float().repeat_interleave(group, dim=1)  # (B, Hq, T, D)
     scores = q @ keys.transpose(-1, -2)  # (B, Hq, W, T)
-    # Each window query sees the keys at or before its own position.
+    # Each window query sees the keys at or before its own position; the padding of a ragged layer (position -1) none.
     k_pos = view.positions.repeat_interleave(group, dim=1)  # (B, Hq, T)
-    scores = scores.masked_fill(k_pos[:, :, None, :] > q_pos[None, None, :, None], float("-inf"))
+    hidden = (k_pos[:, :, None, :] > q_pos[None, None, :, None]) | (k_pos[:, :, None, :] < 0)
+    scores = scores.masked_fill(hidden, float("-inf"))
     return scores.softmax(dim=-1).sum(dim=2).view(b, hkv, group, t).sum(dim=2)
 
 

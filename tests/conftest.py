@@ -19,7 +19,7 @@ import evalkit.__main__  # noqa: F401  (registers the resolvers of the run-folde
 from evalkit import models
 from evalkit.cache import compress
 from evalkit.config import build
-from evalkit.engine import prefill
+from evalkit.engine import prefill, reconstruction
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,6 +51,11 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, env: dict
 CTX, QUESTION, STEPS = 96, 7, 6  # small inputs for invariant tests: context, question and decode lengths
 
 
+# DuoAttention head scores for the tiny model (3 layers x 2 KV heads), in the paper's full_attention_heads.tsv format:
+# ranked low to high 0.1 (layer 2 head 0), 0.2 (1, 1), 0.3 (0, 0), 0.6 (2, 1), 0.8 (1, 0), 0.9 (0, 1).
+DUO_PATTERN = Path(__file__).parent / "data" / "duo_tiny_pattern.tsv"
+
+
 def policy(name: str, budget, **overrides):
     """A policy from its conf/policy YAML at `budget`, with an 8-token observation window where it has one."""
     extra = [f"++policy.{k}={v}" for k, v in overrides.items()]
@@ -59,6 +64,9 @@ def policy(name: str, budget, **overrides):
         cfg.policy.window = 8
     if cfg.policy.get("inner") == "snapkv":  # a wrapper's SnapKV gets the same 8-token window
         cfg.policy.inner = {"name": "snapkv", "window": 8}
+    if name == "duo_attention":  # roles from a hand-written pattern (DUO_PATTERN), windows that fit CTX
+        cfg.policy.pattern = cfg.policy.pattern or str(DUO_PATTERN)
+        cfg.policy.sink, cfg.policy.recent = overrides.get("sink", 4), overrides.get("recent", 16)
     return build(cfg.policy, "policy")
 
 
@@ -72,6 +80,7 @@ def ids(tiny):
 def compressed(model, ids, pol):
     """(full cache, compressed cache) after prefilling the context of `ids` for `pol`."""
     full, obs = prefill(model, ids[:, :CTX], [pol])
+    reconstruction(model, full, ids[:, :CTX], None, [pol], obs)  # KVzip's second pass; nothing for the others
     return full, compress(full, pol, obs)
 
 

@@ -26,7 +26,7 @@ UNLOADABLE = ["model=hf", "model.name_or_path=/nonexistent/model", "model.max_co
     [
         (
             ["policy=h2oo"],
-            "unknown policy 'h2oo' (did you mean h2o?); valid names: chunkkv, h2o, keydiff, knorm, none, pyramidkv",
+            "unknown policy 'h2oo' (did you mean h2o?); valid names: adakv, chunkkv, duo_attention, expected_attention",
         ),
         (["task=haystack"], "unknown task 'haystack'"),
         (["model=llama"], "unknown model 'llama'"),
@@ -34,7 +34,7 @@ UNLOADABLE = ["model=hf", "model.name_or_path=/nonexistent/model", "model.max_co
         # Hydra's own errors, raised before Hydra runs (evalkit.hydra_errors.precheck)
         (
             [*UNLOADABLE, "policy.budgt=0.5"],
-            "unknown key policy.budgt (did you mean policy.budget?); valid keys: budget, decode, n_sink, name",
+            "unknown key policy.budgt (did you mean policy.budget?); valid keys: budget, decode, decode_interval,",
         ),
         ([*UNLOADABLE, "+policy.budgt=0.5"], "unknown key policy.budgt (did you mean policy.budget?); valid keys"),
         ([*UNLOADABLE, "policy.budget"], "the argument 'policy.budget' has no value; write policy.budget=VALUE"),

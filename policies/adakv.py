@@ -1,0 +1,74 @@
+"""Ada-KV: one budget per layer, shared out among its KV heads by their scores, with a floor per head.
+
+Feng et al. 2024, "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM Inference"
+(arXiv:2407.11550). A wrapper: the inner policy (SnapKV, TOVA, KeyDiff, Expected Attention, ...) scores every token
+of every KV head; instead of each head keeping its own top k, the layer keeps the top `k x Hkv` scores across all of
+its heads, so a head whose attention is concentrated gives up slots to one whose attention is spread. The paper's
+safeguard (its `alpha`, kvpress's AdaKVPress `alpha_safeguard=0.2`): each head first keeps its
+`max(1, int(alpha x k))` best tokens whatever the other heads score. The inner policy's protected tokens (SnapKV's
+window, sinks) are kept in every head and counted in that head's share.
+
+Heads then hold different counts: the layer is stored ragged (evalkit.cache), padded to its longest head, the
+padding masked out of the attention. Records give both the tokens really held (`kv_bytes_deployed`,
+`tokens_held_per_layer`: the mean per head, what a paged engine stores) and what is allocated here (`kv_bytes`,
+`tokens_allocated_per_layer`). Like kvpress's AdaKVPress, it compresses once, after the prompt. Scores are compared
+across heads as the inner policy gives them (kvpress does the same); the paper's own code uses SnapKV's normalised
+attention, whose scale is shared by the heads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from evalkit.errors import ConfigError
+from evalkit.policies import LayerView, Wrapper
+
+
+@dataclass(kw_only=True)
+class AdaKV(Wrapper):
+    """The layer's top k x Hkv inner scores across its KV heads, each head keeping at least int(alpha x k)."""
+
+    name: str = "adakv"  # recorded as adakv(INNER)
+    alpha: float = 0.2  # the per-head floor, as a fraction of the uniform per-head budget (kvpress: alpha_safeguard)
+    decode: bool = False  # as published: compress the prompt once
+    decodable: ClassVar[bool] = False
+    chunkable: ClassVar[bool] = False
+    ragged: ClassVar[bool] = True
+
+    def over(self, view: LayerView, k: int) -> bool:
+        held = view.valid.sum(-1) if view.valid is not None else torch.full(view.keys.shape[:2], view.keys.shape[2])
+        return int(held.sum(-1).max()) > k * view.keys.shape[1]
+
+    def select(self, view: LayerView, k: int) -> Tensor:
+        """(B, Hkv, kmax) ascending indices each head keeps, padded with -1 after its last (heads keep different
+        counts, k x Hkv in all)."""
+        scores = self.inner.score(view).float()  # (B, Hkv, T)
+        b, h, t = scores.shape
+        protected = self.inner.protected(view, k)
+        if protected is not None:
+            if int(protected.sum(-1).max()) > k:
+                raise ValueError(f"{self.name}: {int(protected.sum(-1).max())} protected tokens exceed the {k} kept")
+            scores = scores.masked_fill(protected, math.inf)
+        if view.valid is not None:
+            scores = scores.masked_fill(~view.valid, -math.inf)
+        floor = max(1, int(self.alpha * k)) if self.alpha > 0 else 0
+        if floor:  # each head's best `floor` tokens (its protected ones first) rank above every other score
+            best = scores.topk(floor, dim=-1).indices
+            scores = scores.scatter(-1, best, math.inf)
+        kept = torch.zeros(b, h * t, dtype=torch.bool, device=scores.device)
+        kept.scatter_(1, scores.reshape(b, h * t).topk(k * h, dim=-1).indices, True)
+        kept = kept.view(b, h, t)
+        counts = kept.sum(-1)  # (B, Hkv)
+        # ascending kept indices first in each head, then padding (-1)
+        order = torch.where(kept, torch.arange(t, device=scores.device), t).sort(dim=-1).values
+        return order[..., : int(counts.max())].masked_fill(order[..., : int(counts.max())] == t, -1)
+
+    def check_params(self) -> None:
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError(f"policy.alpha={self.alpha}: the per-head floor is a fraction in [0, 1], e.g. 0.2")
+        super().check_params()

@@ -1,0 +1,93 @@
+"""Expected Attention: keep the tokens that future queries are expected to attend to, weighted by their value norm.
+
+Devoto et al. 2025, "Expected Attention: KV Cache Compression by Estimating Attention from Future Queries
+Distribution" (arXiv:2510.00636); reference code NVIDIA kvpress `ExpectedAttentionPress` (kvpress 0.5.5). The
+queries still to come are modelled as a Gaussian: the mean mu and covariance Sigma of the layer's pre-RoPE context
+queries (all of them but the first `n_sink`, whose hidden states are outliers; the covariance divided by their count),
+rotated by the RoPE rotation averaged over the next `n_future_positions` positions, R = mean_p R(p) for p = T ..
+T + n - 1 after a T-token prompt: mu' = R mu, Sigma' = R Sigma R^T. For a key k the expected unnormalised attention
+is the Gaussian's moment generating function, E[exp(q.k / sqrt(d))] = exp(mu'.k / sqrt(d) + k^T Sigma' k / (2 d)),
+normalised by a softmax over the held keys other than the sinks, per query head; the heads of a KV group are
+averaged, and the result is rescaled by the value norm, (score + epsilon) * ||v||. The first `n_sink` tokens are
+always kept (kvpress gives them the top score). Like kvpress, it compresses the prompt once (decode=false), and the
+statistics are the whole prompt's, so it does not evict chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from evalkit.errors import ConfigError
+from evalkit.policies import LayerView, Need, SinkPolicy
+
+
+def averaged_rotation(inv_freq: Tensor, scaling: float, start: int, n: int) -> Tensor:
+    """(D, D) mean of the RoPE rotations at positions start .. start + n - 1, for transformers' rotate_half layout
+    (dimension i pairs with i + D/2), each rotation times the RoPE's attention `scaling`. Angles in float32 as
+    transformers computes them."""
+    pos = torch.arange(start, start + n, device=inv_freq.device, dtype=torch.float32)
+    angles = pos[:, None] * inv_freq.float()[None, :]  # (n, D/2)
+    cos, sin = angles.cos().mean(dim=0) * scaling, angles.sin().mean(dim=0) * scaling
+    half = inv_freq.shape[-1]
+    rot = torch.diag(torch.cat([cos, cos]))
+    rot[:half, half:] = -torch.diag(sin)  # first half: x1 cos - x2 sin
+    rot[half:, :half] = torch.diag(sin)  # second half: x2 cos + x1 sin
+    return rot
+
+
+@dataclass(kw_only=True)
+class ExpectedAttention(SinkPolicy):
+    """Top-k by the attention expected from the Gaussian of future queries, times the value norm; sinks kept."""
+
+    name: str = "expected_attention"
+    n_future_positions: int = 512
+    use_covariance: bool = True
+    use_vnorm: bool = True
+    epsilon: float = 0.0
+    decode: bool = False  # as published: compress the prompt once
+    needs: ClassVar[frozenset[Need]] = frozenset({Need.QUERY_STATS})
+    chunkable: ClassVar[bool] = False  # the statistics are those of the whole prompt's queries
+    decodable: ClassVar[bool] = False  # the future positions are those after the prompt
+
+    def query_stats_from(self) -> int:
+        """The first position whose query counts in the statistics: the sinks' queries are left out."""
+        return self.n_sink
+
+    def score(self, view: LayerView) -> Tensor:
+        obs = view.observations
+        if f"query_mean:{self.n_sink}" not in obs:
+            raise ValueError(f"{self.name}: layer {view.layer_idx} has no query statistics from position {self.n_sink}")
+        mean, cov = obs[f"query_mean:{self.n_sink}"], obs[f"query_cov:{self.n_sink}"]  # (B, Hq, D), (B, Hq, D, D)
+        rot = averaged_rotation(obs["rope_inv_freq"], float(obs["rope_scaling"]), view.seen, self.n_future_positions)
+        mean = mean @ rot.T
+        cov = rot @ cov @ rot.T
+        b, hkv, t, d = view.keys.shape
+        group = mean.shape[1] // hkv
+        keys = view.keys.float()
+        sinks = view.positions < self.n_sink  # (B, Hkv, T)
+        probs = keys.new_zeros(b, hkv, t)
+        for g in range(group):  # query head g of every KV group: memory O(B x Hkv x T x D)
+            heads = torch.arange(hkv, device=keys.device) * group + g
+            logits = (keys @ mean[:, heads, :, None]).squeeze(-1) / math.sqrt(d)
+            if self.use_covariance:
+                logits = logits + ((keys @ cov[:, heads]) * keys).sum(dim=-1) / (2 * d)
+            probs += logits.masked_fill(sinks, float("-inf")).softmax(dim=-1)
+        scores = probs / group  # the mean over the query heads of each KV group
+        if self.use_vnorm:
+            scores = (scores + self.epsilon) * view.values.float().norm(dim=-1)
+        return scores  # the sinks are protected whatever they score
+
+    def check_params(self) -> None:
+        super().check_params()
+        if self.n_future_positions < 1:
+            raise ConfigError(
+                f"policy.n_future_positions={self.n_future_positions}: the RoPE average needs at least 1 future "
+                "position; give e.g. 512"
+            )
+        if self.epsilon < 0:
+            raise ConfigError(f"policy.epsilon={self.epsilon} is negative; give 0.0 or a small positive number")
