@@ -154,6 +154,9 @@ def variant_decisions(by_variant: dict[str, list[dict]], t) -> dict[str, Decisio
     return out
 
 
+SHOWN_TO_FAIL = "shown to fail"  # the one cell status that is a failure ("no failure shown", "not judged: ..." are not)
+
+
 @dataclass
 class CellResult:
     variant: str
@@ -229,7 +232,7 @@ def cell_decisions(by_variant: dict[str, list[dict]], t) -> list[CellResult]:
             pvalues.append(c.p)
     for c, bad in zip(judged, adjust(pvalues, alpha, t.multiplicity), strict=True):
         if bad:
-            c.status = "shown to fail"
+            c.status = SHOWN_TO_FAIL
     return results
 
 

@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 
 from evalkit.analysis import BASELINE, chunked_vs_oneshot, is_baseline, merge, summarize
 from evalkit.cli import guarded
-from evalkit.decide import cell_decisions, plan, variant_decisions
+from evalkit.decide import SHOWN_TO_FAIL, cell_decisions, plan, variant_decisions
 from evalkit.errors import EXIT_FAIL, EXIT_OK, CannotJudge, ConfigError
 from evalkit.plan import capacity
 from evalkit.records import RUN, SAMPLES, scan_rows, torn_line, write_atomic
@@ -354,7 +354,7 @@ def judge(rows: list[dict], infos: list[dict], t: Thresholds, problems: list[str
             f"{name}: cell {c.cell}: accuracy {c.policy:.2f} (baseline {c.baseline:.2f}, n={c.n}) shown below "
             f"{t.min_cell_accuracy} at {t.confidence:.0%} ({t.multiplicity} over the cells judged)"
             for c in cells
-            if c.variant == name and c.status == "shown to fail"
+            if c.variant == name and c.status == SHOWN_TO_FAIL
         ]
         over = [
             r

@@ -516,7 +516,7 @@ def measured_variants(run_dirs: list[Path]) -> list[dict[str, Any]]:
             if verdict is not None:
                 status = ((verdict.get("variants", {}).get(name) or {}).get("gate") or {}).get("status")
                 status = status or verdict.get("verdict", "not gated")
-                failed = [c["cell"] for c in verdict.get("cells", []) if c["variant"] == name and "fail" in c["status"]]
+                failed = failed_cells(verdict, name)
                 reasons = [r for r in verdict.get("reasons", []) if r.startswith(f"{name}:")]
                 why = f"on cells {', '.join(failed)}" if failed else (reasons[0] if reasons else "")
                 if status != "FAIL" and verdict.get("verdict") == "CANNOT JUDGE":
@@ -822,6 +822,14 @@ def make_plan(model: DictConfig, s: Settings) -> dict[str, Any]:
 
 
 # --- output ----------------------------------------------------------------------------------------------------------
+
+
+def failed_cells(verdict: dict, name: str) -> list[str]:
+    """The cells of `name` that the gate showed to fail, from a verdict.json ("no failure shown" and "not judged:
+    ..., a failure here can be shown from N" are not failures)."""
+    from evalkit.decide import SHOWN_TO_FAIL  # here: the gate's statistics load only when runs are given
+
+    return [c["cell"] for c in verdict.get("cells", []) if c["variant"] == name and c["status"] == SHOWN_TO_FAIL]
 
 
 def _b(n: float | None) -> str:

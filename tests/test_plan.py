@@ -376,3 +376,19 @@ def test_plan_runs_show_each_variant_beside_its_verdict(tiny_runs, tmp_path):
         ratio = row["kv_bytes_deployed"] / row["kv_bytes_baseline_deployed"]
         assert r["kv_bytes_per_sequence"] == pytest.approx(doc["capacity"][1]["kv_bytes_per_sequence"] * ratio)
     assert "streaming_llm@0.5" in (tmp_path / "plan.md").read_text()
+
+
+def test_only_cells_shown_to_fail_are_listed_as_failing():
+    """A verdict's cells: one shown to fail, one with no failure shown, one not judged ("a failure here can be shown
+    from 7"): only the first is a failing cell. Matching the word "fail" would list all three (the plan once said
+    "FAIL on cells ..." beside an INCONCLUSIVE int8 run whose cells were all not judged)."""
+    verdict = {
+        "cells": [
+            {"variant": "v", "cell": "a", "status": "shown to fail"},
+            {"variant": "v", "cell": "b", "status": "no failure shown"},
+            {"variant": "v", "cell": "c", "status": "not judged: 2 samples, a failure here can be shown from 7"},
+            {"variant": "w", "cell": "a", "status": "shown to fail"},
+        ]
+    }
+    assert plan.failed_cells(verdict, "v") == ["a"]
+    assert plan.failed_cells(verdict, "x") == []
