@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import ClassVar
 
+import torch
 from torch import Tensor
 
 from evalkit.errors import ConfigError
@@ -48,6 +49,11 @@ class LayerView:
     state: dict[str, Tensor] = field(default_factory=dict)  # per held token (B, Hkv, T), e.g. attn_mass
     observations: dict[str, Tensor] = field(default_factory=dict)  # per layer, e.g. window_queries (B, Hq, W, D)
     valid: Tensor | None = None  # (B, Hkv, T) False on the padding slots of a ragged layer (positions -1); None: none
+
+    @property
+    def real(self) -> Tensor:
+        """(B, Hkv, T) True on the slots that hold a token (all of them unless the layer is ragged)."""
+        return self.valid if self.valid is not None else torch.ones_like(self.positions, dtype=torch.bool)
 
 
 @dataclass(kw_only=True)
@@ -246,6 +252,15 @@ def scorer(policy: KVPolicy, method: str) -> KVPolicy:
     return policy
 
 
+def padded_indices(kept: Tensor) -> Tensor:
+    """(B, Hkv, kmax) ascending indices of the True slots of `kept` (B, Hkv, T) in each head, padded with -1 after a
+    head's last: what a ragged policy's `select` returns when heads keep different counts."""
+    t = kept.shape[-1]
+    order = torch.where(kept, torch.arange(t, device=kept.device), t).sort(dim=-1).values
+    order = order[..., : int(kept.sum(-1).max())]
+    return order.masked_fill(order == t, -1)
+
+
 def gather_tokens(x: Tensor, idx: Tensor) -> Tensor:
     """Select tokens along dim 2 of (B, H, T, ...) with per-head indices (B, H, k)."""
     if x.dim() == 3:
@@ -253,4 +268,14 @@ def gather_tokens(x: Tensor, idx: Tensor) -> Tensor:
     return x.gather(2, idx.unsqueeze(-1).expand(*idx.shape, x.shape[-1]))
 
 
-__all__ = ["PER_TOKEN", "KVPolicy", "LayerView", "Need", "SinkPolicy", "Wrapper", "gather_tokens", "scorer"]
+__all__ = [
+    "PER_TOKEN",
+    "KVPolicy",
+    "LayerView",
+    "Need",
+    "SinkPolicy",
+    "Wrapper",
+    "gather_tokens",
+    "padded_indices",
+    "scorer",
+]

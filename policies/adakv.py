@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from evalkit.errors import ConfigError
-from evalkit.policies import LayerView, Wrapper
+from evalkit.policies import LayerView, Wrapper, padded_indices
 
 
 @dataclass(kw_only=True)
@@ -41,8 +41,7 @@ class AdaKV(Wrapper):
     ragged: ClassVar[bool] = True
 
     def over(self, view: LayerView, k: int) -> bool:
-        held = view.valid.sum(-1) if view.valid is not None else torch.full(view.keys.shape[:2], view.keys.shape[2])
-        return int(held.sum(-1).max()) > k * view.keys.shape[1]
+        return int(view.real.sum(dim=(1, 2)).max()) > k * view.keys.shape[1]
 
     def select(self, view: LayerView, k: int) -> Tensor:
         """(B, Hkv, kmax) ascending indices each head keeps, padded with -1 after its last (heads keep different
@@ -62,11 +61,7 @@ class AdaKV(Wrapper):
             scores = scores.scatter(-1, best, math.inf)
         kept = torch.zeros(b, h * t, dtype=torch.bool, device=scores.device)
         kept.scatter_(1, scores.reshape(b, h * t).topk(k * h, dim=-1).indices, True)
-        kept = kept.view(b, h, t)
-        counts = kept.sum(-1)  # (B, Hkv)
-        # ascending kept indices first in each head, then padding (-1)
-        order = torch.where(kept, torch.arange(t, device=scores.device), t).sort(dim=-1).values
-        return order[..., : int(counts.max())].masked_fill(order[..., : int(counts.max())] == t, -1)
+        return padded_indices(kept.view(b, h, t))
 
     def check_params(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from evalkit.errors import ConfigError
-from evalkit.policies import KVPolicy, LayerView
+from evalkit.policies import KVPolicy, LayerView, padded_indices
 
 
 @dataclass(kw_only=True)
@@ -109,19 +109,13 @@ class DuoAttention(KVPolicy):
         return ((pos >= 0) & (pos < self.sink)) | (pos >= view.seen - self.recent)
 
     def over(self, view: LayerView, k: int) -> bool:
-        real = view.valid if view.valid is not None else torch.ones_like(view.positions, dtype=torch.bool)
-        extra = real & ~self.window(view) & self.heads(view)[None, :, None]
+        extra = view.real & ~self.window(view) & self.heads(view)[None, :, None]
         return bool(extra.any())
 
     def select(self, view: LayerView, k: int) -> Tensor:
         """(B, Hkv, kmax) ascending indices each head keeps, padded with -1: every real token in a retrieval head,
         the sinks and recent tokens in a streaming head."""
-        real = view.valid if view.valid is not None else torch.ones_like(view.positions, dtype=torch.bool)
-        kept = real & (self.window(view) | ~self.heads(view)[None, :, None])
-        t = kept.shape[-1]
-        order = torch.where(kept, torch.arange(t, device=kept.device), t).sort(dim=-1).values
-        order = order[..., : int(kept.sum(-1).max())]
-        return order.masked_fill(order == t, -1)
+        return padded_indices(view.real & (self.window(view) | ~self.heads(view)[None, :, None]))
 
     def validate(self, shortest_context: int | None) -> None:
         if isinstance(self.budget, int) and not isinstance(self.budget, bool):
