@@ -180,6 +180,8 @@ def main() -> None:
             check_writable(results_folder(argv))
     except ConfigError as err:
         fail(err)
+    except Exception:  # noqa: BLE001 - a bug before the model loads: exit 3 with the report line, never 1 (FAIL)
+        sys.exit(internal(traceback.format_exc()))
     try:
         with interrupt.deferred():  # the first Ctrl-C lets every job finish the sample in flight
             _job()

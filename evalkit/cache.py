@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
+from evalkit import contract
 from evalkit.attention import VALID
 from evalkit.policies import PER_TOKEN, KVPolicy, LayerView, gather_tokens
 
@@ -45,6 +46,7 @@ class EvictingLayer(DynamicLayer):
         self.observations = observations or {}  # per layer, from the prefill
         self.seen = seen
         self.valid: Tensor | None = None  # (B, Hkv, T_held) False on padding slots; None: every slot is a token
+        self.allowed: Tensor | None = None  # (B, Hkv) tokens the policy contract allowed at the last eviction
         self.device = keys.device
         self.is_initialized = True
 
@@ -144,18 +146,31 @@ def compress(cache: Cache, policy: KVPolicy, observations: dict[int, dict[str, T
 
 
 def enforce(cache: Cache, policy: KVPolicy) -> None:
-    """Evict until every evictable layer holds exactly the policy's target for the tokens seen."""
+    """Evict until every evictable layer holds the policy's target for the tokens seen, checking the policy's
+    contract as it goes (evalkit.contract): indices unique and in range, the tokens held within the budget plus the
+    tokens the policy declares protected. Each layer records what it was allowed (`allowed`, (B, Hkv))."""
     evictable = [i for i, layer in enumerate(cache.layers) if isinstance(layer, EvictingLayer)]
     n_layers = len(cache.layers)
+    seen = cache.layers[evictable[0]].seen
     # Layer-dependent budgets (PyramidKV) are spread over the layers that evict: on hybrid models the sliding-window
     # layers keep their own bound and take no share.
-    budgets = policy.keep_per_layer(cache.layers[evictable[0]].seen, len(evictable))
-    targets = dict(zip(evictable, budgets, strict=True))
-    for layer_idx in evictable:
+    with contract.calling(policy, "keep_per_layer"):
+        budgets = policy.keep_per_layer(seen, len(evictable))
+    budgets = contract.check_budgets(policy, budgets, len(evictable))
+    held = {}
+    for layer_idx, k in zip(evictable, budgets, strict=True):
         layer = cache.layers[layer_idx]
         view = layer.view(layer_idx, n_layers)
-        if policy.over(view, targets[layer_idx]):
-            layer.keep(policy.select(view, targets[layer_idx]))
+        layer.allowed = contract.allowance(policy, view, k, layer_idx)
+        with contract.calling(policy, "over", layer_idx):
+            over = policy.over(view, k)
+        if over:
+            with contract.calling(policy, "select", layer_idx):
+                idx = policy.select(view, k)
+            layer.keep(contract.check_indices(policy, idx, view, layer_idx))
+            contract.check_layer(policy, layer.tokens(), layer.allowed, k, layer_idx)
+        held[layer_idx] = (layer.tokens(), layer.allowed)
+    contract.check_held(policy, held, seen)
 
 
 def kv_bytes(cache: Cache) -> int:
@@ -204,6 +219,17 @@ def held_per_layer(cache: Cache) -> list[int | float]:
             out.append(layer.held if layer.valid is None else round(layer.tokens().float().mean().item(), 2))
         else:
             out.append(layer.keys.shape[-2] if layer.keys is not None else 0)
+    return out
+
+
+def allowed_per_layer(cache: Cache) -> list[int | float]:
+    """Tokens each layer was allowed per KV head at its last eviction (evalkit.contract: the budget plus the tokens the
+    policy declares protected; the mean over heads, 2 decimals); a layer that does not evict: what it holds."""
+    held = held_per_layer(cache)
+    out = []
+    for layer, n in zip(cache.layers, held, strict=True):
+        allowed = getattr(layer, "allowed", None)
+        out.append(n if allowed is None else round(allowed.float().mean().item(), 2))
     return out
 
 

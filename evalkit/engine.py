@@ -20,6 +20,7 @@ from transformers.cache_utils import Cache
 from evalkit.attention import PrefillObserver, ReconstructionObserver, StepObserver, observe, reconstruction_key
 from evalkit.cache import (
     allocated_per_layer,
+    allowed_per_layer,
     compress,
     deployed_bytes,
     enforce,
@@ -121,6 +122,8 @@ class Outcome:
     # packed-triton or packed-reference (the packed store, read by the Triton kernel or the PyTorch reference)
     attention_path: str = "dense"
     tokens_allocated: list[int] = field(default_factory=list)  # per layer, slots per KV head (ragged: the longest)
+    # per layer, the tokens per KV head the policy contract allowed (budget + declared protected; evalkit.contract)
+    tokens_allowed: list[int | float] = field(default_factory=list)
 
 
 @dataclass
@@ -132,11 +135,17 @@ class Held:
     deployed: int
     tokens: list[int | float]
     allocated: list[int]
+    allowed: list[int | float]
 
     @classmethod
     def of(cls, cache: Cache) -> Held:
         return cls(
-            kv_bytes(cache), fp16_bytes(cache), deployed_bytes(cache), held_per_layer(cache), allocated_per_layer(cache)
+            kv_bytes(cache),
+            fp16_bytes(cache),
+            deployed_bytes(cache),
+            held_per_layer(cache),
+            allocated_per_layer(cache),
+            allowed_per_layer(cache),
         )
 
 
@@ -167,6 +176,7 @@ def outcome(
         dict(seconds or {}),
         attention_path(cache),
         held.allocated,
+        held.allowed,
     )
 
 

@@ -16,6 +16,12 @@ class ConfigError(ValueError):
     """Bad configuration or input, detected before (or instead of) a confusing failure deep in a library."""
 
 
+class PolicyError(ConfigError):
+    """A policy broke its contract at run time (kept more than its budget allows, returned duplicate or out-of-range
+    indices, scored NaN) or raised inside its own code: exit 2, naming the policy, the layer and what it did. The
+    fault is in the policy, never "a bug in evalkit"."""
+
+
 class CannotJudge(ConfigError):
     """The gate cannot give a verdict on these records (duplicated or mixed rows, no policy rows, a baseline that
     cannot do the task, ...): exit 2, never a PASS, never confused with a FAIL."""

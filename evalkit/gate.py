@@ -18,18 +18,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from evalkit.analysis import BASELINE, chunked_vs_oneshot, is_baseline, merge, summarize
 from evalkit.cli import guarded
 from evalkit.decide import SHOWN_TO_FAIL, cell_decisions, plan, variant_decisions
 from evalkit.errors import EXIT_FAIL, EXIT_OK, CannotJudge, ConfigError
+from evalkit.evidence import contradictions, row_problem, run_problems
 from evalkit.plan import capacity
 from evalkit.records import RUN, SAMPLES, scan_rows, torn_line, write_atomic
 from evalkit.stats import MULTIPLICITY
@@ -86,26 +88,74 @@ def load_thresholds(name_or_path: str) -> Thresholds:
         path = Path(str(files("evalkit.conf") / "gate" / f"{name_or_path}.yaml"))
     if not path.is_file():
         raise ConfigError(f"gate {name_or_path!r}: no such gate config (conf/gate/<name>.yaml or a YAML path)")
-    return thresholds(OmegaConf.load(path), repr(name_or_path))
+    try:
+        node = OmegaConf.load(path)
+    except Exception as err:  # noqa: BLE001 - YAML or OmegaConf errors: a file the user wrote
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError(f"gate {name_or_path!r}: {path} is not valid YAML ({first}); fix the file") from None
+    return thresholds(node, repr(name_or_path))
+
+
+# Each threshold: the types it takes, its range as (low, high, low included, high included), and an example. None
+# (null in YAML) switches a check off where the field allows it (Thresholds).
+RANGES: dict[str, tuple[tuple[type, ...], tuple[float, float, bool, bool], str]] = {
+    "max_drop": ((int, float), (0, 1, True, True), "0.05"),
+    "confidence": ((float,), (0.5, 1, False, False), "0.95"),
+    "max_flip_rate": ((int, float), (0, 1, True, True), "0.10"),
+    "min_cell_accuracy": ((int, float), (0, 1, True, True), "0.5"),
+    "min_baseline_accuracy": ((int, float), (0, 1, True, True), "0.5"),
+    "max_mean_kl": ((int, float), (0, math.inf, True, False), "0.1"),
+    "min_samples": ((int,), (1, math.inf, True, False), "59"),
+    "min_compression": ((int, float), (0, 1, False, True), "0.99"),
+}
+NULLABLE = {"max_drop", "max_flip_rate", "min_cell_accuracy", "min_baseline_accuracy", "max_mean_kl", "min_samples"}
+
+
+def _in_range(value: float, lo: float, hi: float, lo_in: bool, hi_in: bool) -> bool:
+    return (lo <= value if lo_in else lo < value) and (value <= hi if hi_in else value < hi)
+
+
+def _interval(lo: float, hi: float, lo_in: bool, hi_in: bool) -> str:
+    return f"{'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}"
+
+
+def check_threshold(key: str, value: Any) -> None:
+    """ConfigError unless `value` has the type and lies in the range `key` takes (RANGES)."""
+    kinds, bounds, example = RANGES[key]
+    if value is None and key in NULLABLE:
+        return
+    off = ", or null to switch the check off" if key in NULLABLE else ""
+    number = isinstance(value, kinds) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or not _in_range(value, *bounds):
+        what = "a whole number" if kinds == (int,) else "a number"
+        raise ConfigError(f"gate.{key}={value!r}: give {what} in {_interval(*bounds)}, e.g. {example}{off}")
 
 
 def thresholds(node, where: str) -> Thresholds:
-    """Thresholds from a gate config (conf/gate/*.yaml, or the run's `gate` node); `where` names it in errors."""
-    cfg = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k != "name"}
+    """Thresholds from a gate config (conf/gate/*.yaml, or the run's `gate` node); `where` names it in errors. Every
+    threshold is typed and ranged (RANGES); a gate left with no accuracy check is refused."""
+    if not isinstance(node, (dict, DictConfig)):
+        kind = "a list" if isinstance(node, (list, ListConfig)) else type(node).__name__
+        raise ConfigError(f"gate {where} is {kind}, not a mapping of thresholds (max_drop: 0.05, ...); fix its YAML")
+    cfg = {k: v for k, v in OmegaConf.to_container(OmegaConf.create(node), resolve=True).items() if k != "name"}
     unknown = set(cfg) - set(Thresholds.__dataclass_fields__)
     if unknown:
         raise ConfigError(f"gate {where}: unknown thresholds {sorted(unknown)}")
     t = Thresholds(**cfg)
-    if not (isinstance(t.confidence, float) and 0.5 < t.confidence < 1):
-        raise ConfigError(f"gate.confidence={t.confidence!r}: give a one-sided confidence in (0.5, 1), e.g. 0.95")
+    for key in RANGES:
+        check_threshold(key, getattr(t, key))
     if t.multiplicity not in MULTIPLICITY:
         raise ConfigError(f"gate.multiplicity={t.multiplicity!r} is not one of {list(MULTIPLICITY)}")
-    for key in ("max_drop", "max_flip_rate", "min_cell_accuracy", "min_baseline_accuracy"):
-        value = getattr(t, key)
-        if value is not None and not (isinstance(value, (int, float)) and 0 <= value <= 1):
-            raise ConfigError(f"gate.{key}={value!r}: give a share in [0, 1], or null to switch the check off")
-    if t.min_samples is not None and (not isinstance(t.min_samples, int) or t.min_samples < 1):
-        raise ConfigError(f"gate.min_samples={t.min_samples!r}: give a whole number >= 1, or null for the default")
+    cap = t.capacity
+    if not isinstance(cap, dict) or set(cap) != {"gpu_gib", "context"} or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in cap.values()
+    ):
+        raise ConfigError(f"gate.capacity={cap!r}: give {{gpu_gib: 80, context: 32768}}, both numbers > 0")
+    if t.max_drop is None and t.max_flip_rate is None:
+        raise ConfigError(
+            f"gate {where}: max_drop and max_flip_rate are both null, so no check could show the policy keeps the "
+            "baseline's accuracy and any variant would PASS; set at least one, e.g. max_drop: 0.05"
+        )
     return t
 
 
@@ -120,7 +170,6 @@ ROW_FIELDS = (
     "kv_bytes_baseline",
     "peak_kv_bytes",
 )
-NUMBERS = ("score", "baseline_score", "kv_bytes", "kv_bytes_baseline", "peak_kv_bytes")
 LISTED = 3  # bad lines named per file; the rest are counted
 
 
@@ -135,12 +184,14 @@ def read_runs(run_dirs: list[Path]) -> Records:
             raise ConfigError(f"{d}: no {SAMPLES} found; give an evalkit run folder (results/...)")
         for run in found:
             info, problem = read_info(run / RUN)
+            problem = problem or next(iter(run_problems(info, str(run / RUN))), None)
             if problem:
                 problems.append(problem)
             else:
-                infos.append(info)
-            rows, bad = read_records(run / SAMPLES)
-            problems += bad or check_rows(rows, str(run / SAMPLES), info.get("run_id"))
+                infos.append({**info, "_folder": str(run.resolve())})  # in memory only: the folder the advice extends
+            rows, lines, bad = read_records(run / SAMPLES)
+            where = str(run / SAMPLES)
+            problems += bad or check_rows(rows, where, info.get("run_id")) or contradictions(rows, lines, where)
             runs.append((run.resolve(), info, _once(rows)))
     return Records(merge(runs), infos, problems)
 
@@ -168,24 +219,16 @@ def read_info(path: Path) -> tuple[dict, str | None]:
     return info, None
 
 
-def read_records(path: Path) -> tuple[list[dict], list[str]]:
-    """The rows of a samples.jsonl that the gate can read, and a problem for every line it cannot (torn included)."""
+def read_records(path: Path) -> tuple[list[dict], list[int], list[str]]:
+    """The rows of a samples.jsonl that the gate can read, the line of each, and a problem for every line it cannot
+    (torn included; a row whose scores or bytes are not finite numbers in range, evalkit.evidence.row_problem)."""
     try:
-        rows, bad, torn, _ = scan_rows(path, ROW_FIELDS, _wrong)
+        rows, bad, torn, _, lines = scan_rows(path, ROW_FIELDS, row_problem)
     except ConfigError as err:
-        return [], [str(err)]
+        return [], [], [str(err)]
     if len(bad) > LISTED:
         bad = [*bad[:LISTED], f"{path}: {_n(len(bad) - LISTED, 'more line')} like these"]
-    return rows, bad + ([torn_line(path, torn)] if torn is not None else [])
-
-
-def _wrong(row: dict) -> str | None:
-    for k in NUMBERS:
-        if isinstance(row[k], bool) or not isinstance(row[k], (int, float)):
-            return f"has {k}={row[k]!r}, not a number"
-    if not isinstance(row["cell"], dict):
-        return f"has cell={row['cell']!r}, not an object"
-    return None
+    return rows, lines, bad + ([torn_line(path, torn)] if torn is not None else [])
 
 
 def _once(rows: list[dict]) -> list[dict]:
@@ -408,10 +451,30 @@ def _advice(decisions: dict[str, Any], summary: dict[str, Any], infos: list[dict
     task = ((infos[0].get("config") or {}).get("task") or {}) if len(infos) == 1 else {}
     n_cells = len({c.cell for c in cells if c.variant == name}) or 1
     if "samples_per_cell" in task:
-        text += f", e.g. task.samples_per_cell={math.ceil(need / n_cells)} resume=true"
+        setting = f"task.samples_per_cell={math.ceil(need / n_cells)}"
     elif "limit" in task:
-        text += f", e.g. task.limit={need} resume=true"
-    return text
+        setting = f"task.limit={need}"
+    else:
+        return text
+    command = extend_command(infos[0], setting)
+    return text + (f": {command}" if command else f", e.g. {setting} resume=true")
+
+
+RUNNERS = ("__main__.py", "evalkit")  # `python -m evalkit` and the `evalkit` script: what writes a run's command
+
+
+def extend_command(info: dict, setting: str) -> str | None:
+    """The command that extends a run in its own folder: the one that wrote it (run.json `command`), with `setting`
+    (`task.limit=59`) in place of its own, resume=true and hydra.run.dir naming the folder. None where the run was
+    not written by `python -m evalkit` (lm-eval's command line)."""
+    argv, folder = info.get("command"), info.get("_folder")
+    if not isinstance(argv, list) or not argv or folder is None or Path(str(argv[0])).name not in RUNNERS:
+        return None
+    key = setting.split("=", 1)[0]
+    drop = (key, "resume", "hydra.run.dir")
+    args = [str(a) for a in argv[1:] if str(a).lstrip("+~").split("=", 1)[0] not in drop]
+    args += [setting, "resume=true", f"hydra.run.dir={folder}"]
+    return "python -m evalkit " + " ".join(shlex.quote(a) for a in args)
 
 
 def _field(info: dict, key: str) -> Any:

@@ -24,8 +24,10 @@ document's own length, never the -1 lm-eval logs under the lengths a document wa
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
+import math
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
@@ -36,7 +38,7 @@ from typing import Any
 import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from platformdirs import user_cache_dir
 from torch import Tensor
 from tqdm import tqdm
@@ -58,7 +60,7 @@ from evalkit.engine import (
 )
 from evalkit.errors import ConfigError
 from evalkit.policies import Need
-from evalkit.prompt import Prompt
+from evalkit.prompt import Prompt, context_digest
 
 TASKS = ("evalkit_recall",)
 
@@ -112,6 +114,27 @@ def _scored(logits: list[Tensor], targets: Tensor) -> tuple[float, bool]:
     return float(lp.gather(1, targets[:, None]).sum()), bool((lp.argmax(-1) == targets).all())
 
 
+# What `--model_args` takes for the evalkit model (EvalkitLM's own arguments).
+MODEL_ARGS = ("model", "variant", "device", "max_gen_toks", "rolling_split", "metric", "records")
+
+
+def unknown_arg(key: str) -> str:
+    near = difflib.get_close_matches(key, MODEL_ARGS, n=1)
+    hint = f" (did you mean {near[0]}?)" if near else ""
+    return f"--model_args {key}=...: the evalkit model takes no {key!r}{hint}; its arguments: {', '.join(MODEL_ARGS)}"
+
+
+def model_config(name: str) -> DictConfig:
+    """conf/model/NAME.yaml, or a ConfigError listing the model names there."""
+    path = files("evalkit.conf") / "model" / f"{name}.yaml"
+    if not path.is_file():
+        names = sorted(p.name[:-5] for p in (files("evalkit.conf") / "model").iterdir() if p.name.endswith(".yaml"))
+        near = difflib.get_close_matches(str(name), names, n=1)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        raise ConfigError(f"--model_args model={name!r}: unknown model{hint}; valid names: {', '.join(names)}")
+    return OmegaConf.load(path)
+
+
 @register_model("evalkit")
 class EvalkitLM(LM):
     """An lm-eval model running an evalkit variant (`variant=snapkv@0.25+int4`) beside the full-cache baseline."""
@@ -126,14 +149,18 @@ class EvalkitLM(LM):
         loaded: models.LoadedModel | None = None,
         metric: str | None = None,
         records: str | None = None,
-        **_: Any,
+        batch_size: Any = None,  # lm-eval passes these to every model; evalkit decodes one request at a time
+        max_batch_size: Any = None,
+        **unknown: Any,
     ):
         super().__init__()
+        if unknown:
+            raise ConfigError(unknown_arg(sorted(unknown)[0]))
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             print(f"evalkit: device={device} but CUDA is not available; running on the CPU", file=sys.stderr)
             device = "cpu"
         if loaded is None:
-            loaded = models.load(OmegaConf.load(files("evalkit.conf") / "model" / f"{model}.yaml"), device)
+            loaded = models.load(model_config(model), device)
         self.loaded, self.model, self.tok = loaded, loaded.model, loaded.tokenizer
         (self.variant,) = parse_variants(OmegaConf.create({"seed": 0, "variants": [variant]}))
         self.max_gen_toks, self.rolling_split = int(max_gen_toks), float(rolling_split)
@@ -187,11 +214,13 @@ class EvalkitLM(LM):
             self._forced("baseline", ctx.full, tokens, ctx.full_peak, evict=False),
         )
 
-    def _note(self, request, variant: Outcome, baseline: Outcome, n_context: int) -> None:
+    def _note(self, request, variant: Outcome, baseline: Outcome, context: Tensor) -> None:
         """The KV bytes of a request's variant and baseline, recorded for its document (fields as in the engine's
-        records; the peaks and final bytes are the largest over the document's requests)."""
-        chunk = self.variant.chunk
+        records; the peaks and final bytes are the largest over the document's requests); `context` (1, n): the ids
+        prefilled and compressed, which name the document's context (its first request's)."""
+        chunk, n_context = self.variant.chunk, context.shape[1]
         fields = {
+            "context_id": context_digest(context[0].cpu().numpy().tobytes()),
             "kv_bytes_baseline": baseline.kv_bytes,
             "kv_bytes_baseline_deployed": baseline.kv_bytes_deployed,
             "prefill": {"mode": "chunked", "chunk": chunk} if chunk else {"mode": "oneshot"},
@@ -215,10 +244,13 @@ class EvalkitLM(LM):
                 "prefill_peak_tokens": o.prefill_peak_tokens,
                 "tokens_held_per_layer": o.tokens_held,
                 "tokens_allocated_per_layer": o.tokens_allocated,
+                "tokens_allowed_per_layer": o.tokens_allowed,
                 **extra,
             }
             old = store.get(key, {})
             store[key] = {**new, **{k: max(new[k], old[k]) for k in MAXED if k in old}}
+            if "context_id" in old:
+                store[key]["context_id"] = old["context_id"]
 
     # -- lm-eval's request types --------------------------------------------------------------------------
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
@@ -240,7 +272,7 @@ class EvalkitLM(LM):
                 variant, baseline = self._both(prefilled, torch.cat([ids[0, -1:], targets])[None])
                 out[i] = _scored(variant.logits, targets)
                 self.baseline_answers[_key("loglikelihood", requests[i].args)] = _scored(baseline.logits, targets)
-                self._note(requests[i], variant, baseline, prefilled.n)
+                self._note(requests[i], variant, baseline, ids[:, :-1])
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -262,7 +294,7 @@ class EvalkitLM(LM):
             out.append(head_lp + _scored(variant.logits, tail[0, 1:])[0])
             base = head_lp + _scored(baseline.logits, tail[0, 1:])[0]
             self.baseline_answers[_key("loglikelihood_rolling", req.args)] = base
-            self._note(req, variant, baseline, prefilled.n)
+            self._note(req, variant, baseline, ids_t[:, : split - 1])
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
@@ -277,7 +309,7 @@ class EvalkitLM(LM):
             self.variant.check(prompt.n_context, "generate_until context")
             max_new = int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
             base, (var,) = run_sample(self.model, prompt, [self.variant], max_new, stop)
-            self._note(req, var, base, prompt.n_context)
+            self._note(req, var, base, ids[:, : prompt.n_context])
             texts = [self._cut(self.tok.decode(o.tokens, skip_special_tokens=True), until) for o in (var, base)]
             out.append(texts[0])
             self.baseline_answers[_key("generate_until", req.args)] = texts[1]
@@ -377,17 +409,20 @@ def _is_ruler(task, names: list[str]) -> bool:
     return len(docs) > 0 and "max_length" in docs[0]
 
 
-def plan_metrics(tasks: dict[str, Any], wanted: str | dict[str, str] | None) -> dict[str, str | None]:
+def plan_metrics(
+    tasks: dict[str, Any], wanted: str | dict[str, str] | None, key: str = "task.metric"
+) -> dict[str, str | None]:
     """The per-document metric each lm-eval task's rows are scored by, chosen before any document runs.
 
     `wanted` (task.metric): one name for every task, or {task: name}. Unset, a task's metric is its only one;
     RULER's is the document's own length (OWN_LENGTH: never another length's -1 placeholder); LongBench's `score`.
-    A task that logs several metrics and has no default is refused (ConfigError), as is a name it does not log."""
+    A task that logs several metrics and has no default is refused (ConfigError), as is a name it does not log;
+    errors name the setting as the user gave it (`key`: task.metric, or lm-eval's `--model_args metric`)."""
     if isinstance(wanted, dict):
         unknown = sorted(set(wanted) - set(tasks))
         if unknown:
             raise ConfigError(
-                f"task.metric names {', '.join(map(repr, unknown))}, not among the tasks run: {', '.join(tasks)}"
+                f"{key} names {', '.join(map(repr, unknown))}, not among the tasks run: {', '.join(tasks)}"
             )
     plan: dict[str, str | None] = {}
     for name, task in tasks.items():
@@ -397,22 +432,22 @@ def plan_metrics(tasks: dict[str, Any], wanted: str | dict[str, str] | None) -> 
             lengths = sorted({int(d["max_length"]) for d in task.eval_docs})
             if asked is not None and [str(n) for n in lengths] != [str(asked)]:
                 raise ConfigError(
-                    f"task.metric={asked!r} for {name}: RULER scores each document under its own length "
-                    f"({', '.join(map(str, lengths))} here) and logs -1 under every other one; leave task.metric "
+                    f"{key}={asked!r} for {name}: RULER scores each document under its own length "
+                    f"({', '.join(map(str, lengths))} here) and logs -1 under every other one; leave {key} "
                     "unset for RULER"
                 )
             plan[name] = OWN_LENGTH
         elif asked is not None:
             if asked not in names:
-                raise ConfigError(f"task.metric={asked!r}: lm-eval task {name!r} logs {', '.join(names)} per document")
+                raise ConfigError(f"{key}={asked!r}: lm-eval task {name!r} logs {', '.join(names)} per document")
             plan[name] = asked
         else:
             default = next((m for p, m in DEFAULT_METRICS.items() if name.startswith(p) and m in names), None)
             if default is None and len(names) != 1:
                 raise ConfigError(
                     f"lm-eval task {name!r} logs several per-document metrics ({', '.join(names)}): choose the one "
-                    f"flips are scored by with task.metric={names[0] if names else 'NAME'} "
-                    f"(or task.metric.{name}=...; from lm-eval's command line, --model_args metric=...)"
+                    f"flips are scored by with {key}={names[0] if names else 'NAME'} "
+                    f"(or {key}.{name}=...; from lm-eval's command line, --model_args metric=...)"
                     if names
                     else f"lm-eval task {name!r} logs no per-document metric; evalkit's records need one"
                 )
@@ -430,6 +465,11 @@ def doc_score(task: str, doc: dict, plan: dict[str, str | None]) -> tuple[str, f
     value = doc.get(metric)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"lm-eval task {task!r} logged no numeric {metric!r} for document {doc['doc_id']}")
+    if not (math.isfinite(value) and 0 <= value <= 1):
+        raise ConfigError(
+            f"lm-eval task {task!r} logged {metric}={value!r} for document {doc['doc_id']}: the gate judges "
+            "per-document scores in [0, 1] (right = 1); choose such a metric (task.metric, or --model_args metric=...)"
+        )
     return metric, float(value)
 
 
@@ -508,8 +548,8 @@ def write_records(out_dir: Path, rows: list[dict], run_info: dict, task_name: st
     """samples.jsonl (rows with flips, as the Hydra route writes them), run.json and summary.json in out_dir; the
     summary."""
     from evalkit.analysis import format_summary, summarize
+    from evalkit.evidence import flip
     from evalkit.records import RUN, SAMPLES, SUMMARY, RecordWriter, read_rows, write_json
-    from evalkit.run import flip
 
     if (out_dir / SAMPLES).exists():
         raise ConfigError(f"{out_dir} already holds results; choose another folder with --model_args records=DIR")
@@ -572,7 +612,7 @@ def _paired_evaluate(real, *, model=None, model_args=None, **kwargs):
     objects = load_tasks(
         manager, list(names), {k: kwargs.get(k) for k in ("random_seed", "numpy_random_seed", "torch_random_seed")}
     )
-    plan = plan_metrics(manager.load(objects)["tasks"], lm.metric)
+    plan = plan_metrics(manager.load(objects)["tasks"], lm.metric, "--model_args metric")
     asked_samples = bool(kwargs.pop("log_samples", False))
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
     run = real(model=lm, tasks=objects, task_manager=manager, log_samples=True, **kwargs)

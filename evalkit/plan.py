@@ -111,6 +111,31 @@ def _sliding(cfg: dict, layers: int) -> tuple[bool, ...]:
     return (True,) * layers
 
 
+def _head_dim(hidden: int, heads: int, name: str) -> int:
+    """hidden / heads, which must divide (a config with no head_dim)."""
+    if heads > 0 and hidden % heads:
+        raise ConfigError(
+            f"model {name}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} and the config "
+            "gives no head_dim; fix the config (or give head_dim)"
+        )
+    return hidden // heads if heads > 0 else 0
+
+
+def _check_heads(name: str, layers: int, heads: int, kv_heads: object, head_dim: object) -> None:
+    """Layers and heads that a transformer can have: positive counts, KV heads dividing the query heads."""
+    counts = (("num_hidden_layers", layers), ("num_attention_heads", heads), ("num_key_value_heads", kv_heads))
+    for key, value in counts:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"model {name}: {key}={value!r} in its config; give a whole number >= 1")
+    if kv_heads > heads or heads % kv_heads:
+        raise ConfigError(
+            f"model {name}: num_key_value_heads={kv_heads} does not divide num_attention_heads={heads} (each KV head "
+            "serves a whole group of query heads, at most all of them); fix the config"
+        )
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 1:
+        raise ConfigError(f"model {name}: head_dim={head_dim!r} in its config; give a whole number >= 1")
+
+
 def arch_from_config(raw: dict, name: str) -> Arch:
     """The Arch of a Hugging Face config dict; a ConfigError naming the first key it lacks."""
     cfg = _text_config(raw)
@@ -126,8 +151,9 @@ def arch_from_config(raw: dict, name: str) -> Arch:
         need("num_attention_heads", "n_head"),
         need("hidden_size", "n_embd", "d_model"),
     )
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or hidden // heads
+    kv_heads = heads if cfg.get("num_key_value_heads") is None else cfg["num_key_value_heads"]  # 0 is refused
+    head_dim = cfg.get("head_dim") or _head_dim(hidden, heads, name)
+    _check_heads(name, layers, heads, kv_heads, head_dim)
     mla = None
     if cfg.get("kv_lora_rank"):
         mla = (int(cfg["kv_lora_rank"]), int(cfg.get("qk_rope_head_dim") or 0))
@@ -494,9 +520,10 @@ def offload(kv_step_bytes: float, weights_bytes: float, hbm_gbps: float, link_gb
 
 def measured_variants(run_dirs: list[Path]) -> list[dict[str, Any]]:
     """Each variant of each run folder: its KV bytes as a deployment holds them, their ratio to the full cache's
-    (measured on the run's model), and the gate's verdict on it where the folder holds one (verdict.json)."""
+    (measured on the run's model), and the gate's verdict on it, judged here from the records (with the thresholds of
+    the folder's verdict.json where it holds one, else conf/gate/default.yaml): a verdict.json is never believed."""
     from evalkit.analysis import is_baseline, summarize
-    from evalkit.gate import VERDICT, read_runs
+    from evalkit.gate import VERDICT, judge, load_thresholds, read_runs, thresholds
 
     out = []
     for d in run_dirs:
@@ -507,20 +534,21 @@ def measured_variants(run_dirs: list[Path]) -> list[dict[str, Any]]:
             raise ConfigError(f"plan.runs: {d}: {records.problems[0]}")
         if not records.rows:
             raise ConfigError(f"plan.runs: {d} holds no records (samples.jsonl); give a finished evalkit run")
-        verdict = json.loads((d / VERDICT).read_text()) if (d / VERDICT).is_file() else None
+        written = _read_verdict(d / VERDICT)
+        t = thresholds(written["thresholds"], f"in {d / VERDICT}") if written else load_thresholds("default")
+        verdict = judge(records.rows, records.infos, t)
         model = ((records.infos[0] if records.infos else {}).get("model") or {}).get("name")
         for name, s in summarize(records.rows).items():
             if is_baseline(name):
                 continue
-            status, why = "not gated", f"run python -m evalkit.gate {d}"
-            if verdict is not None:
-                status = ((verdict.get("variants", {}).get(name) or {}).get("gate") or {}).get("status")
-                status = status or verdict.get("verdict", "not gated")
-                failed = failed_cells(verdict, name)
-                reasons = [r for r in verdict.get("reasons", []) if r.startswith(f"{name}:")]
-                why = f"on cells {', '.join(failed)}" if failed else (reasons[0] if reasons else "")
-                if status != "FAIL" and verdict.get("verdict") == "CANNOT JUDGE":
-                    status, why = "CANNOT JUDGE", (verdict.get("reasons") or [""])[0]
+            status = ((verdict.variants.get(name) or {}).get("gate") or {}).get("status") or verdict.status
+            failed = failed_cells({"cells": verdict.cells}, name)
+            reasons = [r for r in verdict.reasons if r.startswith(f"{name}:")]
+            why = f"on cells {', '.join(failed)}" if failed else (reasons[0] if reasons else "")
+            if status != "FAIL" and verdict.status == "CANNOT JUDGE":
+                status, why = "CANNOT JUDGE", (verdict.reasons or [""])[0]
+            if not written:  # no thresholds to judge with but the default ones: say so
+                why = "; ".join(filter(None, ["judged here at conf/gate/default.yaml", why]))
             out.append(
                 {
                     "variant": name,
@@ -597,6 +625,11 @@ def settings(node: DictConfig) -> Settings:
         positive("weights_gib")
     if not isinstance(s.runs, list):
         raise ConfigError(f"plan.runs={s.runs!r}: give a list of run folders, e.g. plan.runs=[results/a,results/b]")
+    if s.p95_context < s.context:
+        raise ConfigError(
+            f"plan.p95_context={s.p95_context} is below plan.context={s.context} (the median): the 95th percentile of "
+            f"context lengths is at least the median; give e.g. plan.p95_context={2 * s.context}"
+        )
     return s
 
 
@@ -822,6 +855,18 @@ def make_plan(model: DictConfig, s: Settings) -> dict[str, Any]:
 
 
 # --- output ----------------------------------------------------------------------------------------------------------
+
+
+def _read_verdict(path: Path) -> dict | None:
+    """A folder's verdict.json, for its thresholds only (the verdict itself is judged again): None where there is
+    none or it holds no thresholds."""
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{path}: cannot be read ({err}); delete it, or judge the run again") from None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("thresholds"), dict) else None
 
 
 def failed_cells(verdict: dict, name: str) -> list[str]:

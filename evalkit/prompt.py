@@ -6,6 +6,7 @@ the baseline and every variant therefore see exactly the ids of the joined promp
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from itertools import pairwise
 
@@ -45,6 +46,23 @@ class Prompt:
     evidence: list[int]  # absolute positions of the tokens that hold the answer
     protocol: str
     repeat: Repeat | None = None  # KVzip's reconstruction prompt (build_prompt sets it); None: Repeat()
+
+    @property
+    def context_ids(self) -> bytes:
+        """The ids this prompt prefills and compresses: prompts with the same ones share one prefill and compression
+        (several questions on one context)."""
+        return self.ids[0, : self.n_context].cpu().numpy().tobytes()
+
+    @property
+    def context_id(self) -> str:
+        """Names the compressed context in every row (16 hex digits of the sha256 of its ids): the unit of evidence,
+        shared by the questions answered from one prefill."""
+        return context_digest(self.context_ids)
+
+
+def context_digest(ids: bytes) -> str:
+    """16 hex digits of the sha256 of a context's token ids (as int64 bytes)."""
+    return hashlib.sha256(ids).hexdigest()[:16]
 
 
 def prompt_text(tokenizer: PreTrainedTokenizerBase, sample: Sample) -> tuple[str, int, bool]:

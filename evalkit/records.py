@@ -7,6 +7,7 @@ to the last whole row and reported as a ConfigError that names the file and the 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -22,20 +23,24 @@ RUN = "run.json"
 SUMMARY = "summary.json"
 
 
+BASELINE = "baseline"  # the full cache's variant label
+# What a task's config holds about how many samples to draw, not which: a run extended with more samples (resume=true
+# and a larger count) keeps its identity, and its samples' digests prove the old ones unchanged.
+SAMPLE_COUNT = ("samples_per_cell", "limit", "fraction")
 KEYS = ("sample_id", "variant")  # what every row has: (sample_id, variant) names it
 CORRUPT = "the file was edited or corrupted: fix or delete that line, or move the file away to start the run afresh"
 
 
 def scan_rows(
     path: Path, required: tuple[str, ...] = KEYS, check: Callable[[dict], str | None] | None = None
-) -> tuple[list[dict[str, Any]], list[str], int | None, int]:
+) -> tuple[list[dict[str, Any]], list[str], int | None, int, list[int]]:
     """Every row of a samples.jsonl that is a JSON object with the `required` fields (and passes `check`, which says
     what is wrong with a row, e.g. "has score='x', not a number", or None), and what is wrong with the rest.
 
-    Returns (rows, problems, torn, end): each problem names `file:line` and the fix; `torn` is the number of a final
-    line with no newline (a write that was killed), None when the file ends whole; `end` is the byte offset where the
-    whole lines end. Bad content raises nothing (read_rows raises, the gate lists it); an unreadable file is a
-    ConfigError.
+    Returns (rows, problems, torn, end, lines): each problem names `file:line` and the fix; `torn` is the number of a
+    final line with no newline (a write that was killed), None when the file ends whole; `end` is the byte offset
+    where the whole lines end; `lines[i]` is the line rows[i] was read from. Bad content raises nothing (read_rows
+    raises, the gate lists it); an unreadable file is a ConfigError.
     """
     try:
         data = path.read_bytes()
@@ -43,6 +48,7 @@ def scan_rows(
         raise ConfigError(f"{path}: cannot be read ({err.strerror or err}); fix its permissions") from None
     rows: list[dict[str, Any]] = []
     problems: list[str] = []
+    lines: list[int] = []
     torn, end = None, 0
     for n, line in enumerate(data.splitlines(keepends=True), start=1):
         if not line.endswith(b"\n"):
@@ -73,7 +79,8 @@ def scan_rows(
             problems.append(f"{path}:{n}: line {n} {wrong}; {CORRUPT}")
             continue
         rows.append(row)
-    return rows, problems, torn, end
+        lines.append(n)
+    return rows, problems, torn, end, lines
 
 
 def _json_kind(value: Any) -> str:
@@ -90,7 +97,7 @@ def read_rows(path: Path, repair: bool = False) -> list[dict[str, Any]]:
     A whole line that is not a JSON object with sample_id and variant is a ConfigError naming `file:line`."""
     if not path.exists():
         return []
-    rows, problems, torn, end = scan_rows(path)
+    rows, problems, torn, end, _ = scan_rows(path)
     if problems:
         raise ConfigError(problems[0] + (f" ({len(problems) - 1} more bad lines)" if len(problems) > 1 else ""))
     if repair and torn is not None:
@@ -207,3 +214,20 @@ def config_differences(old: dict[str, Any], new: dict[str, Any], prefix: str = "
         elif a != b:
             diffs.append(f"{prefix}{key}: {a!r} -> {b!r}")
     return diffs
+
+
+def sample_identity(info: dict) -> str:
+    """What makes a run's sample ids mean the same samples: the task's config less its sample count, the seed and the
+    digests of the input files (12 hex digits of their sha256)."""
+    config = info.get("config") or {}
+    task = {k: v for k, v in (config.get("task") or {}).items() if k not in SAMPLE_COUNT}
+    files = sorted(((info.get("data") or {}).get("files") or {}).values())
+    text = json.dumps({"task": task, "seed": config.get("seed"), "files": files}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def sample_key(identity: str, info: dict, sample_id: str) -> str:
+    """One sample across folders: the run's sample identity, the sample's id, and its content digest where run.json
+    holds one (evalkit.run records every sample's)."""
+    digest = (((info.get("data") or {}).get("samples") or {}) or {}).get(str(sample_id), "")
+    return f"{identity}:{digest}:{sample_id}"

@@ -21,17 +21,20 @@ from evalkit.config import build, validate
 from evalkit.config import variants as configured_variants
 from evalkit.engine import Outcome, Variant, run_sample
 from evalkit.errors import ConfigError
+from evalkit.evidence import contradictions, flip, row_problem
 from evalkit.fidelity import fidelity
 from evalkit.lock import RunLock
 from evalkit.models import file_sha256
 from evalkit.prompt import Prompt, build_prompt
 from evalkit.records import (
     RUN,
+    SAMPLE_COUNT,
     SAMPLES,
     SUMMARY,
     RecordWriter,
     config_differences,
     read_rows,
+    scan_rows,
     versions,
     write_json,
 )
@@ -66,6 +69,7 @@ def _run(cfg: DictConfig, out_dir: Path, task: Task, variants: list[Variant]) ->
         samples = task.samples(tokenizer)
         _check_samples_unchanged(run_info, samples, out_dir)
         prompts = [build_prompt(tokenizer, s, cfg.protocol) for s in samples]
+        check_written(rows_path, task, samples, prompts)
         check_samples(samples, prompts, models.max_context(cfg.model), cfg, task, variants)
         write_json(out_dir / RUN, run_info)
     loaded = models.load(cfg.model, cfg.device)
@@ -91,7 +95,7 @@ def _run(cfg: DictConfig, out_dir: Path, task: Task, variants: list[Variant]) ->
     if done:
         print(f"evalkit: resuming {out_dir}: {len(samples) - len(pending)} of {len(samples)} samples already done")
     stop_ids = _stop_ids(loaded)
-    contexts = [_context_key(p) for _, p in pending]
+    contexts = [p.context_ids for _, p in pending]
     shared = None
     writer = RecordWriter(rows_path)
     try:
@@ -132,6 +136,45 @@ def _run(cfg: DictConfig, out_dir: Path, task: Task, variants: list[Variant]) ->
         writer.close()
 
     return _finish(rows_path, out_dir)
+
+
+def check_written(path: Path, task: Task, samples: list[Sample], prompts: list[Prompt]) -> None:
+    """Before a run is resumed or extended, the rows already written must be what this run would have written:
+    each consistent with its baseline row (evalkit.evidence), its score re-derived from its prediction by the task's
+    scorer (teacher-forced rows, scored from logits, excepted), its context_id that of the sample's prompt. An edited
+    row is refused, naming file:line, rather than carried into the extended run."""
+    if not path.exists():
+        return
+    rows, _, _, _, lines = scan_rows(path)
+    problems = contradictions(rows, lines, str(path))
+    by_id = {s.id: (s, p) for s, p in zip(samples, prompts, strict=True)}
+    for row, n in zip(rows, lines, strict=True):
+        try:
+            why = row_problem(row)
+        except KeyError as err:
+            why = f"lacks {err.args[0]}"
+        sample, prompt = by_id.get(row["sample_id"], (None, None))
+        if why is None and sample is not None:
+            why = _rederived(row, task, sample, prompt)
+        if why:
+            problems.append(f"{path}:{n}: {why}")
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ConfigError(
+            f"resume=true, but a row already written is not what this run writes: {problems[0]}{more}; the records "
+            "were edited: restore them, or run afresh in a new folder"
+        )
+
+
+def _rederived(row: dict, task: Task, sample: Sample, prompt: Prompt) -> str | None:
+    if row.get("context_id") is not None and row["context_id"] != prompt.context_id:
+        return f"context_id={row['context_id']!r}, but the sample's prompt compresses context {prompt.context_id!r}"
+    if task.teacher_forced or not isinstance(row.get("prediction"), str):
+        return None
+    score = task.score(row["prediction"], sample)
+    if score != row["score"]:
+        return f"score={row['score']!r}, but its prediction {row['prediction'][:60]!r} scores {score!r}"
+    return None
 
 
 def prepare_policies(variants: list[Variant], loaded) -> dict[str, dict]:
@@ -194,11 +237,6 @@ def score_outcomes(loaded, task: Task, sample: Sample, prompt: Prompt, baseline:
     return [(base_score, base_score, {})] + [(task.score(_text(loaded, o), sample), base_score, {}) for o in outcomes]
 
 
-def flip(score: float, base_score: float) -> str | None:
-    """`lost` when the variant scores below the baseline on the sample, `gained` above, None when equal."""
-    return None if score == base_score else ("lost" if score < base_score else "gained")
-
-
 def check_samples(
     samples: list[Sample], prompts: list[Prompt], limit: int, cfg: DictConfig, task: Task, variants: list[Variant]
 ) -> None:
@@ -241,9 +279,9 @@ def budget_clipped(variant: Variant | None, prompt: Prompt) -> bool | None:
 # The gate and the logger read the records, they do not change them, and results_root is where the folder lies,
 # not what it measured: a resumed run may differ in them (a copied or moved folder resumes).
 NOT_IDENTITY = ("resume", "gate", "logger", "results_root")
-# How many samples a task generates is not part of the identity either: samples are generated the same whatever the
-# count, and their digests prove it (_check_samples_unchanged), so resume=true with a larger count extends a run.
-SAMPLE_COUNT = ("samples_per_cell",)
+# How many samples a task generates (records.SAMPLE_COUNT) is not part of the identity either: samples are generated
+# the same whatever the count, and their digests prove it (_check_samples_unchanged), so resume=true with a larger
+# count extends a run.
 
 
 def _identity(config: dict) -> dict:
@@ -382,11 +420,6 @@ def _check_model(run_info: dict, loaded: models.LoadedModel) -> None:
         raise ConfigError(f"resume=true, but the model weights changed ({old} -> {loaded.fingerprint})")
 
 
-def _context_key(prompt: Prompt) -> bytes:
-    """The ids a prompt prefills and compresses: prompts with the same key share one prefill (run_sample's shared)."""
-    return prompt.ids[0, : prompt.n_context].numpy().tobytes()
-
-
 def _stop_ids(loaded: models.LoadedModel) -> set[int]:
     ids = {loaded.tokenizer.eos_token_id}
     eos = getattr(loaded.model.generation_config, "eos_token_id", None)
@@ -438,9 +471,11 @@ def _row(
         else None,
         "tokens_held_per_layer": outcome.tokens_held,
         "tokens_allocated_per_layer": outcome.tokens_allocated,
+        "tokens_allowed_per_layer": outcome.tokens_allowed,
         "evidence_retained_per_layer": outcome.evidence_retained,
         "budget_clipped": budget_clipped(variant, prompt),
         "context_tokens": prompt.n_context,
+        "context_id": prompt.context_id,  # the compressed context: questions answered from one prefill share it
         "prompt_tokens": int(prompt.ids.shape[1]),
         "generated_tokens": len(outcome.tokens),
         "seconds": {k: round(v, 4) for k, v in outcome.seconds.items()},

@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from evalkit.errors import ConfigError
+from evalkit.errors import ConfigError, PolicyError
 from evalkit.hydra_errors import check_fields
 
 
@@ -116,7 +116,7 @@ class KVPolicy:
 
     def select(self, view: LayerView, k: int) -> Tensor:
         """(B, Hkv, k) ascending indices of the tokens each KV head keeps."""
-        scores = self.score(view).float()
+        scores = checked_scores(self, self.score(view), view)
         protected = self.protected(view, k)
         if protected is not None:
             if int(protected.sum(-1).max()) > k:
@@ -244,6 +244,24 @@ class Wrapper(KVPolicy):
             raise ConfigError(str(err).replace("policy.", "policy.inner.")) from None
 
 
+def checked_scores(policy: KVPolicy, scores: object, view: LayerView) -> Tensor:
+    """`score`'s answer as float32 (B, Hkv, T), or a PolicyError: the wrong shape, or a score that is NaN or infinite
+    on a token that holds one (padding slots of a ragged layer are not scored)."""
+    shape = tuple(view.keys.shape[:3])
+    if not isinstance(scores, Tensor) or tuple(scores.shape) != shape:
+        got = f"shape {tuple(scores.shape)}" if isinstance(scores, Tensor) else type(scores).__name__
+        raise PolicyError(f"policy {policy.name}: score() returned {got}, not {shape} (B, Hkv, T); fix the policy")
+    scores = scores.float()
+    bad = ~torch.isfinite(scores) & view.real
+    if bool(bad.any()):
+        raise PolicyError(
+            f"policy {policy.name}: score() at layer {view.layer_idx} is NaN or infinite for {int(bad.sum())} of its "
+            f"{int(view.real.sum())} scores ({shape[1]} KV heads x {shape[2]} tokens); scores must be finite numbers: "
+            "fix the policy"
+        )
+    return scores
+
+
 def scorer(policy: KVPolicy, method: str) -> KVPolicy:
     """The policy that defines `method` (e.g. KVzip's `reconstruction`), looking through wrappers (`inner`) to the
     scorer they wrap, however deep: adakv(chunkkv(kvzip)) -> kvzip."""
@@ -275,6 +293,7 @@ __all__ = [
     "Need",
     "SinkPolicy",
     "Wrapper",
+    "checked_scores",
     "gather_tokens",
     "padded_indices",
     "scorer",

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from evalkit.errors import ConfigError
-from evalkit.policies import LayerView, Wrapper, padded_indices
+from evalkit.policies import LayerView, Wrapper, checked_scores, padded_indices
 
 
 @dataclass(kw_only=True)
@@ -46,7 +46,7 @@ class AdaKV(Wrapper):
     def select(self, view: LayerView, k: int) -> Tensor:
         """(B, Hkv, kmax) ascending indices each head keeps, padded with -1 after its last (heads keep different
         counts, k x Hkv in all)."""
-        scores = self.inner.score(view).float()  # (B, Hkv, T)
+        scores = checked_scores(self.inner, self.inner.score(view), view)  # (B, Hkv, T)
         b, h, t = scores.shape
         protected = self.inner.protected(view, k)
         if protected is not None:

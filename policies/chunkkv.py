@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from evalkit.errors import ConfigError
-from evalkit.policies import LayerView, Wrapper
+from evalkit.policies import LayerView, Wrapper, checked_scores
 
 
 @dataclass(kw_only=True)
@@ -51,7 +51,7 @@ class ChunkKV(Wrapper):
     # --- the choice ----------------------------------------------------------------------------------------------
 
     def select(self, view: LayerView, k: int) -> Tensor:
-        scores = self.inner.score(view).float()  # (B, Hkv, T)
+        scores = checked_scores(self.inner, self.inner.score(view), view)  # (B, Hkv, T)
         b, h, t = scores.shape
         protected = self.inner.protected(view, k)
         if protected is None:

@@ -108,6 +108,11 @@ class DuoAttention(KVPolicy):
         pos = view.positions
         return ((pos >= 0) & (pos < self.sink)) | (pos >= view.seen - self.recent)
 
+    def protected(self, view: LayerView, k: int) -> Tensor:
+        """What it keeps by its roles, whatever any score says: a retrieval head's every token, a streaming head's
+        sinks and recent tokens (the policy contract counts them, evalkit.contract)."""
+        return view.real & (self.window(view) | ~self.heads(view)[None, :, None])
+
     def over(self, view: LayerView, k: int) -> bool:
         extra = view.real & ~self.window(view) & self.heads(view)[None, :, None]
         return bool(extra.any())
@@ -115,7 +120,7 @@ class DuoAttention(KVPolicy):
     def select(self, view: LayerView, k: int) -> Tensor:
         """(B, Hkv, kmax) ascending indices each head keeps, padded with -1: every real token in a retrieval head,
         the sinks and recent tokens in a streaming head."""
-        return padded_indices(view.real & (self.window(view) | ~self.heads(view)[None, :, None]))
+        return padded_indices(self.protected(view, k))
 
     def validate(self, shortest_context: int | None) -> None:
         if isinstance(self.budget, int) and not isinstance(self.budget, bool):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from evalkit.policies import KVPolicy
+from torch import Tensor
+
+from evalkit.policies import KVPolicy, LayerView
 
 
 @dataclass(kw_only=True)
@@ -16,3 +18,6 @@ class FullCache(KVPolicy):
 
     def target(self, seen: int) -> int:
         return seen
+
+    def protected(self, view: LayerView, k: int) -> Tensor:
+        return view.real  # every token, whatever the budget says: the policy contract counts them (evalkit.contract)

@@ -60,6 +60,18 @@ class Oldest(KVPolicy):
         return -view.positions.float()  # the older, the higher
 
 
+@dataclass(kw_only=True)
+class KeepsMore(KVPolicy):
+    name: str = "keepsmore"
+    decode: bool = False
+
+    def score(self, view: LayerView) -> Tensor:
+        return view.positions.float()
+
+    def target(self, seen: int) -> int:
+        return -(-9 * seen // 10)  # 90% of the tokens, whatever the budget
+
+
 class NotAPolicy:
     pass
 '''
@@ -67,6 +79,7 @@ class NotAPolicy:
 YAMLS = {
     "vnorm": "_target_: my_policies.ValueNorm\nname: vnorm\nbudget: 0.25\nrecent: 8\ndecode: false\n",
     "oldest": "_target_: my_policies.Oldest\nname: oldest\nbudget: 0.5\n",
+    "keepsmore": "_target_: my_policies.KeepsMore\nname: keepsmore\nbudget: 0.25\n",
     "ghost": "_target_: no_such_module.Ghost\nname: ghost\n",
     "impostor": "_target_: my_policies.NotAPolicy\nname: impostor\n",
     "untargeted": "name: untargeted\nbudget: 0.5\n",
@@ -134,6 +147,19 @@ def test_own_policy_in_a_sweep_beside_builtin_ones_and_inside_a_wrapper(user, tm
     wrapped = next(r for r in got if r["variant"] == "chunkkv(oldest)@40")
     assert wrapped["policy"]["inner"] == {"name": "oldest", "budget": 40, "decode": False, "decode_interval": 1}
     assert next(r for r in got if r["variant"] == "vnorm@40")["policy"]["recent"] == 8
+
+
+def test_a_policy_that_keeps_more_than_its_budget_stops_the_run_with_2(user, tmp_path):
+    """keepsmore@0.25 says its target is 90% of the tokens: ceil(0.9 x 128) = 116 held where the budget allows
+    ceil(0.25 x 128) = 32 (it declares nothing protected). Before, the run went on, recorded 116 tokens held, and the
+    gate PASSed it as keepsmore@0.25 at 0.90x."""
+    result = cli(user, *TINY, "task.depths=[0.5]", "policy=keepsmore", run_dir=tmp_path / "run")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "evalkit: error: keepsmore held 116 of 128 tokens per KV head at layer 0, where a budget of 0.25 x 128 = 32 "
+        "plus the tokens it declares protected allow 32"
+    )
+    assert "Traceback" not in result.stderr and "bug in evalkit" not in result.stderr
 
 
 def test_target_that_cannot_be_imported_is_one_line_exit_2(user, tmp_path):

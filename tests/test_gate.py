@@ -128,8 +128,18 @@ def test_gate_cannot_judge_degenerate_records(records, message):
 def write_run(folder, records, run_id="r1"):
     folder.mkdir(parents=True)
     (folder / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (folder / "run.json").write_text(json.dumps({"run_id": run_id}))
+    (folder / "run.json").write_text(json.dumps(run_info(run_id)))
     return folder
+
+
+def run_info(run_id: str) -> dict:
+    """What the gate needs of a run.json: the config, the model fingerprint and the library versions."""
+    return {
+        "run_id": run_id,
+        "config": {"task": {"name": "needle"}, "seed": 0},
+        "model": {"name": "m", "fingerprint": "sha256:0"},
+        "versions": {"torch": "2.13.0", "transformers": "5.24.0", "evalkit": "0.1.0"},
+    }
 
 
 def test_gate_command_line_writes_verdict_and_report_and_exits_by_verdict(tmp_path):

@@ -26,6 +26,7 @@ DEPTHS = [0.0, 0.5, 1.0]  # cell of sample i: depth DEPTHS[i % 3], so 8 samples 
 RUN_ID = "run-a"
 INFO = {
     "run_id": RUN_ID,
+    "config": {"task": {"name": "needle"}, "seed": 0, "protocol": "query_agnostic"},
     "protocol": "query_agnostic",
     "versions": {"torch": "2.13.0", "transformers": "5.24.0", "evalkit": "0.1.0"},
     "model": {"name": "m", "fingerprint": "sha256:0", "weights_bytes": 1000},

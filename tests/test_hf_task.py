@@ -4,6 +4,7 @@ hand-checked examples (the expected numbers are worked out in the comments, from
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -105,6 +106,20 @@ def test_limit_and_fraction_take_a_seeded_subset(tmp_path):
     c = [r.index for r in task(tmp_path / "many", limit=5, seed=2).rows]
     assert a == b and len(a) == 5 and a != c and a != [0, 1, 2, 3, 4]
     assert len(task(tmp_path / "many", fraction=0.25).rows) == 10  # 0.25 x 40
+
+
+def test_a_larger_limit_keeps_every_row_of_a_smaller_one(tmp_path):
+    """The gate's advice `task.limit=N resume=true` extends a run: the subsets of one seed are nested, so the rows
+    already run stay in the run. Python's random.sample is not nested across sizes (it switches algorithm with k):
+    the first limits below would drop rows with it."""
+    n = 200
+    Dataset.from_dict(
+        {"context": [f"context {i} " * 4 for i in range(n)], "question": ["q"] * n, "answer": [["a"]] * n}
+    ).save_to_disk(tmp_path / "many")
+    subsets = [{r.index for r in task(tmp_path / "many", limit=k, seed=3).rows} for k in (5, 20, 59, 130)]
+    assert [len(s) for s in subsets] == [5, 20, 59, 130]
+    assert all(small < big for small, big in itertools.pairwise(subsets))
+    assert {r.index for r in task(tmp_path / "many", fraction=0.3, seed=3).rows} > subsets[2]  # 60 rows
 
 
 # --- one prefill for several questions ------------------------------------------------------------------------------

@@ -360,7 +360,7 @@ from lm_eval.api.model import LM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from evalkit.errors import ConfigError  # noqa: E402
-from evalkit.run import flip  # noqa: E402
+from evalkit.evidence import flip  # noqa: E402
 
 LM_EVAL_TASKS = os.path.join(os.path.dirname(lm_eval.__file__), "tasks")
 

@@ -9,7 +9,7 @@ import pytest
 
 from evalkit.report import pareto, report
 from tests.conftest import compose_config
-from tests.test_gate import rows
+from tests.test_gate import rows, run_info
 
 
 def needle_rows():
@@ -28,7 +28,7 @@ def needle_rows():
 def write_run(path, records, info=None):
     path.mkdir(parents=True)
     (path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (path / "run.json").write_text(json.dumps(info or {"run_id": "r1"}))
+    (path / "run.json").write_text(json.dumps(info or run_info("r1")))
     return path
 
 

@@ -99,3 +99,31 @@ def test_resume_refuses_a_different_config(tmp_path):
     assert result.returncode == 2
     assert "policy.budget: 0.25 -> 0.5" in result.stderr
     assert os.path.getsize(tmp_path / "samples.jsonl") > 0
+
+
+def test_a_consistent_forgery_is_caught_by_rescoring_on_resume(tmp_path):
+    """A sample's baseline row and its variant row edited together (score 1 on both, baseline_score 1, no flip): no
+    row contradicts another, yet the prediction does not contain the answer. Extending the run re-scores every row
+    written from its prediction with the task's scorer, and stops at the first edited line."""
+    from evalkit.errors import ConfigError
+    from evalkit.run import run
+    from tests.conftest import compose_config
+
+    args = ["model=tiny-random", "task.context_lengths=[128]", "task.depths=[0.0,1.0]", "policy.budget=0.5"]
+    out = tmp_path / "run"
+    run(compose_config(*args, "task.samples_per_cell=1"), out)
+    path = out / "samples.jsonl"
+    rows = read_rows(path)
+    assert all(r["score"] == 0.0 for r in rows)  # the random model finds no needle
+    for r in rows[:2]:  # lines 1 and 2: sample L128-d0.0-0, its baseline and its policy row
+        r["score"] = r["baseline_score"] = 1.0
+        r["flip"] = None
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    try:
+        run(compose_config(*args, "task.samples_per_cell=2", "resume=true"), out)
+    except ConfigError as err:
+        message = str(err)
+    else:
+        raise AssertionError("the forged rows were carried into the extended run")
+    assert f"{path}:1: score=1.0, but its prediction" in message and "scores 0.0" in message
+    assert len(read_rows(path)) == 4  # nothing written

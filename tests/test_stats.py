@@ -18,7 +18,7 @@ from evalkit.decide import cell_samples, min_samples
 from evalkit.errors import ConfigError
 from evalkit.gate import Thresholds, judge, main, thresholds
 from evalkit.stats import BCa, adjust, binary_bounds, binary_p, paired_drop, tango_z
-from tests.test_gate import rows
+from tests.test_gate import rows, run_info
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -178,7 +178,7 @@ def test_verdict_lists_every_cell(tmp_path):
     folder.mkdir()
     cells = lambda i: {"position": i % 3}  # noqa: E731
     (folder / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows([1] * 30, [1] * 30, cell=cells)))
-    (folder / "run.json").write_text(json.dumps({"run_id": "r1"}))
+    (folder / "run.json").write_text(json.dumps(run_info("r1")))
     assert main([str(folder)]) == 2
     doc = json.loads((folder / "verdict.json").read_text())
     assert doc["verdict"] == "INCONCLUSIVE" and len(doc["cells"]) == 3

@@ -19,6 +19,9 @@ what was done in its `truncation` field.
 
 from __future__ import annotations
 
+import csv
+import json
+import math
 import os
 import random
 import re
@@ -74,16 +77,26 @@ def load(path: str, config: str | None = None, data_dir: str | None = None, spli
     local = Path(path).expanduser()
     try:
         if local.is_dir() and ((local / "dataset_info.json").exists() or (local / "dataset_dict.json").exists()):
+            if _no_data_files(local / "state.json"):  # datasets fails on it with an IndexError naming nothing
+                raise ConfigError(f"task.path={path!r} holds no rows (a dataset saved empty); give one with rows")
             ds = datasets.load_from_disk(str(local))
             if isinstance(ds, datasets.DatasetDict):
                 if split not in ds:
                     raise ConfigError(f"task.split={split!r}: {path} holds the splits {sorted(ds)}; choose one")
                 ds = ds[split]
             return ds
+        if local.is_file() and local.suffix.lower() == ".csv" and len(local.read_bytes().strip().splitlines()) < 2:
+            raise ConfigError(f"task.path={path!r} holds no rows (a header line only); give a file with rows")
         if local.is_file():
             builder = FILES.get(local.suffix.lower())
             if builder is None:
                 raise ConfigError(f"task.path={path!r}: give a parquet, JSON, JSONL or CSV file, or a dataset folder")
+            if builder != "parquet":
+                check_text(local)
+            if builder == "csv":  # every column as text: type guessing would read the answer 00731 as 731.0
+                return datasets.load_dataset(
+                    builder, data_files=str(local), split="train", features=_text_columns(local), na_filter=False
+                )
             return datasets.load_dataset(builder, data_files=str(local), split="train")
         if local.is_dir():
             return datasets.load_dataset(str(local), name=config, data_dir=data_dir, split=split)
@@ -106,6 +119,58 @@ def load(path: str, config: str | None = None, data_dir: str | None = None, spli
         raise ConfigError(_unavailable(path, config, data_dir, split, offline, err)) from None
 
 
+def _no_data_files(state: Path) -> bool:
+    """A save_to_disk folder's state.json that lists no data files (an empty dataset)."""
+    try:
+        return json.loads(state.read_text()).get("_data_files") == []
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_text(path: Path) -> None:
+    """A JSON, JSON-lines or CSV file is UTF-8 text with rows in it, and a JSON-lines file one JSON value a line:
+    else a ConfigError naming the line (datasets would name none)."""
+    data = path.read_bytes()
+    if not data.strip():
+        raise ConfigError(f"task.path={str(path)!r} holds no rows (the file is empty); give a file with rows")
+    lines = data.splitlines()
+    for n, raw in enumerate(lines, start=1):
+        try:
+            raw.decode("utf-8-sig" if n == 1 else "utf-8")
+        except UnicodeDecodeError as err:
+            raise ConfigError(
+                f"{path}:{n}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column {err.start + 1}); save the file "
+                "as UTF-8"
+            ) from None
+    if path.suffix.lower() == ".json":
+        try:
+            json.loads(data.decode("utf-8-sig"))
+            return  # one JSON document (a list of rows, or datasets' {"data": [...]})
+        except json.JSONDecodeError:
+            pass  # JSON lines in a .json file, checked line by line
+    if path.suffix.lower() in (".json", ".jsonl"):
+        for n, raw in enumerate(lines, start=1):
+            if not raw.strip():
+                continue
+            try:
+                json.loads(raw.decode("utf-8-sig" if n == 1 else "utf-8"))
+            except json.JSONDecodeError as err:
+                why = f"not valid JSON ({err.msg} at column {err.colno})"
+                raise ConfigError(f"{path}:{n}: {why}; fix the line") from None
+
+
+
+def _text_columns(path: Path):
+    """datasets Features reading every column of a CSV file as a string."""
+    import datasets
+
+    with path.open(newline="", encoding="utf-8-sig") as f:
+        header = next(csv.reader(f), [])
+    if not header:
+        raise ConfigError(f"task.path={str(path)!r} has no header line naming its columns")
+    return datasets.Features({name: datasets.Value("string") for name in header})
+
+
 def _unavailable(path, config, data_dir, split, offline: bool, err: BaseException) -> str:
     where = "offline (HF_DATASETS_OFFLINE)" if offline else "from here"
     given = ", ".join(f"{k}={v}" for k, v in (("config", config), ("data_dir", data_dir), ("split", split)) if v)
@@ -121,10 +186,17 @@ def _first(err: BaseException) -> str:
 
 
 def _answers(value: Any) -> Any:
-    """A string or a list of strings (numbers read as text) -> list; anything else is left for validation."""
-    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+    """A string or a list of strings (finite numbers read as text) -> list; anything else (NaN, a boolean, null) is
+    left for validation, which refuses it."""
+
+    def text(v: Any) -> bool:
+        return isinstance(v, str) or (
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        )
+
+    if text(value):
         return [str(value)]
-    if isinstance(value, (list, tuple)) and all(isinstance(v, (str, int, float)) for v in value):
+    if isinstance(value, (list, tuple)) and value and all(text(v) for v in value):
         return [str(v) for v in value]
     return value
 
@@ -184,6 +256,17 @@ class HfTask(Task):
         unknown = sorted(set(self.columns) - set(COLUMNS))
         if unknown:
             raise ConfigError(f"task.columns.{unknown[0]}: unknown field; the fields a column maps to: {list(COLUMNS)}")
+        for key, column in self.columns.items():
+            if column is not None and not isinstance(column, str):
+                raise ConfigError(
+                    f"task.columns.{key}={column!r}: name one column of the dataset, e.g. task.columns.{key}="
+                    f"{COLUMNS[key] or 'id'}"
+                )
+            if column is None and key in REQUIRED:
+                raise ConfigError(
+                    f"task.columns.{key}=null: every sample needs its {key}; name the column that holds it, e.g. "
+                    f"task.columns.{key}={COLUMNS[key]}"
+                )
         if self.needle_depths and not self.needle_context_length:
             raise ConfigError("task.needle_depths needs task.needle_context_length (tokens of the haystack)")
         if any(not 0 <= d <= 100 for d in self.needle_depths):
@@ -245,11 +328,15 @@ class HfTask(Task):
         return rows
 
     def _subset(self, n: int) -> list[int]:
-        """Row indices to run: all, or a random subset of `fraction` of them, at most `limit`, seeded by task.seed."""
+        """Row indices to run: all, or a random subset of `fraction` of them, at most `limit`, seeded by task.seed.
+        The subsets are nested: the first k of one seeded order of all n rows, so that a larger limit or fraction
+        with resume=true keeps every row already run and adds new ones (the gate's advice, `task.limit=N`)."""
         k = min(n, max(1, round(n * self.fraction)), self.limit or n)
         if k == n:
             return list(range(n))
-        return sorted(random.Random(self.seed).sample(range(n), k))
+        order = list(range(n))
+        random.Random(self.seed).shuffle(order)
+        return sorted(order[:k])
 
     def _row(self, index: int, raw: dict, mapping: dict, module) -> tuple[Row | None, list[str]]:
         get = {k: (raw.get(c) if c else None) for k, c in mapping.items()}
@@ -274,6 +361,10 @@ class HfTask(Task):
         if prefix is not None and not isinstance(prefix, str):
             errors.append(f"column {mapping['answer_prefix']!r} must be a string, got {type(prefix).__name__}")
         budget = get["max_new_tokens"]
+        if isinstance(budget, str):  # a CSV cell: every column is read as text
+            budget = int(budget) if budget.strip().isdigit() else (None if not budget.strip() else budget)
+        if subtask == "":
+            subtask = None
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             errors.append(f"column {mapping['max_new_tokens']!r} must be a whole number >= 1, got {budget!r}")
         if subtask is not None and not isinstance(subtask, str):
@@ -314,10 +405,13 @@ class HfTask(Task):
 
             for row in rows:
                 needle = row.extra.get("needle") or row.sample.answers[0]
-                context = insert(tokenizer, row.sample.context, needle, self.needle_context_length, row.extra["depth"])
-                row.sample = replace(row.sample, context=context)
+                depth = row.extra["depth"]
+                context, n = insert(tokenizer, row.sample.context, needle, self.needle_context_length, depth)
+                # the cell says the length the essay gave: a short essay cannot fill the length asked
+                row.sample = replace(row.sample, context=context, cell={**row.sample.cell, "context_length": n})
             self._by_id = {r.sample.id: r for r in rows}
         window = self.context_window or _tokenizer_window(tokenizer)
+        self._check_answer_budgets(rows, window)
         out, refused = [], []
         groups: dict[str, list[Row]] = {}
         for row in rows:
@@ -338,6 +432,18 @@ class HfTask(Task):
                 "LongBench does (nothing was run)"
             )
         return out
+
+    def _check_answer_budgets(self, rows: list[Row], window: int | None) -> None:
+        """A row's own max_new_tokens cannot exceed the tokens the model takes at all: named by row and column."""
+        big = [r for r in rows if window is not None and r.max_new_tokens and r.max_new_tokens >= window]
+        if big:
+            column = {**COLUMNS, **self.columns}["max_new_tokens"]
+            r = big[0]
+            raise ConfigError(
+                f"row {r.index} of {self.path}: column {column!r} asks for {r.max_new_tokens} new tokens, more than "
+                f"the {window} tokens the model takes with the prompt ({len(big)} row(s) like it); lower it in the "
+                "data, or drop the column to use task.max_new_tokens"
+            )
 
     def _fit(self, tokenizer, group: list[Row], window: int | None) -> tuple[list[Sample] | None, Any]:
         """The group's samples with their shared context cut in the middle to fit `window` (prompt + answer) for

@@ -19,12 +19,18 @@ WRAPPER = "This is a very long story book: <book> {context} </book>."
 ROOM = 150  # tokens kvpress leaves for the template and the question
 
 
-def insert(tokenizer: PreTrainedTokenizerBase, context: str, needle: str, context_length: int, depth: float) -> str:
-    """The essay cut to fit `context_length` tokens with the needle inserted at `depth` percent of it."""
+def insert(
+    tokenizer: PreTrainedTokenizerBase, context: str, needle: str, context_length: int, depth: float
+) -> tuple[str, int]:
+    """The essay cut to fit `context_length` tokens with the needle inserted at `depth` percent of it, and the
+    length the cell is labelled with: `context_length` when the essay fills it, else the tokens it gave (essay and
+    needle, plus the ROOM kvpress leaves), so that a short essay is not reported at a length it never reached."""
     needle_ids = tokenizer.encode(needle, add_special_tokens=False)
-    ids = tokenizer.encode(context, add_special_tokens=False)[: context_length - len(needle_ids) - ROOM]
+    room = context_length - len(needle_ids) - ROOM
+    ids = tokenizer.encode(context, add_special_tokens=False)[:room]
     at = int(len(ids) * depth / 100)
-    return WRAPPER.format(context=tokenizer.decode(ids[:at] + needle_ids + ids[at:], skip_special_tokens=True))
+    text = WRAPPER.format(context=tokenizer.decode(ids[:at] + needle_ids + ids[at:], skip_special_tokens=True))
+    return text, context_length if len(ids) >= room else len(ids) + len(needle_ids) + ROOM
 
 
 def check(subtask: str) -> str | None:

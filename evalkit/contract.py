@@ -1,0 +1,152 @@
+"""The policy contract, checked at run time for every policy, built-in or the user's.
+
+After every compression (the prompt's, each chunk of a chunked prefill, each eviction while decoding):
+
+- `select` returned an integer tensor (B, Hkv, k) with k at most the tokens held, every index in range and none
+  twice in a head (a ragged policy pads with -1, the only index allowed below 0), and kept what it was asked for:
+  at most k tokens per head (a ragged policy: k x Hkv over the layer's heads), or the tokens it declares protected
+  where those are more;
+- the tokens held, summed over the evicting layers and their KV heads, are at most what the budget allows: per head
+  `min(seen, max(ceil(budget x seen) or the token budget, protected + 1))`, where `protected` counts the tokens the
+  policy itself declares it keeps whatever the scores (`KVPolicy.protected`: sinks, a recent or observation window,
+  a DuoAttention retrieval head's whole context). The sum, not each layer, is held to it, so that layer-dependent
+  budgets (PyramidKV) and budgets shared among heads (AdaKV) pass as long as the total holds; one token per layer
+  of slack covers the rounding of per-layer budgets. The allowance is computed from the budget by the base class
+  (`KVPolicy.asked`), whatever a policy's own `target` or `keep_per_layer` say;
+- any exception raised inside a policy that is not evalkit's own (or a wrapper over one) is the policy's fault.
+
+A violation is a PolicyError (exit 2): one line naming the policy, the layer and what it did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+from evalkit.errors import ConfigError, PolicyError
+from evalkit.policies import KVPolicy, LayerView
+
+OWN = "evalkit."  # evalkit's own policies live in evalkit.policies (policies/ installs there)
+
+
+def users(policy: KVPolicy) -> KVPolicy | None:
+    """The first policy in a chain of wrappers (adakv(chunkkv(mine))) that is not evalkit's own; None if all are."""
+    while policy is not None:
+        if not type(policy).__module__.startswith(OWN):
+            return policy
+        policy = getattr(policy, "inner", None)
+    return None
+
+
+def describe(policy: KVPolicy) -> str:
+    cls = type(policy)
+    return f"policy {policy.name} ({cls.__module__}.{cls.__qualname__})"
+
+
+@contextmanager
+def calling(policy: KVPolicy, method: str, layer_idx: int | None = None) -> Iterator[None]:
+    """Run a call into a policy; an exception raised there by a user's policy becomes a PolicyError naming it. An
+    evalkit policy's exception is evalkit's bug and passes through (exit 3)."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 - whatever the user's code raises
+        owner = users(policy)
+        if owner is None:
+            raise
+        where = f" at layer {layer_idx}" if layer_idx is not None else ""
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        raise PolicyError(
+            f"{describe(owner)} raised {type(err).__name__} in {method}(){where}: {first}; the fault is in the "
+            "policy's code: fix it (README, Write a policy)"
+        ) from None
+
+
+def check_budgets(policy: KVPolicy, budgets: object, n_layers: int) -> list[int]:
+    """keep_per_layer's answer: one whole number >= 0 per evicting layer."""
+    ok = isinstance(budgets, (list, tuple)) and len(budgets) == n_layers
+    if ok and all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in budgets):
+        return list(budgets)
+    raise PolicyError(
+        f"{describe(policy)}: keep_per_layer() returned {str(budgets)[:80]}, not {n_layers} whole numbers of "
+        "tokens (one per evicting layer); fix the policy"
+    )
+
+
+def check_indices(policy: KVPolicy, idx: object, view: LayerView, layer_idx: int) -> Tensor:
+    """`select`'s answer, or a PolicyError saying what is wrong with it."""
+    b, h, t = view.keys.shape[:3]
+    where = f"{describe(policy)}: select() at layer {layer_idx}"
+    if not isinstance(idx, Tensor) or idx.dtype.is_floating_point or idx.dtype == torch.bool or idx.is_complex():
+        kind = f"a {idx.dtype} tensor" if isinstance(idx, Tensor) else type(idx).__name__
+        raise PolicyError(f"{where} returned {kind}, not integer indices (B, Hkv, k); fix the policy")
+    if idx.dim() != 3 or tuple(idx.shape[:2]) != (b, h) or idx.shape[2] > t:
+        raise PolicyError(
+            f"{where} returned indices of shape {tuple(idx.shape)}, not ({b}, {h}, k) with k <= the {t} tokens held; "
+            "fix the policy"
+        )
+    low = -1 if policy.ragged else 0
+    if idx.numel() and (int(idx.min()) < low or int(idx.max()) >= t):
+        bad = int(idx.min()) if int(idx.min()) < low else int(idx.max())
+        pad = " (-1 pads a ragged policy's heads)" if policy.ragged else ""
+        raise PolicyError(f"{where} returned index {bad}, outside the {t} tokens held [0, {t}){pad}; fix the policy")
+    ordered = idx.sort(dim=-1).values
+    twice = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)
+    if bool(twice.any()):
+        bi, hi, j = (int(x) for x in twice.nonzero()[0])
+        raise PolicyError(
+            f"{where} returned index {int(ordered[bi, hi, j])} twice in KV head {hi}: a token is kept once; fix the "
+            "policy"
+        )
+    return idx
+
+
+def allowance(policy: KVPolicy, view: LayerView, k: int, layer_idx: int) -> Tensor:
+    """(B, Hkv) tokens each head may hold: max(the budget's tokens, its declared protected tokens + 1), at most the
+    tokens seen (module docstring)."""
+    asked = KVPolicy.asked(policy, view.seen)  # the base rule, whatever the policy overrides
+    with calling(policy, "protected", layer_idx):
+        protected = policy.protected(view, k)
+    if protected is None:
+        declared = torch.zeros(view.keys.shape[:2], dtype=torch.long, device=view.keys.device)
+    else:
+        declared = (protected & view.real).sum(-1)
+    return declared.add(1).clamp(min=asked).clamp(max=view.seen)
+
+
+def check_layer(policy: KVPolicy, held: Tensor, allowed: Tensor, k: int, layer_idx: int) -> None:
+    """After a layer's eviction: `select` kept what it was asked for, k tokens per KV head (a ragged policy: k x Hkv
+    over the layer's heads), or no more than the tokens it declares protected."""
+    cap = allowed.clamp(min=k)  # (B, Hkv)
+    over = held.sum(-1) > cap.sum(-1) if policy.ragged else (held > cap).any(-1)
+    if bool(over.any()):
+        most = int(held.max())
+        per = f"{k} per KV head, {k * held.shape[-1]} over the layer's heads" if policy.ragged else f"{k}"
+        raise PolicyError(
+            f"{policy.name} kept {most} tokens in a KV head at layer {layer_idx} where it was asked for {per} (and "
+            f"declares at most {int(allowed.max())} protected or allowed); fix its select"
+        )
+
+
+def check_held(policy: KVPolicy, held: dict[int, tuple[Tensor, Tensor]], seen: int) -> None:
+    """After one compression: `held` maps each evicting layer to (tokens held, tokens allowed), each (B, Hkv)."""
+    if not held:
+        return
+    total_held = sum(int(h.sum()) for h, _ in held.values())
+    total_allowed = sum(int(a.sum()) for _, a in held.values())
+    heads = sum(h.numel() for h, _ in held.values())
+    if total_held <= total_allowed + heads:  # one token per layer and head: the rounding of per-layer budgets
+        return
+    layer_idx, (h, a) = max(held.items(), key=lambda kv: float((kv[1][0] - kv[1][1]).sum()))
+    budget, asked = policy.budget, KVPolicy.asked(policy, seen)
+    what = f"{budget} tokens" if isinstance(budget, int) else f"a budget of {budget} x {seen} = {asked}"
+    raise PolicyError(
+        f"{policy.name} held {h.float().mean():.0f} of {seen} tokens per KV head at layer {layer_idx}, where "
+        f"{what} plus the tokens it declares protected allow {a.float().mean():.0f} "
+        f"({total_held} held against {total_allowed} allowed over {len(held)} layers and their heads); a policy "
+        "keeps at most its budget plus its protected tokens: fix its select, target or keep_per_layer"
+    )

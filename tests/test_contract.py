@@ -1,0 +1,136 @@
+"""The policy contract, checked at run time for every policy (evalkit.contract): a policy that keeps more than its
+budget, returns duplicate or out-of-range indices, scores NaN, or raises, stops with a PolicyError (exit 2) naming
+the policy, the layer and what it did, never "a bug in evalkit"; every built-in policy passes (the tests of
+test_cache_invariants run every one of them through the same check).
+
+The user policies below are defined here, outside evalkit, as a user's would be. The tiny model has 3 layers of
+2 KV heads; the context is CTX = 96 tokens, so budget 0.25 asks for ceil(0.25 x 96) = 24 tokens per head.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import Tensor
+
+from evalkit import contract
+from evalkit.cache import allowed_per_layer, held_per_layer
+from evalkit.errors import PolicyError
+from evalkit.policies import KVPolicy, LayerView
+from evalkit.policies.chunkkv import ChunkKV
+from evalkit.policies.streaming_llm import StreamingLLM
+from tests.conftest import CTX, compressed
+
+
+@dataclass(kw_only=True)
+class KeepsMore(KVPolicy):
+    """Says its target is 90% of the tokens, whatever the budget."""
+
+    name: str = "keepsmore"
+    decode: bool = False
+
+    def score(self, view: LayerView) -> Tensor:
+        return view.positions.float()
+
+    def target(self, seen: int) -> int:
+        return math.ceil(0.9 * seen)
+
+
+@dataclass(kw_only=True)
+class Recent(KVPolicy):
+    """The most recent tokens; `mischief` breaks its select in one way."""
+
+    name: str = "recent"
+    decode: bool = False
+    mischief: str = ""
+
+    def score(self, view: LayerView) -> Tensor:
+        if self.mischief == "nan":
+            return torch.full(view.positions.shape, math.nan)
+        if self.mischief == "raise":
+            raise ZeroDivisionError("division by zero")
+        return view.positions.float()
+
+    def select(self, view: LayerView, k: int) -> Tensor:
+        idx = super().select(view, k)
+        if self.mischief == "one-more":
+            extra = torch.zeros_like(idx[..., :1])  # token 0, which a recency policy never keeps
+            return torch.cat([extra, idx], dim=-1)
+        if self.mischief == "twice":
+            return torch.cat([idx[..., :1], idx[..., :-1]], dim=-1)
+        if self.mischief == "out-of-range":
+            return idx + 1  # the last index is then the number of tokens held
+        if self.mischief == "floats":
+            return idx.float()
+        return idx
+
+
+def test_a_policy_keeping_more_than_its_budget_is_stopped_naming_it(tiny, ids):
+    """keepsmore@0.25 keeps ceil(0.9 x 96) = 87 tokens per head where the budget allows 24 (it declares nothing
+    protected): before, the run went on and the gate PASSed it at 0.90x."""
+    with pytest.raises(PolicyError) as err:
+        compressed(tiny.model, ids, KeepsMore(budget=0.25))
+    assert str(err.value).startswith(
+        "keepsmore held 87 of 96 tokens per KV head at layer 0, where a budget of 0.25 x 96 = 24 plus the tokens it "
+        "declares protected allow 24 (522 held against 144 allowed over 3 layers"
+    )
+
+
+@pytest.mark.parametrize(
+    ("mischief", "message"),
+    [
+        ("one-more", "recent kept 25 tokens in a KV head at layer 0 where it was asked for 24"),
+        ("twice", "select() at layer 0 returned index 72 twice in KV head 0"),
+        ("out-of-range", "select() at layer 0 returned index 96, outside the 96 tokens held [0, 96)"),
+        ("floats", "select() at layer 0 returned a torch.float32 tensor, not integer indices"),
+        ("nan", "policy recent: score() at layer 0 is NaN or infinite for 192 of its 192 scores (2 KV heads x 96"),
+        ("raise", "raised ZeroDivisionError in select() at layer 0: division by zero; the fault is in the policy"),
+    ],
+)
+def test_a_select_that_breaks_the_contract_is_named(tiny, ids, mischief, message):
+    """Before: more than k indices, duplicates or out-of-range indices were accepted or crashed in a gather, and an
+    exception in the policy's code was exit 3, "a bug in evalkit". By hand: recency keeps positions 72..95."""
+    with pytest.raises(PolicyError, match=None) as err:
+        compressed(tiny.model, ids, Recent(budget=0.25, mischief=mischief))
+    assert message in str(err.value), str(err.value)
+
+
+def test_a_wrapped_user_policy_is_the_one_blamed(tiny, ids):
+    """chunkkv(recent): the fault raised inside the user's scorer is the user's, named by its class."""
+    with pytest.raises(PolicyError, match=rf"policy recent \({Recent.__module__}.Recent\) raised ZeroDivisionError"):
+        compressed(tiny.model, ids, ChunkKV(inner=Recent(mischief="raise"), budget=0.25))
+
+
+def test_an_evalkit_policy_that_raises_is_evalkits_bug(tiny, ids, monkeypatch):
+    """A built-in policy raising is a bug in evalkit: it passes through (exit 3), it is not blamed on the user."""
+
+    def broken(self, view):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(StreamingLLM, "score", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        compressed(tiny.model, ids, StreamingLLM(budget=0.25))
+    assert contract.users(StreamingLLM(budget=0.25)) is None
+    assert contract.users(ChunkKV(inner=Recent(), budget=0.25)).name == "recent"
+
+
+def test_the_allowance_counts_the_protected_tokens(tiny, ids):
+    """streaming_llm@0.03: ceil(0.03 x 96) = 3 tokens asked, but its 4 sinks are protected: each head may hold 5,
+    and does (4 sinks + 1 recent)."""
+    _, cache = compressed(tiny.model, ids, StreamingLLM(budget=0.03))
+    assert allowed_per_layer(cache) == [5, 5, 5] and held_per_layer(cache) == [5, 5, 5]
+
+
+def test_a_pyramid_of_budgets_passes_on_its_total(tiny, ids):
+    """PyramidKV holds more than the uniform budget in its lower layers and less above: the contract holds the sum
+    (plus a token a layer and head of rounding), not each layer."""
+    from tests.conftest import policy
+
+    pol = policy("pyramidkv", 0.5, beta=2.0)
+    _, cache = compressed(tiny.model, ids, pol)
+    held = held_per_layer(cache)
+    assert held[0] > held[-1] and sum(held) <= sum(allowed_per_layer(cache)) + 3
+    assert len(set(held)) > 1 and CTX == 96
