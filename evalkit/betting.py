@@ -42,15 +42,15 @@ def log_wealth(x, target: float, lo: float, hi: float, below: bool = True) -> np
 
     below=True bets that the mean is below `target` (its wealth is an e-value against H0: mean >= target);
     below=False bets that it is above. Values are clipped to [lo, hi]: callers pass values that lie there."""
-    return _mix(_log_factors(x, target, lo, hi, below).sum(axis=-2))
+    return mix(log_factors(x, target, lo, hi, below).sum(axis=-2))
 
 
 def log_wealth_path(x, target: float, lo: float, hi: float, below: bool = True) -> np.ndarray:
     """log_wealth after each value in turn, shaped like x: a run extended one context at a time."""
-    return _mix(np.cumsum(_log_factors(x, target, lo, hi, below), axis=-2))
+    return mix(np.cumsum(log_factors(x, target, lo, hi, below), axis=-2))
 
 
-def _log_factors(x, target: float, lo: float, hi: float, below: bool) -> np.ndarray:
+def log_factors(x, target: float, lo: float, hi: float, below: bool) -> np.ndarray:
     """log(1 + lam_j gain_i), shaped (..., n, J); -inf where a bet loses everything."""
     x = np.clip(np.asarray(x, dtype=float), lo, hi)
     gain, lam = _factors(x, target, lo, hi, below)
@@ -58,7 +58,7 @@ def _log_factors(x, target: float, lo: float, hi: float, below: bool) -> np.ndar
         return np.log(np.maximum(1.0 + gain[..., None] * lam, 0.0))
 
 
-def _mix(logs: np.ndarray) -> np.ndarray:
+def mix(logs: np.ndarray) -> np.ndarray:
     """The mixture over the bets (last axis) of log wealths: log sum_j w_j exp(logs_j)."""
     logs = logs + _LOG_WEIGHTS
     top = logs.max(axis=-1)
@@ -77,7 +77,7 @@ def log_wealth_counts(counts, values, target: float, lo: float, hi: float, below
     counts = np.asarray(counts, dtype=float)[..., :, None]
     with np.errstate(invalid="ignore"):  # 0 * log(0) is 0: a value never seen does not zero a bet
         logs = np.where(counts > 0, counts * per_value, 0.0).sum(axis=-2)
-    return _mix(logs)
+    return mix(logs)
 
 
 def p_value(x, target: float, lo: float, hi: float, below: bool = True, spent: float = 0.0) -> float:
@@ -122,16 +122,31 @@ def contexts_to_show(
     n G - z S sqrt(n) at that chance (G, S: mean and spread of its log factors over `values`; a normal
     approximation, exact when every value is the same), and the mixture's is their weighted log-sum."""
     x = np.clip(np.asarray(values, dtype=float), lo, hi)
-    if budget <= 0 or x.size == 0:
+    if x.size == 0:
         return math.inf
-    logs = _log_factors(x, target, lo, hi, below=True)  # (n, J)
-    alive = np.all(np.isfinite(logs), axis=0)  # a value seen here would zero the others: they cannot win
-    if not np.any(alive):
-        return math.inf
-    g, s = logs[:, alive].mean(axis=0), logs[:, alive].std(axis=0)
-    n = np.arange(1, limit + 1)[:, None]
-    wealth = n * g - norm.ppf(power) * s * np.sqrt(n) + _LOG_WEIGHTS[alive]
-    top = wealth.max(axis=1)
-    mixed = top + np.log(np.exp(wealth - top[:, None]).sum(axis=1))
-    hit = np.nonzero(mixed >= math.log(1 / budget))[0]
-    return float(hit[0] + 1) if hit.size else math.inf
+    logs = log_factors(x, target, lo, hi, below=True)  # (n, J)
+    alive = np.all(np.isfinite(logs), axis=0)
+    safe = np.where(alive, logs, 0.0)
+    n = growth_to_show(safe.mean(axis=0), safe.std(axis=0), alive, np.asarray(budget, dtype=float), power, limit)
+    return float(n)
+
+
+def growth_to_show(g, s, alive, budget, power: float, limit: int = 20_000) -> np.ndarray:
+    """contexts_to_show from each bet's mean g and spread s of log factors, shaped (..., J) (batches of runs;
+    `alive`: the bets no value seen zeroes). The smallest n whose approximate mixture wealth reaches 1 / budget, by
+    a bisection (below it the wealth stays short: it first dips, while the spread outweighs the growth, then rises)."""
+    z = float(norm.ppf(power))
+    need = np.log(1 / np.maximum(budget, 1e-300))
+
+    def short(n):
+        w = n[..., None] * g - z * s * np.sqrt(n[..., None])  # (..., J) each bet's log wealth at that chance
+        return mix(np.where(alive, w, -np.inf)) < need
+
+    lo = np.ones(np.shape(g)[:-1])
+    hi = np.full(np.shape(g)[:-1], float(limit))
+    never = short(hi) | (budget <= 0) | ~np.any(alive, axis=-1)
+    while np.any(hi - lo > 0.5):
+        mid = np.floor((lo + hi) / 2)
+        below = short(mid)
+        lo, hi = np.where(below, mid + 1, lo), np.where(below, hi, mid)
+    return np.where(never, np.inf, hi)

@@ -137,11 +137,12 @@ def _bet(what: str, x: np.ndarray, limit: float, lo: float, hi: float, t, spent:
     return Check(what, limit, p_holds, p_broken, lower, upper, "betting", alpha - s_holds)
 
 
-def first_spent(n: int, t, floor: int) -> Spent:
-    """What an exact first look at n one-question contexts could have spent, at these thresholds."""
+def first_spent(n: int, t, floor: int, fail: bool = True) -> Spent:
+    """What an exact first look at n one-question contexts could have spent, at these thresholds (fail=False: on a
+    PASS only, all the advice needs)."""
     alpha = 1 - t.confidence
     design = exact.Design(n, t.max_drop, t.max_flip_rate, floor)
-    return Spent(exact.pass_spent(design, alpha), exact.fail_spent(design, alpha))
+    return Spent(exact.pass_spent(design, alpha), exact.fail_spent(design, alpha) if fail else {})
 
 
 def add(a: Spent, b: Spent) -> Spent:

@@ -158,7 +158,7 @@ def contexts_needed(e, t, spent, first: bool, variants: int = 1) -> int | None:
     """The contexts the next look needs to PASS with about 80% chance if new contexts come like the ones seen (None
     when they do not favour a PASS): the next look is judged by betting, with what this look leaves."""
     if first and e.exact:
-        spent = first_spent(e.contexts.n, t, e.floor)
+        spent = first_spent(e.contexts.n, t, e.floor, fail=False)
     level = _level(t, variants)
     ctx, need = e.contexts, 0.0
     for c in e.checks:

@@ -5,6 +5,7 @@ correction, and the three outcomes on built records."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 import json
 import math
 from pathlib import Path
@@ -78,6 +79,7 @@ def test_bca_matches_scipy_where_it_holds_and_betting_bounds_the_rest():
 def _coverage_module():
     spec = importlib.util.spec_from_file_location("stats_coverage", ROOT / "benchmarks" / "stats_coverage.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
