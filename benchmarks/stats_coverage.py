@@ -25,7 +25,7 @@ import argparse
 import math
 import time
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import numpy as np
 
@@ -119,7 +119,7 @@ class Runs:
         return np.where(np.isfinite(need), np.maximum(np.maximum(np.ceil(need), FLOOR), n + 1), np.inf)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _region(n: int) -> np.ndarray:
     design = exact.Design(n, T.max_drop, T.max_flip_rate, FLOOR)
     t = exact.threshold(lambda x: exact.pass_size(design, x, "drop"), ALPHA)
@@ -130,7 +130,7 @@ def _exact_pass(n: int, b: int, c: int) -> bool:
     return n >= FLOOR and b <= _region(n)[c]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _spent(n: int) -> dict[str, float]:
     return exact.pass_spent(exact.Design(n, T.max_drop, T.max_flip_rate, FLOOR), ALPHA)
 

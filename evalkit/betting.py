@@ -12,7 +12,7 @@ target).
 evalkit bets a fixed mixture of constant fractions theta of that cap (BETS, WEIGHTS): a weighted average of test
 supermartingales is one, and a constant bet makes the wealth a function of the values alone, not of their order,
 so the verdict does not depend on how rows or run folders are ordered. The weights favour bold bets, which win
-fastest when a policy loses little: with no loss at all, the margin 0.05 is shown after 70 one-question contexts
+fastest when a policy loses little: with no loss at all, the margin 0.05 is shown after 74 one-question contexts
 at 95% (the exact first-look test needs 59).
 """
 

@@ -13,7 +13,6 @@ Two ways to judge, chosen by what the records are (docs/gate-statistics.md):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -152,7 +151,3 @@ def add(a: Spent, b: Spent) -> Spent:
         {k: a.holds.get(k, 0.0) + b.holds.get(k, 0.0) for k in keys(a.holds, b.holds)},
         {k: a.broken.get(k, 0.0) + b.broken.get(k, 0.0) for k in keys(a.broken, b.broken)},
     )
-
-
-def finite(x: float) -> bool:
-    return not (math.isnan(x) or math.isinf(x))

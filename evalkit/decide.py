@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 from scipy.stats import binom
@@ -300,3 +301,38 @@ def unjudged_cells(cells: list[CellResult], name: str, t) -> str | None:
         f"{name}: no cell judged by min_cell_accuracy={t.min_cell_accuracy}{why}: this verdict says nothing about "
         "single cells; run more samples per cell (python -m evalkit.gate --plan --cells N)"
     )
+
+
+def decision_summary(d: Decision, t) -> dict[str, Any]:
+    """What verdict.json and report.md say of a variant's decision: its status, look, p-value, checks and bounds."""
+    e = d.evidence
+    return {
+        "status": d.status,
+        "look": d.look,
+        "p_pass": d.p,
+        "samples_needed": d.samples_needed,
+        "contexts_needed": d.contexts_needed,
+        "level": t.confidence,
+        "contexts": e.contexts.n,
+        "questions": int(e.contexts.questions.sum()),
+        "method": "exact first look" if e.exact else "betting (anytime-valid)",
+        "checks": {
+            c.what: {"p_holds": c.p_holds, "p_broken": c.p_broken, "bounds": [c.lower, c.upper], "method": c.method}
+            for c in e.checks
+        },
+    }
+
+
+def look_record(decisions: dict[str, Decision], cells: list[CellResult]) -> dict[str, dict]:
+    """Per variant, what this look judged (recorded in run.json, evalkit.looks): the error rate a later look has
+    left depends on it."""
+    out = {}
+    for name, d in decisions.items():
+        ctx = d.evidence.contexts
+        out[name] = {
+            "contexts": ctx.n,
+            "questions": int(ctx.questions.sum()),
+            "exact": d.evidence.exact,
+            "cells": {c.cell: c.n for c in cells if c.variant == name},
+        }
+    return out

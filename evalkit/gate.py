@@ -30,7 +30,15 @@ from evalkit import looks
 from evalkit.analysis import BASELINE, chunked_vs_oneshot, is_baseline, merge, summarize
 from evalkit.cli import guarded
 from evalkit.contexts import GRADED_FLIP_DELTA
-from evalkit.decide import SHOWN_TO_FAIL, cell_decisions, floor, unjudged_cells, variant_decisions
+from evalkit.decide import (
+    SHOWN_TO_FAIL,
+    cell_decisions,
+    decision_summary,
+    floor,
+    look_record,
+    unjudged_cells,
+    variant_decisions,
+)
 from evalkit.errors import EXIT_FAIL, EXIT_OK, CannotJudge, ConfigError
 from evalkit.plan import capacity
 from evalkit.power import plan
@@ -361,7 +369,7 @@ def judge(rows: list[dict], infos: list[dict], t: Thresholds, problems: list[str
         if is_baseline(name):
             continue
         d = decisions[name]
-        s["gate"] = gate_summary(d, t)
+        s["gate"] = decision_summary(d, t)
         note = unjudged_cells(cells, name, t)
         not_judged += [note] if note else []
         reasons += d.fail
@@ -405,44 +413,9 @@ def judge(rows: list[dict], infos: list[dict], t: Thresholds, problems: list[str
         not_judged=not_judged,
         cells=[asdict(c) for c in cells],
         advice=advice,
-        look=looks.entry(history, key, status, t, look_variants(decisions, cells)),
+        look=looks.entry(history, key, status, t, look_record(decisions, cells)),
         history=history,
     )
-
-
-def gate_summary(d, t: Thresholds) -> dict[str, Any]:
-    """What verdict.json and report.md say of a variant's decision: its status, look, p-value, checks and bounds."""
-    e = d.evidence
-    return {
-        "status": d.status,
-        "look": d.look,
-        "p_pass": d.p,
-        "samples_needed": d.samples_needed,
-        "contexts_needed": d.contexts_needed,
-        "level": t.confidence,
-        "contexts": e.contexts.n,
-        "questions": int(e.contexts.questions.sum()),
-        "method": "exact first look" if e.exact else "betting (anytime-valid)",
-        "checks": {
-            c.what: {"p_holds": c.p_holds, "p_broken": c.p_broken, "bounds": [c.lower, c.upper], "method": c.method}
-            for c in e.checks
-        },
-    }
-
-
-def look_variants(decisions: dict[str, Any], cells: list) -> dict[str, dict]:
-    """Per variant, what this look judged (recorded in run.json, evalkit.looks): the error rate a later look has
-    left depends on it."""
-    out = {}
-    for name, d in decisions.items():
-        ctx = d.evidence.contexts
-        out[name] = {
-            "contexts": ctx.n,
-            "questions": int(ctx.questions.sum()),
-            "exact": d.evidence.exact,
-            "cells": {c.cell: c.n for c in cells if c.variant == name},
-        }
-    return out
 
 
 def _advice(decisions: dict[str, Any], summary: dict[str, Any], infos: list[dict], cells: list) -> str:
@@ -529,7 +502,12 @@ def write_outputs(verdict: Verdict, out_dir: Path, t: Thresholds) -> None:
         f"variants), at look {verdict.look.get('look', 1)} of this run (the confidence holds over all its looks)."
     ]
     if verdict.not_judged:
-        lines += ["", "Not judged: the full-cache baseline is below min_baseline_accuracy in these cells.", ""]
+        lines += [
+            "",
+            "Not judged: cells where the full-cache baseline is below min_baseline_accuracy, a cell criterion that "
+            "could judge no cell, a look that could not be recorded.",
+            "",
+        ]
         lines += [f"- not judged: {c}" for c in verdict.not_judged]
     if verdict.variants:
         lines += tables(verdict, t)

@@ -5,9 +5,9 @@ correction, and the three outcomes on built records."""
 from __future__ import annotations
 
 import importlib.util
-import sys
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +15,10 @@ import pytest
 from scipy.optimize import minimize_scalar
 from scipy.stats import bootstrap
 
-from evalkit.decide import cell_samples, min_samples
+from evalkit.decide import min_samples
 from evalkit.errors import ConfigError
 from evalkit.gate import Thresholds, judge, main, thresholds
+from evalkit.power import cell_samples
 from evalkit.stats import BCa, adjust, binary_bounds, binary_p, paired_drop, tango_z
 from tests.test_gate import rows
 
