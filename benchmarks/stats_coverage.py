@@ -31,7 +31,7 @@ import numpy as np
 
 from evalkit import betting, decide, exact
 from evalkit.gate import Thresholds
-from evalkit.power import draw_contexts, first_look_samples
+from evalkit.power import betting_contexts, draw_contexts, first_look_samples
 from evalkit.stats import binary_bounds
 
 T = Thresholds()
@@ -196,25 +196,37 @@ def exact_rate(s: Scenario, plan) -> float | None:
     return exact.power(exact.Design(plan[0], T.max_drop, T.max_flip_rate, FLOOR), ALPHA, s.loss, s.gain)
 
 
-def error_rates(quick: bool, draws: int, seed: int) -> list[dict]:
-    rows = []
+def error_rates(quick: bool, draws: int, seed: int):
+    """One row per scenario and plan, as each is simulated."""
     for i, s in enumerate(scenarios(quick)):
         for j, plan in enumerate(plans(quick)):
             rate = simulate(s, plan, draws, seed + 1000 * i + j)
-            se = math.sqrt(max(rate * (1 - rate), ALPHA * (1 - ALPHA)) / draws)
-            rows.append({"s": s, "plan": plan, "rate": rate, "se": se, "exact": exact_rate(s, plan)})
-    return rows
+            se = math.sqrt(max(rate * (1 - rate), ALPHA * (1 - ALPHA)) / draws)  # at 5% where the rate is below it
+            yield {"s": s, "plan": plan, "rate": rate, "se": se, "exact": exact_rate(s, plan)}
 
 
 def power_rows(quick: bool, draws: int, seed: int) -> list[dict]:
-    """PASS rates at the planner's n for 80% power (one look, one 0/1 question per context)."""
+    """PASS rates at the planner's n for 80% power: judged once with one 0/1 question per context (exact), judged
+    again after a pilot look of 20 (betting, exact enumeration), and with 5 questions per context at icc 0.3 (Monte
+    Carlo planner; simulated here with other seeds)."""
+    cases = [("once", Scenario(0.01, 0.0))]
+    if not quick:
+        cases += [("once", Scenario(0.02, 0.0)), ("once", Scenario(0.02, 0.02)), ("again", Scenario(0.01, 0.0))]
+        cases += [("once", Scenario(0.01, 0.0, 5, 0.3))]
     out = []
-    for k, (loss, gain) in enumerate([(0.01, 0.0)] if quick else [(0.01, 0.0), (0.02, 0.0), (0.02, 0.02)]):
-        n = first_look_samples(T, FLOOR, loss, gain, 0.8)
-        s = Scenario(loss, gain)
-        rate = simulate(s, (n,), draws, seed + 7 + k)
+    for k, (how, s) in enumerate(cases):
+        if how == "again":
+            n = betting_contexts(T, FLOOR, s.loss, s.gain, 0.8)
+            plan = (20, n)
+        elif s.m == 1:
+            n = first_look_samples(T, FLOOR, s.loss, s.gain, 0.8)
+            plan = (n,)
+        else:
+            n = betting_contexts(T, FLOOR, s.loss, s.gain, 0.8, s.m, s.icc)
+            plan = (n,)
+        rate = simulate(s, plan, draws, seed + 7 + k)
         se = math.sqrt(rate * (1 - rate) / draws)
-        out.append({"s": s, "n": n, "rate": rate, "se": se, "exact": exact_rate(s, (n,))})
+        out.append({"s": s, "plan": plan, "rate": rate, "se": se, "exact": exact_rate(s, plan)})
     return out
 
 
@@ -235,14 +247,18 @@ def main(argv: list[str] | None = None) -> int:
         bad += not ok
         ex = "" if r["exact"] is None else f"{r['exact']:.4f}"
         print(f"{s.scores:<12}{s.m:>3}{s.icc:>5}{s.loss:>6}{s.gain:>6}  {describe(r['plan']):<30}{r['rate']:>10.4f}"
-              f"{r['se']:>10.4f}{ex:>8}  {'yes' if ok else 'NO'}")  # fmt: skip
-    print("\npower at the planner's n for 80% (one look, one 0/1 question per context)")
+              f"{r['se']:>10.4f}{ex:>8}  {'yes' if ok else 'NO'}", flush=True)  # fmt: skip
+    print("\npower at the planner's n for 80% (python -m evalkit.gate --plan)")
     for r in power_rows(args.quick, args.draws, args.seed):
         s = r["s"]
         ok = r["rate"] >= 0.8 - 2 * r["se"]
         bad += not ok
-        print(f"  loss {s.loss:.2f} gain {s.gain:.2f}: n = {r['n']}, PASS rate {r['rate']:.4f} +- {r['se']:.4f} "
-              f"(exact {r['exact']:.4f})  {'yes' if ok else 'NO'}")  # fmt: skip
+        ex = "" if r["exact"] is None else f" (exact {r['exact']:.4f})"
+        print(
+            f"  {s.scores} m={s.m} icc={s.icc} loss {s.loss:.2f} gain {s.gain:.2f}: looks {describe(r['plan'])}, "
+            f"PASS rate {r['rate']:.4f} +- {r['se']:.4f}{ex}  {'yes' if ok else 'NO'}",
+            flush=True,
+        )
     print(f"\n{bad} rows out of bounds; {time.perf_counter() - t0:.0f} s")
     return 1 if bad else 0
 

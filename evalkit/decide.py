@@ -115,7 +115,7 @@ def variant_decisions(by_variant: dict[str, list[dict]], t, h: History | None = 
             d.open = open_messages(name, e, t, len(names), h)
         d.status = "FAIL" if d.fail else "PASS" if passed else "INCONCLUSIVE"
         if d.status == "INCONCLUSIVE":
-            d.contexts_needed = contexts_needed(e, t, spent_on(name, h, t), h.number == 1)
+            d.contexts_needed = contexts_needed(e, t, spent_on(name, h, t), h.number == 1, len(names))
             if d.contexts_needed is not None:
                 per = float(np.mean(e.contexts.questions)) if e.contexts.n else 1.0
                 d.samples_needed = math.ceil(d.contexts_needed * per)

@@ -5,7 +5,7 @@ flip rate and the `min_samples` floor. Its error rate is not taken on trust: for
 (b lost, c gained), and the chance that the test PASSes a variant whose drop sits at the margin is a finite sum over
 them, maximised over the one unknown left (the gain rate; a variant with a larger drop is stochastically worse, so
 the boundary is the worst case). `pass_size` computes it. Where Tango's statistic, an approximation, would exceed the
-gate's level (at n = 69 the worst case is 5.10% at 5%), the exact size takes over; everywhere else the first look
+gate's level (at n = 69 the worst case is 5.11% at 5%), the exact size takes over; everywhere else the first look
 gives today's numbers.
 
 What the first look could spend, `spent`, is what later looks no longer have: they bet with the rest

@@ -32,7 +32,7 @@ def test_the_reduced_grid_keeps_every_error_rate_and_the_planned_power(capsys):
     # loss rate (124) at least 80% (less two errors) of the runs PASS
     assert _bench().main(["--quick", "--draws", "1000"]) == 0, capsys.readouterr().out
     out = capsys.readouterr().out
-    assert "0 rows out of bounds" in out and "n = 124" in out
+    assert "0 rows out of bounds" in out and "looks 124 (one look)" in out
 
 
 def _rows(lost: np.ndarray, gained: np.ndarray, m: int, step: float) -> list[dict]:
