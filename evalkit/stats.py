@@ -86,8 +86,10 @@ def binary_bounds(b: int, c: int, n: int, level: float = 0.95) -> tuple[float, f
     z = norm.ppf(level)
     lower, upper = _tango_bound(b, c, n, z, False), _tango_bound(b, c, n, z, True)
     alpha = 1 - level
-    if c == 0:  # no gains: the drop is the loss rate's, bounded exactly
-        lower = min(lower, 1 - clopper_pearson_upper(n - b, n, alpha))
+    # the drop is at most the loss rate: its exact lower bound caps the drop's, whatever gained (with no gain it is
+    # the drop's own; with gains only rarely the smaller, but then more gains never make a FAIL easier)
+    lower = min(lower, 1 - clopper_pearson_upper(n - b, n, alpha))
+    if c == 0:  # no gains: the drop is the loss rate, bounded exactly
         upper = max(upper, clopper_pearson_upper(b, n, alpha))
     if b == 0:  # no losses: the same for the gain rate, mirrored
         lower = min(lower, -clopper_pearson_upper(c, n, alpha))
@@ -97,15 +99,14 @@ def binary_bounds(b: int, c: int, n: int, level: float = 0.95) -> tuple[float, f
 
 def binary_p(b, c, n: int, margin: float) -> tuple:
     """One-sided p-values: (for "drop < margin", non-inferiority; for "drop > margin", shown worse). Each is below
-    alpha exactly when the matching bound of `binary_bounds` at 1 - alpha lies beyond the margin: where no sample
-    gained, both take the exact binomial test of the loss rate, as the bounds take its Clopper-Pearson bound (6 lost
-    and 0 gained of 59: the exact lower bound 0.045 is below 0.05, and so is P(6 or more of 59 at 0.05) = 0.077 above
-    0.05). b and c may be arrays."""
+    alpha exactly when the matching bound of `binary_bounds` at 1 - alpha lies beyond the margin: the exact binomial
+    test of the loss rate joins them where its Clopper-Pearson bound joins the bounds (6 lost and 0 gained of 59: the
+    exact lower bound 0.045 is below 0.05, and P(6 or more of 59 at 0.05) = 0.074 is above 0.05). b and c may be
+    arrays; the p-value of "shown worse" never falls as more samples gained."""
     z = tango_z(b, c, n, margin)
     below, above = norm.cdf(z), norm.sf(z)
-    no_gain = np.asarray(c) == 0
-    below = np.where(no_gain, np.maximum(below, binom.cdf(b, n, margin)), below)
-    above = np.where(no_gain, np.maximum(above, binom.sf(np.asarray(b) - 1, n, margin)), above)
+    below = np.where(np.asarray(c) == 0, np.maximum(below, binom.cdf(b, n, margin)), below)
+    above = np.maximum(above, binom.sf(np.asarray(b) - 1, n, margin))
     if below.ndim == 0:
         return float(below), float(above)
     return below, above

@@ -213,6 +213,21 @@ def test_tango_first_look_error_rate_is_checked_exactly():
     assert _worst_case(69, corrected) <= 0.05 + 1e-4
 
 
+def test_more_losses_never_make_a_pass_easier_nor_more_gains_a_fail():
+    # the exact size's worst case sits at the margin only if the PASS outcomes are a down-set in b (lost) and an
+    # up-set in c (gained), and the FAIL outcomes the reverse (with the exact floor at c = 0 alone, 0 lost and 1
+    # gained of 20 had a FAIL p-value of 0.93, 0 and 0 one of 1.0)
+    for n in (*range(1, 80), 100, 150, 300):
+        design = exact.Design(n, 0.05, 0.10, 0)
+        b, c = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
+        inside = b + c <= n
+        passing = np.where(inside, design.pass_p(b, c), np.nan)
+        failing = np.where(inside, design.drop_fail_p(b, c), np.nan)
+        assert np.nanmin(np.diff(passing, axis=0)) >= -1e-12 and np.nanmax(np.diff(passing, axis=1)) <= 1e-12, n
+        assert np.nanmax(np.diff(failing, axis=0)) <= 1e-12 and np.nanmin(np.diff(failing, axis=1)) >= -1e-12, n
+    assert judge(rows([1] * 59 + [0], [0] * 6 + [1] * 53 + [1]), [], Thresholds()).status == "INCONCLUSIVE"
+
+
 # --- graded scores, KL, cells ---
 
 
