@@ -1,28 +1,271 @@
-"""Coverage of the gate's intervals by simulation (issue 13): paired 0/1 data drawn at true loss and gain rates,
-and the share of seeded draws whose bounds hold the true drop.
+"""The gate's error rates by simulation (issue 23): how often a variant whose true drop sits exactly at the margin (or
+whose loss rate sits at the flip limit) PASSes, and how often a variant at the planner's sample size does.
 
-    python benchmarks/stats_coverage.py [--draws 2000]
+    nice -n 10 python benchmarks/stats_coverage.py [--draws 4000] [--quick] [--seed 0]
 
-Prints, per (loss rate, gain rate, n), the coverage of the one-sided 95% upper bound (what a PASS relies on), of
-the one-sided 95% lower bound (what a FAIL relies on), and of the two-sided 95% interval (bounds at 0.975 each).
+Contexts are drawn independently; within one, m questions share a random effect (a Dirichlet-multinomial with
+intra-context correlation icc, evalkit.power.draw_contexts). 0/1 scores, or graded ones (a loss or gain moves a
+score by 0.1, or by 0.5). Every draw is judged by the gate's own decision at its default thresholds (the same
+functions of evalkit.exact and evalkit.betting that evalkit.checks calls, vectorised over draws;
+tests/test_stats_coverage.py checks it against evalkit.decide on single draws), at:
+
+- one look at n contexts;
+- the README's old sequence, 20 -> 60 -> 130 contexts with resume=true, stopping at the first PASS (a FAIL does not
+  stop it: that only adds chances to PASS);
+- the gate's own advice, from a first look at 20 or 59 contexts, up to 6 looks (advice over 2,000 contexts ends it).
+
+Each row prints the PASS rate with its Monte Carlo standard error; `ok` is "the rate is not above 5% by more than
+two standard errors". With one 0/1 question per context and one look the exact chance (enumeration) is printed
+beside it. Then power: the share of PASSes at the sample size `python -m evalkit.gate --plan` gives for 80% power.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
-from functools import lru_cache
+from dataclasses import dataclass
+from functools import cache, lru_cache
 
 import numpy as np
 
+from evalkit import betting, decide, exact
+from evalkit.gate import Thresholds
+from evalkit.power import betting_contexts, draw_contexts, first_look_samples
 from evalkit.stats import binary_bounds
 
-RATES = [(0.0, 0.0), (0.02, 0.0), (0.05, 0.0), (0.05, 0.02), (0.10, 0.05), (0.20, 0.0), (0.30, 0.10)]
-SIZES = [10, 20, 59, 200]
+T = Thresholds()
+ALPHA = 1 - T.confidence
+FLOOR = decide.floor(T)
+KMAX = 2000  # contexts a simulated run may grow to
+LOOKS = 6
+CHUNK = 250  # draws judged at once (memory: CHUNK x KMAX x bets)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Paired outcomes: per question lost (rate `loss`), gained (`gain`) or unchanged; a loss or gain moves the score
+    by `step` (1: 0/1 scores); m questions per context, intra-context correlation icc."""
+
+    loss: float
+    gain: float
+    m: int = 1
+    icc: float = 0.0
+    step: float = 1.0
+
+    @property
+    def scores(self) -> str:
+        return "0/1" if self.step == 1 else f"graded {self.step}"
+
+    @property
+    def exact_first(self) -> bool:
+        return self.step == 1 and self.m == 1
+
+    def draw(self, rng, draws: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per context: (drop, share of questions lost), each (draws, k)."""
+        lost, gained = draw_contexts(rng, draws, k, self.m, self.loss, self.gain, self.icc)
+        drop = self.step * (lost - gained) / self.m
+        flipped = lost / self.m if self.step > T.graded_flip_delta else np.zeros_like(drop)
+        return drop, flipped
+
+
+class Runs:
+    """A chunk of simulated runs: every context they may grow to, with what the gate's tests need at any length."""
+
+    def __init__(self, s: Scenario, drop: np.ndarray, flipped: np.ndarray):
+        self.s = s
+        self.b = np.cumsum(drop > 0, axis=1) if s.exact_first else None  # with 0/1 single questions: lost so far
+        self.c = np.cumsum(drop < 0, axis=1) if s.exact_first else None
+        self.checks = {
+            "drop": self._sums(drop, T.max_drop, -1.0),
+            "flips": self._sums(flipped, T.max_flip_rate, 0.0),
+        }
+
+    @staticmethod
+    def _sums(x: np.ndarray, target: float, lo: float):
+        logs = betting.log_factors(x, target, lo, 1.0, below=True)  # (draws, K, J)
+        dead = np.cumsum(~np.isfinite(logs), axis=1) > 0
+        safe = np.where(np.isfinite(logs), logs, 0.0)
+        return np.cumsum(safe, axis=1), np.cumsum(safe * safe, axis=1), dead
+
+    def wealth(self, what: str, n: np.ndarray) -> np.ndarray:
+        total, _, dead = self.checks[what]
+        rows = np.arange(len(n))
+        w = np.where(dead[rows, n - 1], -np.inf, total[rows, n - 1])
+        return betting.mix(w)
+
+    def passes(self, n: np.ndarray, first: bool, spent: dict[str, float]) -> np.ndarray:
+        """The gate's PASS (evalkit.checks.evaluate) for each run at its length n."""
+        if first and self.s.exact_first:
+            rows = np.arange(len(n))
+            b, c = self.b[rows, n - 1], self.c[rows, n - 1]
+            return np.array([_exact_pass(int(k), int(bi), int(ci)) for k, bi, ci in zip(n, b, c, strict=True)])
+        ok = n >= FLOOR
+        for what in ("drop", "flips"):
+            budget = ALPHA - spent.get(what, 0.0)
+            ok &= (budget > 0) & (self.wealth(what, n) >= math.log(1 / max(budget, 1e-300)))
+        return ok
+
+    def advice(self, n: np.ndarray, spent: dict[str, float]) -> np.ndarray:
+        """The contexts the gate advises (evalkit.power.contexts_needed): inf where none follows."""
+        rows = np.arange(len(n))
+        need = np.zeros(len(n))
+        for what in ("drop", "flips"):
+            total, squares, dead = self.checks[what]
+            g = total[rows, n - 1] / n[:, None]
+            s = np.sqrt(np.maximum(squares[rows, n - 1] / n[:, None] - g * g, 0.0))
+            budget = ALPHA - spent.get(what, 0.0)
+            need = np.maximum(need, betting.growth_to_show(g, s, ~dead[rows, n - 1], budget, 0.8))
+        return np.where(np.isfinite(need), np.maximum(np.maximum(np.ceil(need), FLOOR), n + 1), np.inf)
+
+
+@cache
+def _region(n: int) -> np.ndarray:
+    design = exact.Design(n, T.max_drop, T.max_flip_rate, FLOOR)
+    t = exact.threshold(lambda x: exact.pass_size(design, x, "drop"), ALPHA)
+    return exact.edge(n, design.pass_p, t, down=True)
+
+
+def _exact_pass(n: int, b: int, c: int) -> bool:
+    return n >= FLOOR and b <= _region(n)[c]
+
+
+@cache
+def _spent(n: int) -> dict[str, float]:
+    return exact.pass_spent(exact.Design(n, T.max_drop, T.max_flip_rate, FLOOR), ALPHA)
+
+
+def simulate(s: Scenario, plan, draws: int, seed: int) -> float:
+    """The share of runs that PASS at some look. plan: a list of look sizes, or ("advice", start)."""
+    rng = np.random.default_rng(seed)
+    kmax = max(plan) if plan[0] != "advice" else KMAX
+    passed = 0
+    for start in range(0, draws, CHUNK):
+        size = min(CHUNK, draws - start)
+        runs = Runs(s, *s.draw(rng, size, kmax))
+        n = np.full(size, plan[0] if plan[0] != "advice" else plan[1], dtype=int)
+        alive, done = np.ones(size, dtype=bool), np.zeros(size, dtype=bool)
+        spent: dict[str, float] = {}
+        for look in range(LOOKS if plan[0] == "advice" else len(plan)):
+            first = look == 0
+            ok = runs.passes(n, first, spent) & alive
+            done |= ok
+            alive &= ~ok
+            if first and s.exact_first:
+                spent = _spent(int(n[0]))
+            if plan[0] == "advice":
+                nxt = runs.advice(n, spent)
+                alive &= nxt <= kmax
+                n = np.where(alive, np.minimum(nxt, kmax), n).astype(int)
+            elif look + 1 < len(plan):
+                n = np.full(size, plan[look + 1], dtype=int)
+            if not alive.any():
+                break
+        passed += int(done.sum())
+    return passed / draws
+
+
+BINARY = [(0.05, 0.0), (0.07, 0.02), (0.09, 0.04), (0.10, 0.07)]  # the drop at the margin; the last: flips at 10%
+GRADED = [(0.5, 0.0, 0.1), (0.6, 0.1, 0.1), (0.1, 0.0, 0.5)]  # (loss, gain, step): drop 0.05
+CLUSTERS = [(1, 0.0), (5, 0.0), (5, 0.3), (5, 0.5), (10, 0.0), (10, 0.3), (10, 0.5)]
+
+
+def scenarios(quick: bool) -> list[Scenario]:
+    if quick:
+        return [Scenario(0.05, 0.0, 10, 0.5), Scenario(0.07, 0.02, 5, 0.3), Scenario(0.5, 0.0, 5, 0.3, 0.1)]
+    out = [Scenario(loss, gain, m, icc) for m, icc in CLUSTERS for loss, gain in BINARY]
+    return out + [Scenario(loss, gain, m, icc, step) for m, icc in CLUSTERS for loss, gain, step in GRADED]
+
+
+def plans(quick: bool) -> list[tuple]:
+    if quick:
+        return [(100,), (20, 60, 130), ("advice", 20)]
+    return [(20,), (59,), (100,), (300,), (20, 60, 130), ("advice", 20), ("advice", 59)]
+
+
+def describe(plan) -> str:
+    if plan[0] == "advice":
+        return f"advice from {plan[1]}, <= {LOOKS} looks"
+    return " -> ".join(map(str, plan)) + (" (one look)" if len(plan) == 1 else "")
+
+
+def exact_rate(s: Scenario, plan) -> float | None:
+    """With one 0/1 question per context and one look: the chance of a PASS by enumeration (evalkit.exact)."""
+    if not (s.exact_first and len(plan) == 1 and plan[0] != "advice"):
+        return None
+    return exact.power(exact.Design(plan[0], T.max_drop, T.max_flip_rate, FLOOR), ALPHA, s.loss, s.gain)
+
+
+def error_rates(quick: bool, draws: int, seed: int):
+    """One row per scenario and plan, as each is simulated."""
+    for i, s in enumerate(scenarios(quick)):
+        for j, plan in enumerate(plans(quick)):
+            rate = simulate(s, plan, draws, seed + 1000 * i + j)
+            se = math.sqrt(max(rate * (1 - rate), ALPHA * (1 - ALPHA)) / draws)  # at 5% where the rate is below it
+            yield {"s": s, "plan": plan, "rate": rate, "se": se, "exact": exact_rate(s, plan)}
+
+
+def power_rows(quick: bool, draws: int, seed: int) -> list[dict]:
+    """PASS rates at the planner's n for 80% power: judged once with one 0/1 question per context (exact), judged
+    again after a pilot look of 20 (betting, exact enumeration), and with 5 questions per context at icc 0.3 (Monte
+    Carlo planner; simulated here with other seeds)."""
+    cases = [("once", Scenario(0.01, 0.0))]
+    if not quick:
+        cases += [("once", Scenario(0.02, 0.0)), ("once", Scenario(0.02, 0.02)), ("again", Scenario(0.01, 0.0))]
+        cases += [("once", Scenario(0.01, 0.0, 5, 0.3))]
+    out = []
+    for k, (how, s) in enumerate(cases):
+        if how == "again":
+            n = betting_contexts(T, FLOOR, s.loss, s.gain, 0.8)
+            plan = (20, n)
+        elif s.m == 1:
+            n = first_look_samples(T, FLOOR, s.loss, s.gain, 0.8)
+            plan = (n,)
+        else:
+            n = betting_contexts(T, FLOOR, s.loss, s.gain, 0.8, s.m, s.icc)
+            plan = (n,)
+        rate = simulate(s, plan, draws, seed + 7 + k)
+        se = math.sqrt(rate * (1 - rate) / draws)
+        out.append({"s": s, "plan": plan, "rate": rate, "se": se, "exact": exact_rate(s, plan)})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--draws", type=int, default=4000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="the reduced grid CI runs")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    print(f"PASS rate at the margin (max_drop {T.max_drop}, max_flip_rate {T.max_flip_rate}, {T.confidence:.0%}), "
+          f"{args.draws} draws per row")  # fmt: skip
+    print(f"{'scores':<12}{'m':>3}{'icc':>5}{'loss':>6}{'gain':>6}  {'looks':<30}{'PASS rate':>10}{'+- MC se':>10}"
+          f"{'exact':>8}  ok")  # fmt: skip
+    bad = 0
+    for r in error_rates(args.quick, args.draws, args.seed):
+        s, ok = r["s"], r["rate"] <= ALPHA + 2 * r["se"]
+        bad += not ok
+        ex = "" if r["exact"] is None else f"{r['exact']:.4f}"
+        print(f"{s.scores:<12}{s.m:>3}{s.icc:>5}{s.loss:>6}{s.gain:>6}  {describe(r['plan']):<30}{r['rate']:>10.4f}"
+              f"{r['se']:>10.4f}{ex:>8}  {'yes' if ok else 'NO'}", flush=True)  # fmt: skip
+    print("\npower at the planner's n for 80% (python -m evalkit.gate --plan)")
+    for r in power_rows(args.quick, args.draws, args.seed):
+        s = r["s"]
+        ok = r["rate"] >= 0.8 - 2 * r["se"]
+        bad += not ok
+        ex = "" if r["exact"] is None else f" (exact {r['exact']:.4f})"
+        print(
+            f"  {s.scores} m={s.m} icc={s.icc} loss {s.loss:.2f} gain {s.gain:.2f}: looks {describe(r['plan'])}, "
+            f"PASS rate {r['rate']:.4f} +- {r['se']:.4f}{ex}  {'yes' if ok else 'NO'}",
+            flush=True,
+        )
+    print(f"\n{bad} rows out of bounds; {time.perf_counter() - t0:.0f} s")
+    return 1 if bad else 0
 
 
 def coverage(p_lost: float, p_gained: float, n: int, draws: int, seed: int = 0) -> tuple[float, float, float]:
-    """(upper at 95%, lower at 95%, two-sided 95%) coverage of the true drop p_lost - p_gained."""
+    """(upper at 95%, lower at 95%, two-sided 95%) coverage of the true drop p_lost - p_gained by Tango's bounds with
+    the exact floor (per-sample figures, issue 13)."""
     rng = np.random.default_rng(seed)
     counts = rng.multinomial(n, [p_lost, p_gained, 1 - p_lost - p_gained], size=draws)[:, :2]
     truth = p_lost - p_gained
@@ -34,20 +277,5 @@ def coverage(p_lost: float, p_gained: float, n: int, draws: int, seed: int = 0) 
     return float(up), float(lo), float(both)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--draws", type=int, default=2000)
-    args = ap.parse_args()
-    t = time.perf_counter()
-    print(f"{'loss':>6}{'gain':>6}{'n':>6}{'upper 95%':>11}{'lower 95%':>11}{'two-sided 95%':>15}")
-    worst = 1.0
-    for p_lost, p_gained in RATES:
-        for n in SIZES:
-            up, lo, both = coverage(p_lost, p_gained, n, args.draws)
-            worst = min(worst, up, lo, both)
-            print(f"{p_lost:>6.2f}{p_gained:>6.2f}{n:>6}{up:>11.4f}{lo:>11.4f}{both:>15.4f}")
-    print(f"lowest coverage: {worst:.4f} ({args.draws} draws per cell, {time.perf_counter() - t:.1f} s)")
-
-
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

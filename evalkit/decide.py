@@ -1,12 +1,12 @@
 """The gate's statistical decisions: for each variant PASS, FAIL or INCONCLUSIVE, and for each cell whether it is
-shown to fail, with the family-wise error held across variants and across cells (evalkit.stats).
+shown to fail, counted in contexts (evalkit.contexts), with the error rate held across variants, cells and looks.
 
-A variant PASSes when every check is *shown* to hold at the gate's confidence: the accuracy drop below `max_drop`
-(non-inferiority) and the flip rate below `max_flip_rate`. Several checks of one variant need no correction among
-themselves (a PASS needs all of them: an intersection-union test); the same check over several variants, and the
-cell checks over all cells, are corrected (Holm or Bonferroni, `gate.multiplicity`). A variant FAILs when a check
-is shown broken (the drop's lower bound above the margin, the flip rate above its limit, a cell shown below
-`min_cell_accuracy`), and is INCONCLUSIVE otherwise: then the gate says how many samples would settle it.
+A variant PASSes when every check (evalkit.checks: the drop below `max_drop`, the flip rate below `max_flip_rate`,
+the capped KL below `max_mean_kl`) is shown to hold: its p-value is the largest of its checks' (an
+intersection-union test, no correction among them), and the variants' p-values are corrected together (Holm or
+Bonferroni, `gate.multiplicity`). A variant FAILs when a check is shown broken (every claim of a broken check,
+over all variants and checks, corrected together) or a cell is shown below `min_cell_accuracy` (the cells
+corrected together); INCONCLUSIVE otherwise, with the contexts that would settle it (evalkit.power).
 """
 
 from __future__ import annotations
@@ -16,23 +16,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
-from scipy.stats import binomtest, ttest_1samp
+from scipy.stats import binom
 
-from evalkit.analysis import cell_key
-from evalkit.stats import adjust, binary_bounds, clopper_pearson_upper, is_binary, paired_drop
-
-PLAN_LOSS_RATES = (0.0, 0.005, 0.01, 0.02, 0.03)
-
-
-@dataclass
-class Check:
-    """One statistical check of one variant: p-values for "holds" and for "broken", and what it is about."""
-
-    what: str  # drop, flips
-    p_holds: float
-    p_broken: float
-    holds: bool = False  # shown to hold, after the correction
-    broken: bool = False  # shown broken, after the correction
+from evalkit import betting, exact
+from evalkit.checks import Evidence, Spent, add, evaluate, first_spent, kl_cap
+from evalkit.contexts import Contexts, by_cell, group
+from evalkit.looks import History
+from evalkit.power import betting_cell_samples, cell_samples, contexts_needed
+from evalkit.stats import adjust, binary_bounds
 
 
 @dataclass
@@ -40,117 +31,171 @@ class Decision:
     status: str  # PASS, FAIL or INCONCLUSIVE
     fail: list[str] = field(default_factory=list)
     open: list[str] = field(default_factory=list)  # why it is not yet a PASS
-    samples_needed: int | None = None  # at the observed rates, the samples a PASS needs (0/1 scores)
-
-
-def _drop_check(rows: list[dict], margin: float, level: float) -> tuple[Check, Any]:
-    base = [r["baseline_score"] for r in rows]
-    pol = [r["score"] for r in rows]
-    p = paired_drop(base, pol, level)
-    return Check("drop", *p.p_values(margin)), p
-
-
-def _flip_check(lost: int, n: int, limit: float) -> Check:
-    """Exact binomial tests of the loss rate against `limit`."""
-    return Check(
-        "flips",
-        binomtest(lost, n, limit, alternative="less").pvalue,
-        binomtest(lost, n, limit, alternative="greater").pvalue,
-    )
-
-
-def fewest_samples(lost: int, gained: int, n: int, t, binary: bool) -> int | None:
-    """The fewest samples at which the observed loss and gain rates, kept, would show every check holding at the
-    gate's confidence (0/1 scores; None for graded scores, or when the observed rates themselves break a limit)."""
-    if not binary or n == 0:
-        return None
-    level = t.confidence
-    if t.max_drop is not None and (lost - gained) / n >= t.max_drop:
-        return None
-    if t.max_flip_rate is not None and lost / n >= t.max_flip_rate:
-        return None
-
-    def passes(m: int) -> bool:
-        b, c = lost * m / n, gained * m / n  # expected counts at the observed rates
-        if t.max_drop is not None and binary_bounds(b, c, m, level)[1] >= t.max_drop:
-            return False
-        return t.max_flip_rate is None or clopper_pearson_upper(b, m, 1 - level) < t.max_flip_rate
-
-    hi = 1
-    while not passes(hi):
-        if hi >= 10_000_000:
-            return None
-        hi *= 2
-    lo = hi // 2 + 1 if hi > 1 else 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if passes(mid) else (mid + 1, hi)
-    return max(hi, t.min_samples or 0)
+    samples_needed: int | None = None  # samples (questions) the next look needs for about 80% power at these rates
+    contexts_needed: int | None = None  # the same in contexts, the unit the statistics count
+    look: int = 1
+    p: float = math.nan  # the variant's p-value for a PASS, before the correction across variants
+    evidence: Evidence | None = field(default=None, repr=False)
 
 
 def min_samples(t) -> int:
-    """The fewest samples a variant that loses nothing needs to PASS: the default `min_samples`."""
-    return fewest_samples(0, 0, 1, replace(t, min_samples=0), True) or 1
-
-
-def variant_decisions(by_variant: dict[str, list[dict]], t) -> dict[str, Decision]:
-    """PASS, FAIL or INCONCLUSIVE for every variant from its statistical checks, corrected across variants."""
+    """The fewest one-question contexts a variant that loses nothing needs to PASS at the first look: the default
+    `min_samples` (59 at a 0.05 margin and 95%: 0.95^59 < 0.05 < 0.95^58)."""
     alpha = 1 - t.confidence
-    names = sorted(by_variant)
-    checks: dict[str, list[Check]] = {name: [] for name in names}
-    paired = {}
-    for name in names:
-        rows = by_variant[name]
-        if t.max_drop is not None:
-            check, paired[name] = _drop_check(rows, t.max_drop, t.confidence)
-            checks[name].append(check)
-        else:
-            paired[name] = paired_drop([r["baseline_score"] for r in rows], [r["score"] for r in rows], t.confidence)
-        if t.max_flip_rate is not None:
-            checks[name].append(_flip_check(paired[name].lost, paired[name].n, t.max_flip_rate))
-    for what in ("drop", "flips"):
-        family = [(name, c) for name in names for c in checks[name] if c.what == what]
-        for (_, c), ok in zip(family, adjust([c.p_holds for _, c in family], alpha, t.multiplicity), strict=True):
-            c.holds = ok
-        for (_, c), bad in zip(family, adjust([c.p_broken for _, c in family], alpha, t.multiplicity), strict=True):
-            c.broken = bad
+    for n in range(1, 100_000):
+        if float(exact.Design(n, t.max_drop, t.max_flip_rate, 0).pass_p(0, 0)) <= alpha:
+            return n
+    return 100_000
+
+
+def floor(t) -> int:
+    """gate.min_samples, or the count a lossless PASS needs when it is null."""
+    return t.min_samples if t.min_samples is not None else min_samples(t)
+
+
+def spent_on(name: str, h: History, t) -> Spent:
+    """What the runs' first looks spent on this variant (0 when it was judged there by betting, or not at all)."""
+    total = Spent()
+    for look in h.first:
+        v = (look.get("variants") or {}).get(name) or {}
+        if v.get("exact") and isinstance(v.get("contexts"), int):
+            then = _thresholds_of(look, t)
+            total = add(total, first_spent(v["contexts"], then, floor(then)))
+    return total
+
+
+def _thresholds_of(look: dict, t):
+    """The thresholds a recorded look was judged at (the statistical ones; the current ones where not recorded)."""
+    keys = ("max_drop", "confidence", "max_flip_rate", "min_samples", "min_cell_accuracy")
+    recorded = look.get("thresholds") or {}
+    return replace(t, **{k: recorded[k] for k in keys if k in recorded})
+
+
+def evidence_of(by_variant: dict[str, list[dict]], t, h: History) -> dict[str, Evidence]:
     out = {}
-    k = len(names)
-    corrected = f" after {t.multiplicity.capitalize()}'s correction over {k} variants" if k > 1 else ""
-    for name in names:
-        p, d = paired[name], Decision("INCONCLUSIVE")
-        conf = f"{t.confidence:.0%}"
-        for c in checks[name]:
-            if c.what == "drop" and c.broken:
-                d.fail.append(
-                    f"{name}: accuracy drop {p.drop:+.3f}, at least {p.lower:.3f} ({conf} lower bound{corrected}): "
-                    f"shown over the {t.max_drop} margin"
-                )
-            elif c.what == "drop" and not c.holds:
-                d.open.append(
-                    f"{name}: {p.lost} lost and {p.gained} gained of {p.n}: the drop may be as large as "
-                    f"{p.upper:.3f} ({conf} upper bound, {p.method}{corrected}), not shown below the {t.max_drop} "
-                    "margin"
-                )
-            elif c.what == "flips" and c.broken:
-                d.fail.append(
-                    f"{name}: {p.lost} of {p.n} samples flipped from right to wrong ({p.lost / p.n:.0%}): shown over "
-                    f"the {t.max_flip_rate:.0%} flip-rate limit at {conf}{corrected}"
-                )
-            elif c.what == "flips" and not c.holds:
-                d.open.append(
-                    f"{name}: {p.lost} of {p.n} samples flipped from right to wrong: the flip rate is not shown below "
-                    f"{t.max_flip_rate:.0%} at {conf}{corrected}"
-                )
-        floor = t.min_samples or 0
-        if p.n < floor:
-            d.open.append(f"{name}: {p.n} samples, fewer than gate.min_samples={floor}")
-        if p.method == "none":
-            d.open.append(f"{name}: {p.n} samples of graded scores; the bootstrap needs at least 20")
-        binary = is_binary([r["score"] for r in by_variant[name]], [r["baseline_score"] for r in by_variant[name]])
-        d.samples_needed = fewest_samples(p.lost, p.gained, p.n, t, binary) if d.open else None
-        d.status = "FAIL" if d.fail else "INCONCLUSIVE" if d.open else "PASS"
+    for name in sorted(by_variant):
+        ctx = group(by_variant[name], t.graded_flip_delta, kl_cap(t))
+        out[name] = evaluate(name, ctx, t, floor(t), h.number == 1, spent_on(name, h, t))
+    return out
+
+
+def critical_levels(pvalues: list[float], alpha: float, method: str) -> list[float]:
+    """The level each p-value is compared with (Holm: alpha / (k - rank)), for the messages."""
+    k = len(pvalues)
+    if method == "none":
+        return [alpha] * k
+    if method == "bonferroni":
+        return [alpha / k] * k
+    order = sorted(range(k), key=lambda i: pvalues[i])
+    out = [alpha] * k
+    for rank, i in enumerate(order):
+        out[i] = alpha / (k - rank)
+    return out
+
+
+def variant_decisions(by_variant: dict[str, list[dict]], t, h: History | None = None) -> dict[str, Decision]:
+    """PASS, FAIL or INCONCLUSIVE for every variant, corrected across variants."""
+    h = h or History()
+    alpha = 1 - t.confidence
+    ev = evidence_of(by_variant, t, h)
+    names = list(ev)
+    passes = adjust([ev[n].p_pass for n in names], alpha, t.multiplicity)
+    levels = critical_levels([ev[n].p_pass for n in names], alpha, t.multiplicity)
+    claims = [c for n in names for c in ev[n].checks]
+    for c, bad in zip(claims, adjust([c.p_broken for c in claims], alpha, t.multiplicity), strict=True):
+        c.broken = bad
+    out = {}
+    for name, passed, level in zip(names, passes, levels, strict=True):
+        e = ev[name]
+        for c in e.checks:
+            c.holds = c.p_holds <= level
+        d = Decision("INCONCLUSIVE", look=h.number, p=e.p_pass, evidence=e)
+        d.fail = [fail_message(name, e, c, t, len(names), h) for c in e.checks if c.broken]
+        if not passed:
+            d.open = open_messages(name, e, t, len(names), h)
+        d.status = "FAIL" if d.fail else "PASS" if passed else "INCONCLUSIVE"
+        if d.status == "INCONCLUSIVE":
+            d.contexts_needed = contexts_needed(e, t, spent_on(name, h, t), h.number == 1, len(names))
+            if d.contexts_needed is not None:
+                per = float(np.mean(e.contexts.questions)) if e.contexts.n else 1.0
+                d.samples_needed = math.ceil(d.contexts_needed * per)
         out[name] = d
+    return out
+
+
+def _units(ctx: Contexts, noun: str = "") -> str:
+    """How many were judged: "59" (or "59 samples" with a noun) for one question per context, else "320 questions
+    on 21 contexts"."""
+    if ctx.single:
+        return f"{ctx.n} {noun}".rstrip()
+    return f"{int(np.sum(ctx.questions))} questions on {ctx.n} contexts"
+
+
+def _how(e: Evidence, c, t, k: int, h: History) -> str:
+    conf = f"{t.confidence:.0%}"
+    how = f"{conf} {{}} bound, {c.method}"
+    if not e.exact:
+        left = f", {c.budget:.2%} of the error rate left after the first look" if c.budget < 1 - t.confidence else ""
+        how += f", look {h.number}{left}"
+    if k > 1:
+        how += f"; {t.multiplicity.capitalize()}'s correction over {k} variants"
+    return how
+
+
+def _flipped(e: Evidence, t) -> str:
+    return "flipped from right to wrong" if e.contexts.binary else f"decreased by more than {t.graded_flip_delta}"
+
+
+def fail_message(name: str, e: Evidence, c, t, k: int, h: History) -> str:
+    ctx, how = e.contexts, _how(e, c, t, k, h).format("lower")
+    if c.what == "drop":
+        drop = float(ctx.drop.mean())
+        return f"{name}: accuracy drop {drop:+.3f}, at least {c.lower:.3f} ({how}): shown over the {c.limit} margin"
+    if c.what == "flips":
+        lost, q = ctx.lost_questions, int(np.sum(ctx.questions))
+        return (
+            f"{name}: {lost} of {_units(ctx, 'samples')} {_flipped(e, t)} ({lost / q:.0%}; at least {c.lower:.3f} "
+            f"per context, {how}): shown over the {c.limit:.0%} flip-rate limit"
+        )
+    return f"{name}: mean KL at least {c.lower:.4f} nats ({how}; each row capped at {kl_cap(t):g}): over {c.limit}"
+
+
+def open_messages(name: str, e: Evidence, t, k: int, h: History) -> list[str]:
+    ctx, out = e.contexts, []
+    for c in e.checks:
+        if c.holds or c.broken:
+            continue
+        how = _how(e, c, t, k, h).format("upper")
+        if c.what == "drop":
+            seen = (
+                f"{ctx.lost_questions} lost and {ctx.gained_questions} gained of {_units(ctx)}"
+                if ctx.binary
+                else f"graded scores, mean drop {float(ctx.drop.mean()):+.3f} over {_units(ctx, 'samples')}"
+            )
+            out.append(
+                f"{name}: {seen}: the drop may be as large as {c.upper:.3f} ({how}), not shown below the {c.limit} "
+                "margin"
+            )
+        elif c.what == "flips":
+            out.append(
+                f"{name}: {ctx.lost_questions} of {_units(ctx, 'samples')} {_flipped(e, t)}: the flip rate may be as "
+                f"large as {c.upper:.3f} ({how}), not shown below {c.limit:.0%}"
+            )
+        else:
+            out.append(
+                f"{name}: the mean KL may be as large as {c.upper:.4f} nats ({how}; each row capped at "
+                f"{kl_cap(t):g}), not shown below max_mean_kl={c.limit}"
+            )
+    if ctx.n < e.floor:
+        unit = "samples" if ctx.single else "contexts"
+        out.append(f"{name}: {ctx.n} {unit}, fewer than gate.min_samples={e.floor} (a lossless PASS needs {e.floor})")
+    if e.corrected:
+        out.append(
+            f"{name}: Tango's test alone would pass at n={ctx.n}, but its exact worst-case error rate there is above "
+            f"{1 - t.confidence:.0%}: the exact p-value is {e.p_pass:.4f}"
+        )
+    if not out:
+        out.append(f"{name}: p = {e.p_pass:.4f} for a PASS, not shown after the correction over {k} variants")
     return out
 
 
@@ -161,7 +206,7 @@ SHOWN_TO_FAIL = "shown to fail"  # the one cell status that is a failure ("no fa
 class CellResult:
     variant: str
     cell: str
-    n: int
+    n: int  # contexts (samples, with one question per context)
     lost: int
     gained: int
     baseline: float
@@ -171,39 +216,25 @@ class CellResult:
     p: float = math.nan
 
 
-def cell_decisions(by_variant: dict[str, list[dict]], t) -> list[CellResult]:
+def cell_decisions(by_variant: dict[str, list[dict]], t, h: History | None = None) -> list[CellResult]:
     """Per variant and cell: is the policy's accuracy shown below `min_cell_accuracy` where the baseline reaches it?
-    An exact binomial test (0/1 scores) or a one-sided t-test (graded), Holm or Bonferroni across all cells judged;
-    a cell too small to ever be shown failing at the corrected level is `not judged`."""
-    results: list[CellResult] = []
-    scores_of: dict[tuple[str, str], list[float]] = {}  # (variant, cell) -> the policy's scores there
+    The exact binomial test at the run's first look (one 0/1 question per context), the betting test otherwise, Holm
+    or Bonferroni across all cells judged; a cell too small to ever be shown failing is `not judged`."""
+    h = h or History()
+    results, contexts = [], {}
     for name in sorted(by_variant):
-        cells: dict[str, list[dict]] = {}
-        for r in by_variant[name]:
-            cells.setdefault(cell_key(r["cell"]), []).append(r)
-        for cell, rows in sorted(cells.items()):
-            base, pol = [r["baseline_score"] for r in rows], [r["score"] for r in rows]
-            scores_of[name, cell] = pol
-            p = paired_drop(base, pol, t.confidence)
-            results.append(
-                CellResult(
-                    name,
-                    cell,
-                    p.n,
-                    p.lost,
-                    p.gained,
-                    float(np.mean(base)),
-                    float(np.mean(pol)),
-                    (p.lower, p.upper),
-                    "no failure shown",
-                )
-            )
+        for cell, rows in by_cell(by_variant[name]).items():
+            ctx = group(rows, t.graded_flip_delta)
+            contexts[name, cell] = ctx
+            lost, gained = ctx.counts()
+            bounds = _cell_bounds(ctx, t)
+            base, pol = float(ctx.baseline.mean()), float(ctx.policy.mean())
+            results.append(CellResult(name, cell, ctx.n, lost, gained, base, pol, bounds, "no failure shown"))
     limit, weak = t.min_cell_accuracy, t.min_baseline_accuracy
     if limit is None:
         for c in results:
             c.status = "not judged: gate.min_cell_accuracy is null"
         return results
-    alpha = 1 - t.confidence
     judged = []
     for c in results:
         if weak is not None and c.baseline < weak:
@@ -212,62 +243,96 @@ def cell_decisions(by_variant: dict[str, list[dict]], t) -> list[CellResult]:
             c.status = f"not judged: the baseline scores {c.baseline:.2f}, below gate.min_cell_accuracy"
         else:
             judged.append(c)
-    family = len(judged)
-    first = alpha if t.multiplicity == "none" else alpha / max(family, 1)
-    need = cell_samples(limit, first)
+    alpha = 1 - t.confidence
+    first = alpha if t.multiplicity == "none" else alpha / max(len(judged), 1)
     pvalues = []
     for c in judged:
-        scores = scores_of[c.variant, c.cell]
+        ctx = contexts[c.variant, c.cell]
+        p, need = _cell_test(ctx, t, first, h, _cell_spent(c.variant, c.cell, h, t))
         if c.n < need:
             c.status = f"not judged: {c.n} samples, a failure here can be shown from {need}"
-            pvalues.append(math.nan)
-        elif is_binary(scores):
-            c.p = binomtest(int(sum(scores)), c.n, limit, alternative="less").pvalue
-            pvalues.append(c.p)
-        elif np.std(scores) > 0:
-            c.p = float(ttest_1samp(scores, limit, alternative="less").pvalue)
-            pvalues.append(c.p)
-        else:
-            c.p = 0.0 if scores[0] < limit else 1.0  # every sample scored the same
-            pvalues.append(c.p)
+            p = math.nan
+        c.p = p
+        pvalues.append(p)
     for c, bad in zip(judged, adjust(pvalues, alpha, t.multiplicity), strict=True):
         if bad:
             c.status = SHOWN_TO_FAIL
     return results
 
 
-def cell_samples(limit: float, alpha: float) -> int:
-    """Samples a cell needs before a policy that gets all of them wrong is shown below `limit` at `alpha`."""
-    if limit <= 0:
-        return 10**9
-    if limit >= 1:
-        return 1
-    return max(1, math.ceil(math.log(alpha) / math.log(limit) - 1e-12))
-
-
-def plan(t, variants: int = 1, cells: int = 1) -> list[str]:
-    """What a PASS needs at these thresholds: samples per variant at several loss rates, and per cell."""
+def _cell_bounds(ctx: Contexts, t) -> tuple[float, float]:
+    if ctx.n == 0:
+        return (math.nan, math.nan)
+    if ctx.single and ctx.binary:
+        return binary_bounds(*ctx.counts(), ctx.n, t.confidence)
     alpha = 1 - t.confidence
-    first = alpha / variants if t.multiplicity != "none" and variants > 1 else alpha
-    at = replace(t, confidence=1 - first, min_samples=0)
-    lines = [
-        f"gate: margin max_drop={t.max_drop}, max_flip_rate={t.max_flip_rate}, one-sided confidence "
-        f"{t.confidence:.0%}, multiplicity {t.multiplicity} over {variants} variant(s) and {cells} cell(s) each",
-        "",
-        "samples per variant for a PASS, if the policy loses (and never gains) at the rate below:",
-    ]
-    for rate in PLAN_LOSS_RATES:
-        scale = 100_000
-        need = fewest_samples(round(rate * scale), 0, scale, at, True)
-        per_cell = "" if need is None else f" ({math.ceil(need / cells)} per cell)"
-        lines.append(f"  loss rate {rate:>5.1%}: " + (f"{need} samples{per_cell}" if need else "no PASS possible"))
-    if t.min_cell_accuracy is not None:
-        family = variants * cells
-        k = cell_samples(t.min_cell_accuracy, alpha / family if t.multiplicity != "none" else alpha)
-        lines += [
-            "",
-            f"per cell: {k} samples before a cell whose answers are all wrong is shown below "
-            f"min_cell_accuracy={t.min_cell_accuracy} ({family} cells in the family); smaller cells are not judged",
-        ]
-    lines.append(f"\ndefault gate.min_samples (a PASS with no loss at all): {min_samples(t)}")
-    return lines
+    return betting.bound(ctx.drop, alpha, -1, 1, upper=False), betting.bound(ctx.drop, alpha, -1, 1, upper=True)
+
+
+def _cell_spent(variant: str, cell: str, h: History, t) -> float:
+    total = 0.0
+    for look in h.first:
+        v = (look.get("variants") or {}).get(variant) or {}
+        n = (v.get("cells") or {}).get(cell)
+        if v.get("exact") and isinstance(n, int) and t.min_cell_accuracy is not None:
+            then = _thresholds_of(look, t)
+            total += exact.binomial_spent(n, then.min_cell_accuracy, 1 - then.confidence, below=True)
+    return total
+
+
+def _cell_test(ctx: Contexts, t, first: float, h: History, spent: float) -> tuple[float, int]:
+    """(p-value that the cell's accuracy is below the limit, the contexts before an all-wrong cell can show it)."""
+    limit = t.min_cell_accuracy
+    if h.number == 1 and ctx.single and ctx.binary:
+        right = int(round(float(np.sum(ctx.policy))))
+        return float(binom.cdf(right, ctx.n, limit)), cell_samples(limit, first)
+    p = betting.p_value(ctx.policy, limit, 0.0, 1.0, below=True, spent=spent)
+    return p, betting_cell_samples(limit, first - spent)
+
+
+def unjudged_cells(cells: list[CellResult], name: str, t) -> str | None:
+    """A line for a verdict where the cell criterion judged none of this variant's cells (and why)."""
+    mine = [c for c in cells if c.variant == name]
+    if t.min_cell_accuracy is None or not mine or any(not c.status.startswith("not judged") for c in mine):
+        return None
+    small = [c for c in mine if c.status.startswith("not judged: ") and "can be shown from" in c.status]
+    why = f" ({small[0].status.removeprefix('not judged: ')})" if small else ""
+    return (
+        f"{name}: no cell judged by min_cell_accuracy={t.min_cell_accuracy}{why}: this verdict says nothing about "
+        "single cells; run more samples per cell (python -m evalkit.gate --plan --cells N)"
+    )
+
+
+def decision_summary(d: Decision, t) -> dict[str, Any]:
+    """What verdict.json and report.md say of a variant's decision: its status, look, p-value, checks and bounds."""
+    e = d.evidence
+    return {
+        "status": d.status,
+        "look": d.look,
+        "p_pass": d.p,
+        "samples_needed": d.samples_needed,
+        "contexts_needed": d.contexts_needed,
+        "level": t.confidence,
+        "contexts": e.contexts.n,
+        "questions": int(e.contexts.questions.sum()),
+        "method": "exact first look" if e.exact else "betting (anytime-valid)",
+        "checks": {
+            c.what: {"p_holds": c.p_holds, "p_broken": c.p_broken, "bounds": [c.lower, c.upper], "method": c.method}
+            for c in e.checks
+        },
+    }
+
+
+def look_record(decisions: dict[str, Decision], cells: list[CellResult]) -> dict[str, dict]:
+    """Per variant, what this look judged (recorded in run.json, evalkit.looks): the error rate a later look has
+    left depends on it."""
+    out = {}
+    for name, d in decisions.items():
+        ctx = d.evidence.contexts
+        out[name] = {
+            "contexts": ctx.n,
+            "questions": int(ctx.questions.sum()),
+            "exact": d.evidence.exact,
+            "cells": {c.cell: c.n for c in cells if c.variant == name},
+        }
+    return out

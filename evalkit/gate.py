@@ -27,12 +27,23 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from evalkit import looks
 from evalkit.analysis import BASELINE, chunked_vs_oneshot, is_baseline, merge, summarize
 from evalkit.cli import guarded
-from evalkit.decide import SHOWN_TO_FAIL, cell_decisions, plan, variant_decisions
+from evalkit.contexts import GRADED_FLIP_DELTA
+from evalkit.decide import (
+    SHOWN_TO_FAIL,
+    cell_decisions,
+    decision_summary,
+    floor,
+    look_record,
+    unjudged_cells,
+    variant_decisions,
+)
 from evalkit.errors import EXIT_FAIL, EXIT_OK, CannotJudge, ConfigError
 from evalkit.evidence import contradictions, row_problem, run_problems
 from evalkit.plan import capacity
+from evalkit.power import plan
 from evalkit.records import RUN, SAMPLES, scan_rows, torn_line, write_atomic
 from evalkit.stats import MULTIPLICITY
 from evalkit.units import fmt_bytes
@@ -50,8 +61,9 @@ class Thresholds:
     max_flip_rate: float | None = 0.10  # lost samples / samples, shown below it for a PASS
     min_cell_accuracy: float | None = 0.5  # per cell, where the baseline reaches it: a FAIL when shown below it
     min_baseline_accuracy: float | None = 0.5  # below it overall: cannot judge; cells below it are not judged
-    max_mean_kl: float | None = 0.1  # nats, fidelity rows
-    min_samples: int | None = None  # None: the fewest a PASS can need at the margin (evalkit.decide.min_samples)
+    max_mean_kl: float | None = 0.1  # nats, fidelity rows: the mean of each row's KL capped at 10x this, shown below it
+    min_samples: int | None = None  # contexts; None: the fewest a lossless PASS needs (evalkit.decide.min_samples)
+    graded_flip_delta: float = GRADED_FLIP_DELTA  # a graded score counts as lost when it falls by more than this
     min_compression: float = 0.99  # a compressing variant must hold less than this share of the baseline's bytes
     capacity: dict[str, float] = field(default_factory=lambda: {"gpu_gib": 80, "context": 32768})  # report only
 
@@ -67,6 +79,8 @@ class Verdict:
     not_judged: list[str] = field(default_factory=list)  # cells left out: the baseline is too weak there
     cells: list[dict[str, Any]] = field(default_factory=list)  # per variant and cell: n, flips, bounds, status
     advice: str | None = None  # INCONCLUSIVE: the samples that would settle it
+    look: dict[str, Any] = field(default_factory=dict)  # this judgement's record for run.json (evalkit.looks)
+    history: looks.History = field(default_factory=looks.History)
 
     @property
     def passed(self) -> bool:
@@ -107,6 +121,7 @@ RANGES: dict[str, tuple[tuple[type, ...], tuple[float, float, bool, bool], str]]
     "max_mean_kl": ((int, float), (0, math.inf, True, False), "0.1"),
     "min_samples": ((int,), (1, math.inf, True, False), "59"),
     "min_compression": ((int, float), (0, 1, False, True), "0.99"),
+    "graded_flip_delta": ((int, float), (0, 1, True, False), "0.1"),  # a graded score falling by more is lost
 }
 NULLABLE = {"max_drop", "max_flip_rate", "min_cell_accuracy", "min_baseline_accuracy", "max_mean_kl", "min_samples"}
 
@@ -383,14 +398,18 @@ def judge(rows: list[dict], infos: list[dict], t: Thresholds, problems: list[str
     for r in rows:
         by_variant.setdefault(r["variant"], []).append(r)
     policies = {name: by_variant[name] for name in summary if not is_baseline(name)}
-    decisions = variant_decisions(policies, t)
-    cells = cell_decisions(policies, t)
+    key = looks.digest(rows, t)
+    history = looks.history(infos, key)
+    decisions = variant_decisions(policies, t, history)
+    cells = cell_decisions(policies, t, history)
     inconclusive: list[str] = []
     for name, s in summary.items():
         if is_baseline(name):
             continue
         d = decisions[name]
-        s["gate"] = {"status": d.status, "samples_needed": d.samples_needed, "level": t.confidence}
+        s["gate"] = decision_summary(d, t)
+        note = unjudged_cells(cells, name, t)
+        not_judged += [note] if note else []
         reasons += d.fail
         inconclusive += d.open
         reasons += [
@@ -410,8 +429,6 @@ def judge(rows: list[dict], infos: list[dict], t: Thresholds, problems: list[str
                 f"{name}: the chunked prefill held {r['prefill_peak_tokens']} tokens in a layer, over its bound of "
                 f"{r['prefill_bound_tokens']} (budget + chunk), on {len(over)} samples"
             )
-        if t.max_mean_kl is not None and s.get("kl_mean") is not None and s["kl_mean"] > t.max_mean_kl:
-            reasons.append(f"{name}: mean KL {s['kl_mean']:.4f} nats over {t.max_mean_kl}")
         if any(_compression_asked(r) for r in by_variant[name]) and s["kv_ratio"] >= t.min_compression:
             clipped = s.get("budget_clipped")
             reasons.append(
@@ -434,6 +451,8 @@ def judge(rows: list[dict], infos: list[dict], t: Thresholds, problems: list[str
         not_judged=not_judged,
         cells=[asdict(c) for c in cells],
         advice=advice,
+        look=looks.entry(history, key, status, t, look_record(decisions, cells)),
+        history=history,
     )
 
 
@@ -447,7 +466,12 @@ def _advice(decisions: dict[str, Any], summary: dict[str, Any], infos: list[dict
         )
     name = max(needs, key=lambda k: needs[k] - summary[k]["n"])
     need, have = needs[name], summary[name]["n"]
-    text = f"at the observed rates, {need} samples would show it: add at least {need - have}"
+    d = decisions[name]
+    unit = "samples" if d.evidence.contexts.single else f"samples ({d.contexts_needed} contexts, the unit counted)"
+    text = (
+        f"at the observed rates, {need} {unit} would show it with about 80% chance at look {d.look + 1} (judged by "
+        f"the anytime-valid betting test): add at least {need - have}"
+    )
     task = ((infos[0].get("config") or {}).get("task") or {}) if len(infos) == 1 else {}
     n_cells = len({c.cell for c in cells if c.variant == name}) or 1
     if "samples_per_cell" in task:
@@ -518,6 +542,7 @@ def write_outputs(verdict: Verdict, out_dir: Path, t: Thresholds) -> None:
         "runs": verdict.runs,
         "variants": verdict.variants,
         "chunked_vs_oneshot": verdict.chunked,
+        "look": verdict.look,
     }
     write_text(out_dir / VERDICT, json.dumps(doc, indent=2, sort_keys=True) + "\n")
     lines = [f"# evalkit gate: {verdict.status}", ""]
@@ -532,10 +557,15 @@ def write_outputs(verdict: Verdict, out_dir: Path, t: Thresholds) -> None:
         ]
     lines += [f"- {r}" for r in verdict.reasons] or [
         f"Every threshold is shown to hold at {t.confidence:.0%} one-sided confidence ({t.multiplicity} across "
-        "variants)."
+        f"variants), at look {verdict.look.get('look', 1)} of this run (the confidence holds over all its looks)."
     ]
     if verdict.not_judged:
-        lines += ["", "Not judged: the full-cache baseline is below min_baseline_accuracy in these cells.", ""]
+        lines += [
+            "",
+            "Not judged: cells where the full-cache baseline is below min_baseline_accuracy, a cell criterion that "
+            "could judge no cell, a look that could not be recorded.",
+            "",
+        ]
         lines += [f"- not judged: {c}" for c in verdict.not_judged]
     if verdict.variants:
         lines += tables(verdict, t)
@@ -548,8 +578,9 @@ def write_outputs(verdict: Verdict, out_dir: Path, t: Thresholds) -> None:
 def tables(verdict: Verdict, t: Thresholds) -> list[str]:
     lines = [
         "",
-        f"Drop bounds: one-sided {t.confidence:.0%} each (method per row); status after {t.multiplicity} "
-        "across variants.",
+        f"Drop bounds: the gate's, one-sided {t.confidence:.0%} each, counted in contexts (method per row: the exact "
+        "first look, or the anytime-valid betting test at a later look or with several questions per context); status "
+        f"after {t.multiplicity} across variants, with the look that reached it.",
         "",
         "KV ratio: the variant's KV bytes over the full cache's, both as a deployment holds them (dense in fp16/bf16, "
         "quantized packed); KV measured: bytes held here, in the model's own dtype.",
@@ -559,12 +590,14 @@ def tables(verdict: Verdict, t: Thresholds) -> list[str]:
         "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for name, s in verdict.variants.items():
-        p = s["paired"]
-        lo, hi = p["drop_bounds"]
-        status = (s.get("gate") or {}).get("status", "-")
+        p, g = s["paired"], s.get("gate") or {}
+        drop = (g.get("checks") or {}).get("drop") or {"bounds": p["drop_bounds"], "method": p["method"]}
+        lo, hi = drop["bounds"]
+        status = f"{g['status']} (look {g['look']})" if g else "-"
+        n = s["n"] if not g or g["contexts"] == s["n"] else f"{s['n']} ({g['contexts']} contexts)"
         lines.append(
-            f"| {name} | {status} | {s['n']} | {p['baseline']:.2f} | {p['policy']:.2f} | {p['drop']:+.3f} "
-            f"[{lo:+.3f}, {hi:+.3f}] | {p['method']} | {p['mcnemar_p']:.3g} | {s['lost']} | {s['gained']} | "
+            f"| {name} | {status} | {n} | {p['baseline']:.2f} | {p['policy']:.2f} | {p['drop']:+.3f} "
+            f"[{lo:+.3f}, {hi:+.3f}] | {drop['method']} | {p['mcnemar_p']:.3g} | {s['lost']} | {s['gained']} | "
             f"{s['kv_ratio']:.3f}x | {fmt_bytes(s['kv_bytes'], 'MiB')} ({s['kv_ratio_measured']:.3f}x) |"
         )
     gib, ctx = t.capacity["gpu_gib"], t.capacity["context"]
@@ -636,6 +669,9 @@ def gate(run_dirs: list[Path], thresholds: Thresholds, out_dir: Path | None = No
     records = read_runs(run_dirs)
     verdict = judge(records.rows, records.infos, thresholds, records.problems)
     verdict.runs = [str(d) for d in run_dirs]
+    if verdict.status != "CANNOT JUDGE":
+        folders = [Path(info["_folder"]) for info in records.infos]  # the run folders read_runs found
+        verdict.not_judged += looks.record(folders, verdict.look, verdict.history)
     out = out_dir or run_dirs[0]
     if verdict.status in ("PASS", "FAIL"):
         write_outputs(verdict, out, thresholds)
@@ -654,13 +690,29 @@ def gate(run_dirs: list[Path], thresholds: Thresholds, out_dir: Path | None = No
 
 
 def print_verdict(verdict: Verdict) -> None:
-    print(f"\nevalkit gate: {verdict.status}")
+    look = verdict.look.get("look")
+    print(f"\nevalkit gate: {verdict.status}" + (f" (look {look} of this run)" if look else ""))
     for reason in verdict.reasons:
         print(f"  - {reason}")
     for cell in verdict.not_judged:
         print(f"  - not judged: {cell}")
     if verdict.advice:
         print(f"  - {verdict.advice}")
+
+
+def _plan(args) -> list[str]:
+    """--plan: the samples a PASS needs, for the thresholds and the rates given."""
+    if args.variants < 1 or args.cells < 1 or args.questions_per_context < 1:
+        raise ConfigError("--variants, --cells and --questions-per-context count things: give whole numbers >= 1")
+    if not 0 <= args.icc <= 1:
+        raise ConfigError(f"--icc {args.icc}: give a correlation in [0, 1]")
+    rates = None
+    if args.loss is not None:
+        if not (0 <= args.loss <= 1 and 0 <= args.gain <= 1 and args.loss + args.gain <= 1):
+            raise ConfigError(f"--loss {args.loss} --gain {args.gain}: give rates in [0, 1] that sum to at most 1")
+        rates = [(args.loss, args.gain)]
+    t = load_thresholds(args.gate)
+    return plan(t, floor(t), args.variants, args.cells, rates, args.questions_per_context, args.icc)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -672,11 +724,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--plan", action="store_true", help="print the samples a PASS needs, and judge nothing")
         ap.add_argument("--variants", type=int, default=1, help="with --plan: variants judged together")
         ap.add_argument("--cells", type=int, default=1, help="with --plan: cells per variant")
+        ap.add_argument("--loss", type=float, help="with --plan: the policy's loss rate (right to wrong), e.g. 0.01")
+        ap.add_argument("--gain", type=float, default=0.0, help="with --plan: its gain rate (wrong to right)")
+        ap.add_argument("--questions-per-context", type=int, default=1, help="with --plan: questions on one context")
+        ap.add_argument("--icc", type=float, default=0.5, help="with --plan: correlation of a context's questions")
         args = ap.parse_args(argv)
         if args.plan:
-            if args.variants < 1 or args.cells < 1:
-                raise ConfigError("--variants and --cells count things: give whole numbers >= 1")
-            print("\n".join(plan(load_thresholds(args.gate), args.variants, args.cells)))
+            print("\n".join(_plan(args)))
             return EXIT_OK
         if not args.runs:
             raise ConfigError("give one or more run folders to judge (or --plan to size a run)")

@@ -162,10 +162,12 @@ def test_gate_after_a_run_sets_the_exit_code(tmp_path):
     # tiny-random cannot find a needle (its baseline scores 0): the baseline check is switched off to test the FAIL
     args = ["model=tiny-random", "task.context_lengths=[128]", "task.depths=[0.5]", "policy.budget=0.5"]
     result = run_cli(*args, "gate=default", "gate.min_baseline_accuracy=null", f"hydra.run.dir={tmp_path}")
-    # one sample cannot show anything: INCONCLUSIVE, exit 2, with the samples a PASS would need (59 with no loss)
+    # one sample cannot show anything: INCONCLUSIVE, exit 2, with the samples a PASS would need at the next look,
+    # the anytime-valid one (74 with no loss: tests/test_stats.py, lossless_betting_count)
     assert result.returncode == 2, result.stderr
-    assert "evalkit gate: INCONCLUSIVE" in result.stdout
-    assert "59 samples would show it: add at least 58" in result.stderr
+    assert "evalkit gate: INCONCLUSIVE (look 1 of this run)" in result.stdout
+    assert "74 samples would show it with about 80% chance at look 2" in result.stderr
+    assert "add at least 73" in result.stderr
     assert (tmp_path / "verdict.json").exists() and (tmp_path / "report.md").exists()
 
 

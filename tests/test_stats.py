@@ -1,12 +1,13 @@
-"""The gate's statistics against published worked examples and by simulation (issue 13): Tango's interval for paired
-0/1 data, the exact bound with no loss, the BCa bootstrap against scipy's, Holm's correction, and the three
-outcomes on built records."""
+"""The gate's statistics against published worked examples and by simulation (issues 13 and 23): Tango's interval
+for paired 0/1 data, the exact bound with no loss, the BCa bootstrap against scipy's where it holds, Holm's
+correction, and the three outcomes on built records."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,9 +15,10 @@ import pytest
 from scipy.optimize import minimize_scalar
 from scipy.stats import bootstrap
 
-from evalkit.decide import cell_samples, min_samples
+from evalkit.decide import min_samples
 from evalkit.errors import ConfigError
 from evalkit.gate import Thresholds, judge, main, thresholds
+from evalkit.power import cell_samples
 from evalkit.stats import BCa, adjust, binary_bounds, binary_p, paired_drop, tango_z
 from tests.test_gate import rows, run_info
 
@@ -53,10 +55,12 @@ def test_no_loss_is_bounded_exactly():
     assert below == pytest.approx(0.95**59) and below < 0.05  # the p-value agrees with the bound
 
 
-def test_bca_matches_scipy_and_does_not_collapse():
+def test_bca_matches_scipy_where_it_holds_and_betting_bounds_the_rest():
+    # BCa only from 100 samples with 30 that differ (the review: at 20 samples with 69% ties its upper bound falls
+    # below the true drop 26.6% of the time); the rest gets the bounded-mean bound of evalkit.betting
     rng = np.random.default_rng(3)
-    base = rng.random(60)
-    pol = np.clip(base - rng.normal(0.02, 0.08, 60), 0, 1)
+    base = rng.random(120)
+    pol = np.clip(base - rng.normal(0.02, 0.08, 120), 0, 1)
     p = paired_drop(list(base), list(pol), level=0.95)
     ref = bootstrap((base - pol,), np.mean, method="BCa", confidence_level=0.90, n_resamples=9999, random_state=0)
     assert p.method == "bca-bootstrap"
@@ -64,14 +68,19 @@ def test_bca_matches_scipy_and_does_not_collapse():
     assert p.upper == pytest.approx(ref.confidence_interval.high, abs=3e-3)
     bca = BCa.of(base - pol)
     assert bca.p_below(p.upper) == pytest.approx(0.05, abs=2e-3)  # the p-value inverts the bound
+    assert paired_drop(list(base[:60]), list(pol[:60])).method == "betting"  # 60 samples: BCa does not hold yet
     flat = paired_drop([0.5] * 30, [0.5] * 30)  # every difference 0: the percentile bootstrap said [0, 0]
-    assert flat.method == "exact-sign" and flat.upper == pytest.approx(1 - 0.05 ** (1 / 30))
-    assert paired_drop([0.5] * 10, [0.25] * 5 + [0.5] * 5).method == "none"  # graded, fewer than 20: not judged
+    assert flat.method == "betting" and 0 < flat.upper < 0.2
+    # 29 identical pairs and one gain of 0.5: BCa said [-0.067, +0.000] (a PASS); the betting bound does not
+    assert paired_drop([0.5] * 30, [0.5] * 29 + [1.0]).upper > 0.05
+    uniform = paired_drop([0.9] * 400, [0.86] * 400)  # every difference 0.04: the bootstrap collapses to a point
+    assert uniform.method == "betting" and 0.04 < uniform.upper < 0.05
 
 
 def _coverage_module():
     spec = importlib.util.spec_from_file_location("stats_coverage", ROOT / "benchmarks" / "stats_coverage.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -100,13 +109,27 @@ def _task_run(samples_per_cell: int) -> list[dict]:
     return [{"config": {"task": {"name": "middoc", "samples_per_cell": samples_per_cell}}}]
 
 
+def lossless_betting_count(alpha: float = 0.05, margin: float = 0.05) -> int:
+    """By hand from evalkit.betting's construction: with nothing lost the mixture's wealth after n contexts is
+    sum_j w_j (1 + theta_j margin / (1 - margin))^n, over the bets theta = 1, 0.8, 0.6, 0.4 weighted 1/4 each; the
+    anytime-valid test PASSes once it reaches 1 / alpha."""
+    n = 1
+    while sum(0.25 * (1 + th * margin / (1 - margin)) ** n for th in (1, 0.8, 0.6, 0.4)) < 1 / alpha:
+        n += 1
+    return n
+
+
 def test_zero_lost_of_20_is_inconclusive_with_the_samples_that_settle_it():
     cells = lambda i: {"position": i % 10}  # noqa: E731  ten cells of two samples, as middoc with samples_per_cell=2
     v = judge(rows([1] * 20, [1] * 20, cell=cells), _task_run(2), Thresholds())
     assert v.status == "INCONCLUSIVE"
     assert "the drop may be as large as 0.139" in "\n".join(v.reasons)
-    assert v.advice == "at the observed rates, 59 samples would show it: add at least 39, e.g. " + (
-        "task.samples_per_cell=6 resume=true"
+    # the next look is a later look: the anytime-valid test, which needs 74 lossless samples (this look, below
+    # min_samples, could not PASS and spent nothing on a PASS)
+    assert lossless_betting_count() == 74
+    assert v.advice == (
+        "at the observed rates, 74 samples would show it with about 80% chance at look 2 (judged by the anytime-valid "
+        "betting test): add at least 54, e.g. task.samples_per_cell=8 resume=true"
     )
     # every cell has 2 samples: none can be shown failing (8 are needed with Holm over 10 cells)
     assert {c["status"] for c in v.cells} == {"not judged: 2 samples, a failure here can be shown from 8"}
@@ -150,10 +173,14 @@ def test_several_variants_are_corrected_together():
 
 
 def test_plan_prints_the_samples_a_pass_needs(capsys, tmp_path):
-    assert main(["--plan", "--cells", "10"]) == 0
+    assert main(["--plan", "--cells", "10", "--loss", "0"]) == 0
     out = capsys.readouterr().out
-    assert "loss rate  0.0%: 59 samples (6 per cell)" in out and "default gate.min_samples" in out
+    assert "loss rate  0.0%, gain rate  0.0%: 59 / 59 samples (6 / 6 per cell)" in out  # judged once
+    assert f"loss rate  0.0%, gain rate  0.0%: {lossless_betting_count()} / 74 samples (8 / 8 per cell)" in out
+    assert "default gate.min_samples" in out
     assert main(["--plan", "--variants", "0"]) == 2
+    assert main(["--plan", "--loss", "0.6", "--gain", "0.6"]) == 2
+    assert main(["--plan", "--icc", "2"]) == 2
     assert main([]) == 2
 
 
@@ -164,6 +191,8 @@ def test_plan_prints_the_samples_a_pass_needs(capsys, tmp_path):
         ({"multiplicity": "fdr"}, "gate.multiplicity='fdr'"),
         ({"max_drop": -0.1}, "gate.max_drop=-0.1"),
         ({"min_samples": 0}, "gate.min_samples=0"),
+        ({"graded_flip_delta": 1.0}, "gate.graded_flip_delta=1.0"),
+        ({"graded_flip_delta": "x"}, "gate.graded_flip_delta='x'"),
     ],
 )
 def test_bad_thresholds_are_one_line_errors(cfg, message):
