@@ -150,10 +150,16 @@ def extend_command(advice: str | None, infos: list[dict]) -> str | None:
         return None
     keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
     commands = [i.get("command") for i in infos if isinstance(i.get("command"), list)]
-    if len(commands) == 1 and commands[0]:
+    if len(infos) == 1 and len(commands) == 1 and _evalkit_main(commands[0]):
         own = [a for a in commands[0][1:] if str(a).split("=", 1)[0].lstrip("+~") not in keys]
         return shlex.join(["python", "-m", "evalkit", *map(str, own), *overrides])
     return "python -m evalkit <the run's overrides> " + shlex.join(overrides)
+
+
+def _evalkit_main(command: list) -> bool:
+    """True when a run.json's command line is `python -m evalkit ...` (its argv[0] is evalkit's __main__)."""
+    first = Path(str(command[0])) if command else Path()
+    return first.name == "evalkit" or (first.name == "__main__.py" and first.parent.name == "evalkit")
 
 
 # --- the runs ----------------------------------------------------------------------------------------------------

@@ -362,7 +362,8 @@ def build(
     """Everything report.html.j2 shows, from merged records and the verdict."""
     rows = records.rows
     summary = summarize(rows)
-    warnings = [*records.problems, *baseline_problems(summary, thresholds)[0]]
+    # what keeps the gate from judging, unless the verdict already gives it as a reason
+    warnings = [w for w in [*records.problems, *baseline_problems(summary, thresholds)[0]] if w not in verdict.reasons]
     lost = lost_samples(rows, row_lines(run_folders(run_dirs)), out)
     kl = kl_figure(summary)
     return {
