@@ -94,8 +94,8 @@ def verdict_view(run_dirs: list[Path], records: Records, thresholds: Thresholds,
 
 def _stale(doc: dict, path: Path, run_dirs: list[Path]) -> str:
     """Why a verdict.json does not speak for these runs now ('' when it does)."""
-    judged = {Path(r).resolve() for r in doc.get("runs") or []}
-    if judged and judged != {d.resolve() for d in run_dirs}:
+    judged = [Path(r) for r in doc.get("runs") or []]
+    if judged and not _same_runs(judged, run_dirs):
         return f"{path} judged other runs"
     if not judged and len(run_dirs) > 1:
         return f"{path} does not say which runs it judged"
@@ -103,6 +103,18 @@ def _stale(doc: dict, path: Path, run_dirs: list[Path]) -> str:
     if any((run / SAMPLES).stat().st_mtime > written for run in run_folders(run_dirs)):
         return f"{path} is older than the records"
     return ""
+
+
+def _same_runs(judged: list[Path], run_dirs: list[Path]) -> bool:
+    """The folders a verdict names are these runs: the same paths, or, for a path the gate was given relative to
+    another working directory, the same trailing folders."""
+    runs = [d.resolve() for d in run_dirs]
+
+    def names(p: Path, r: Path) -> bool:
+        return p.resolve() == r or (not p.is_absolute() and r.parts[-len(p.parts) :] == p.parts)
+
+    matched = {next((r for r in runs if names(p, r)), None) for p in judged}
+    return len(judged) == len(runs) and matched == set(runs)
 
 
 def _from_doc(doc: dict[str, Any], source: str, infos: list[dict]) -> VerdictView:

@@ -9,6 +9,7 @@ panel, laid out from the cell keys its rows have (context length x depth, RULER'
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import defaultdict
 from datetime import datetime
@@ -66,6 +67,8 @@ def accuracy_bounds(s: dict[str, Any]) -> tuple[float, float]:
     """The variant's accuracy bounds from the paired drop's (one-sided each): baseline minus the drop's bounds."""
     p = s["paired"]
     lo, hi = p["drop_bounds"]
+    if math.isnan(lo) or math.isnan(hi):  # too few samples for a bound (a graded score's bootstrap): none drawn
+        return math.nan, math.nan
     return max(0.0, p["baseline"] - hi), min(1.0, p["baseline"] - lo)
 
 
@@ -120,13 +123,12 @@ def tradeoff_figure(summary: dict[str, Any], verdict: VerdictView) -> go.Figure:
                     "color": COLOURS[names.index(own_variant(name)) % len(COLOURS)],
                     "line": {"width": 1, "color": "#111"},
                 },
-                error_y=None if is_baseline(name) else {"type": "data", "symmetric": False, "array": [hi - y],
-                                                        "arrayminus": [y - lo], "thickness": 1.2},
+                error_y=None if is_baseline(name) or math.isnan(lo) else {
+                    "type": "data", "symmetric": False, "array": [hi - y], "arrayminus": [y - lo], "thickness": 1.2},
                 hovertext=[_hover(name, s, verdict.variant_status.get(name, ""), same)],
                 hovertemplate="%{hovertext}<extra></extra>",
             )
         )
-    max_drop = verdict.thresholds.get("max_drop")
     for group in groups:
         members = {n: s for n, s in summary.items() if group_of(n) == group}
         front = pareto([(1 - s["kv_ratio"], s["accuracy"], n) for n, s in members.items()])
@@ -137,16 +139,27 @@ def tradeoff_figure(summary: dict[str, Any], verdict: VerdictView) -> go.Figure:
                     legendgroup=group or "runs", line={"dash": "dash", "color": "#6b7280"}, hoverinfo="skip",
                 )
             )  # fmt: skip
-        base = next((s for n, s in members.items() if is_baseline(n)), None)
-        if base is not None and isinstance(max_drop, (int, float)):
-            fig.add_hline(
-                y=base["accuracy"] - max_drop, line={"dash": "dot", "color": "#b91c1c", "width": 1},
-                annotation_text=f"{group + ': ' if group else ''}baseline − max_drop", annotation_font_size=11,
-            )  # fmt: skip
+    for y, names in _floors(summary, verdict.thresholds).items():
+        label = "baseline − max_drop" + (f" ({', '.join(names)})" if any(names) else "")
+        fig.add_hline(y=y, line={"dash": "dot", "color": "#b91c1c", "width": 1}, annotation_text=label,
+                      annotation_font_size=11)  # fmt: skip
     fig.update_xaxes(title="KV bytes saved (share of the full fp16/bf16 cache)", range=[-0.05, 1.05], tickformat=".0%")
     fig.update_yaxes(title="accuracy (paired bounds, one-sided each)", range=[-0.05, 1.08])
     fig.update_layout(legend={"groupclick": "toggleitem", "itemsizing": "constant"}, hovermode="closest")
     return fig
+
+
+def _floors(summary: dict[str, Any], thresholds: dict[str, Any]) -> dict[float, list[str]]:
+    """The gate's accuracy floor of each group (its baseline minus max_drop) -> the groups at it, one line and one
+    label per height; none for a baseline the gate would not judge (below min_baseline_accuracy)."""
+    max_drop, weak = thresholds.get("max_drop"), thresholds.get("min_baseline_accuracy")
+    if not isinstance(max_drop, (int, float)):
+        return {}
+    out: dict[float, list[str]] = defaultdict(list)
+    for name, s in summary.items():
+        if is_baseline(name) and not (isinstance(weak, (int, float)) and s["accuracy"] < weak):
+            out[round(s["accuracy"] - max_drop, 4)].append(group_of(name))
+    return dict(out)
 
 
 def kl_figure(summary: dict[str, Any]) -> go.Figure | None:

@@ -198,7 +198,7 @@ def test_the_verdict_is_the_gates_verdict_json_for_these_runs_with_its_advice_an
     advice = "at the observed rates, 30 samples would show it: add at least 18, e.g. task.samples_per_cell=5 "
     advice += "resume=true"
     doc = {"verdict": "INCONCLUSIVE", "reasons": ["snapkv@0.5: not shown within 0.05"], "advice": advice,
-           "looks": 3, "runs": [str(run)], "thresholds": {"max_drop": 0.05}}  # fmt: skip
+           "looks": 3, "runs": ["run"], "thresholds": {"max_drop": 0.05}}  # fmt: skip  (the gate ran in tmp_path)
     (run / "verdict.json").write_text(json.dumps(doc))
     assert report_main([str(run), "--out", str(tmp_path / "out")]) == 0
     page = read_page(tmp_path / "out" / "report.html")
