@@ -230,7 +230,9 @@ def run_panel(folder: Path) -> dict[str, Any]:
     model = info.get("model") or {}
     rows = _rows(folder / SAMPLES)
     variants = sorted({r.get("variant") for r in rows if isinstance(r.get("variant"), str)})
-    backends = sorted({str(r["backend"]) for r in rows if r.get("backend")}) or [str(config.get("backend") or "hf")]
+    # rows name the engine that produced them where a backend other than evalkit's own (transformers) ran
+    backends = sorted({str(r["backend"]) for r in rows if r.get("backend")})
+    backends = backends or [str(config.get("backend") or "transformers (evalkit's engine)")]
     return {
         "folder": str(folder),
         "run_id": info.get("run_id", "-"),
@@ -241,7 +243,8 @@ def run_panel(folder: Path) -> dict[str, Any]:
         "backend": ", ".join(backends),
         "protocol": info.get("protocol", "-"),
         "started": info.get("started", "-"),
-        "versions": {k: v for k, v in (info.get("versions") or {}).items() if k in VERSIONS},
+        "versions": {k: str(v)[:12] if k.endswith("_git") else v for k, v in (info.get("versions") or {}).items()
+                     if k in VERSIONS},  # fmt: skip
         "samples": len({r.get("sample_id") for r in rows}),
         "variants": [v for v in variants if not is_baseline(v)],
         "extra_files": sorted(p.name for p in folder.glob("*.json") if p.name not in (RUN, VERDICT, "summary.json")),
