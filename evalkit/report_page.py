@@ -37,11 +37,11 @@ from evalkit.stats import flip_cause
 from evalkit.units import fmt_bytes
 
 SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "star", "cross", "pentagon", "hexagon", "triangle-down")
-COLOURS = qualitative.Dark24
+COLOURS = qualitative.Plotly + qualitative.Dark24  # ten well-separated colours first
 LENGTH_KEYS = ("context_length", "max_length", "needle_context_length")  # a cell grid's columns, when rows have one
 ROW_KEYS = ("depth", "position")  # and its rows
 NOT_MEASURED = "not measured"
-DODGE = 0.01  # share of KV saved between markers that would sit on one point
+DODGE = 0.015  # share of KV saved between markers that would sit on one point (about a marker apart)
 
 
 def pareto(points: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:

@@ -138,18 +138,18 @@ def test_lost_samples_are_the_rows_below_their_baseline_with_their_line_in_sampl
     assert report_main([str(run), "--out", str(tmp_path / "out")]) == 0
     page = read_page(tmp_path / "out" / "report.html")
     lost = page.tables["lost-table"][1:]
-    assert {(r["attrs"]["data-variant"], texts(r)[3].split()[0]) for r in lost} == {
+    assert {(r["attrs"]["data-variant"], texts(r)[2].split()[0]) for r in lost} == {
         ("streaming_llm@0.25", str(i)) for i in (1, 4, 7, 10)
     }
     assert lost_by_hand(run) == {("streaming_llm@0.25", str(i)) for i in (1, 4, 7, 10)}
     lines = (run / "samples.jsonl").read_text().splitlines()
     for r in lost:
         cells = texts(r)
-        sid = cells[3].split()[0]
+        sid = cells[2].split()[0]
         assert r["attrs"]["data-cause"] == "evicted" and "depth=0.5" in r["attrs"]["data-cell"]
         keys = [(json.loads(line)["sample_id"], json.loads(line)["variant"]) for line in lines]
         number = keys.index((sid, "streaming_llm@0.25")) + 1
-        assert f"run/samples.jsonl:{number}" in cells[9]
+        assert f"run/samples.jsonl:{number}" in cells[8]
     page_text = (tmp_path / "out" / "report.html").read_text()  # the strip: one coloured span per layer, named
     assert page_text.count('title="layer 0: 0.00, layer 1: 0.10"') == 4
     assert 'href="../run/samples.jsonl"' in page_text
@@ -163,7 +163,7 @@ def test_a_row_with_a_context_id_shows_it_beside_the_sample(tmp_path):
     run = write_run(tmp_path / "run", recs)
     assert report_main([str(run), "--out", str(tmp_path / "out")]) == 0
     lost = read_page(tmp_path / "out" / "report.html").tables["lost-table"][1:]
-    assert all(f"context ctx-{texts(r)[3].split()[0]}" in texts(r)[3] for r in lost) and lost
+    assert all(f"context ctx-{texts(r)[2].split()[0]}" in texts(r)[2] for r in lost) and lost
 
 
 # --- where it fails -------------------------------------------------------------------------------------------------
