@@ -79,6 +79,7 @@ class Verdict:
     not_judged: list[str] = field(default_factory=list)  # cells left out: the baseline is too weak there
     cells: list[dict[str, Any]] = field(default_factory=list)  # per variant and cell: n, flips, bounds, status
     advice: str | None = None  # INCONCLUSIVE: the samples that would settle it
+    extend: str | None = None  # INCONCLUSIVE, one run: the command that adds them, in the run's own folder
     look: dict[str, Any] = field(default_factory=dict)  # this judgement's record for run.json (evalkit.looks)
     history: looks.History = field(default_factory=looks.History)
 
@@ -441,7 +442,7 @@ def judge(rows: list[dict], infos: list[dict], t: Thresholds, problems: list[str
                 )
             )
     status = "FAIL" if reasons else "INCONCLUSIVE" if inconclusive else "PASS"
-    advice = _advice(decisions, summary, infos, cells) if status == "INCONCLUSIVE" else None
+    advice, extend = _advice(decisions, summary, infos, cells) if status == "INCONCLUSIVE" else (None, None)
     return Verdict(
         status,
         reasons + inconclusive,
@@ -451,19 +452,23 @@ def judge(rows: list[dict], infos: list[dict], t: Thresholds, problems: list[str
         not_judged=not_judged,
         cells=[asdict(c) for c in cells],
         advice=advice,
+        extend=extend,
         look=looks.entry(history, key, status, t, look_record(decisions, cells)),
         history=history,
     )
 
 
-def _advice(decisions: dict[str, Any], summary: dict[str, Any], infos: list[dict], cells: list) -> str:
-    """How many samples would settle an INCONCLUSIVE verdict, in the task's own terms where one run is judged."""
+def _advice(
+    decisions: dict[str, Any], summary: dict[str, Any], infos: list[dict], cells: list
+) -> tuple[str, str | None]:
+    """How many samples would settle an INCONCLUSIVE verdict, in the task's own terms where one run is judged, and
+    the command that adds them to that run (extend_command; None where there is none)."""
     needs = {name: d.samples_needed for name, d in decisions.items() if d.status == "INCONCLUSIVE"}
     if any(v is None for v in needs.values()):
         return (
             "more samples may settle it (graded scores, or an observed drop or flip rate at the limit: no count "
             "follows from the observed rates)"
-        )
+        ), None
     name = max(needs, key=lambda k: needs[k] - summary[k]["n"])
     need, have = needs[name], summary[name]["n"]
     d = decisions[name]
@@ -479,9 +484,8 @@ def _advice(decisions: dict[str, Any], summary: dict[str, Any], infos: list[dict
     elif "limit" in task:
         setting = f"task.limit={need}"
     else:
-        return text
-    command = extend_command(infos[0], setting)
-    return text + (f": {command}" if command else f", e.g. {setting} resume=true")
+        return text, None
+    return f"{text}, e.g. {setting} resume=true", extend_command(infos[0], setting)
 
 
 RUNNERS = ("__main__.py", "evalkit")  # `python -m evalkit` and the `evalkit` script: what writes a run's command
@@ -530,13 +534,15 @@ def write_text(path: Path, text: str) -> None:
         raise ConfigError(f"could not write {path} ({err.strerror or err}); give --out a writable folder") from None
 
 
-def write_outputs(verdict: Verdict, out_dir: Path, t: Thresholds) -> None:
-    output_folder(out_dir)
-    doc = {
+def verdict_doc(verdict: Verdict, t: Thresholds) -> dict[str, Any]:
+    """verdict.json: what the gate decided, why, at which thresholds and look, and the command that extends an
+    INCONCLUSIVE run (the report shows the same document)."""
+    return {
         "verdict": verdict.status,
         "reasons": verdict.reasons,
         "not_judged": verdict.not_judged,
         "advice": verdict.advice,
+        "extend": verdict.extend,
         "cells": verdict.cells,
         "thresholds": asdict(t),
         "runs": verdict.runs,
@@ -544,7 +550,11 @@ def write_outputs(verdict: Verdict, out_dir: Path, t: Thresholds) -> None:
         "chunked_vs_oneshot": verdict.chunked,
         "look": verdict.look,
     }
-    write_text(out_dir / VERDICT, json.dumps(doc, indent=2, sort_keys=True) + "\n")
+
+
+def write_outputs(verdict: Verdict, out_dir: Path, t: Thresholds) -> None:
+    output_folder(out_dir)
+    write_text(out_dir / VERDICT, json.dumps(verdict_doc(verdict, t), indent=2, sort_keys=True) + "\n")
     lines = [f"# evalkit gate: {verdict.status}", ""]
     if verdict.status == "CANNOT JUDGE":
         lines += ["These records cannot be judged (exit code 2); the tables below, if any, are not a verdict.", ""]
@@ -554,6 +564,7 @@ def write_outputs(verdict: Verdict, out_dir: Path, t: Thresholds) -> None:
             + (verdict.advice or "more samples would settle it")
             + ".",
             "",
+            *([f"To extend the run: `{verdict.extend}`", ""] if verdict.extend else []),
         ]
     lines += [f"- {r}" for r in verdict.reasons] or [
         f"Every threshold is shown to hold at {t.confidence:.0%} one-sided confidence ({t.multiplicity} across "
@@ -698,6 +709,8 @@ def print_verdict(verdict: Verdict) -> None:
         print(f"  - not judged: {cell}")
     if verdict.advice:
         print(f"  - {verdict.advice}")
+    if verdict.extend:
+        print(f"  - to extend the run: {verdict.extend}")
 
 
 def _plan(args) -> list[str]:

@@ -5,7 +5,8 @@
 
 Reads the model's config only, never its weights (a local folder or config.json, a cached Hub id, the embedded
 models' converted folder or GGUF header, a tiny model's YAML), so it plans a 70B model on a laptop. Writes plan.json,
-plan.md and plan_pressure.png into plan.out; logger=wandb logs them. Exit codes as every evalkit command
+plan.md, plan.html (the tables and an interactive pressure plot, evalkit.plan_page) and plan_pressure.png into plan.out;
+logger=wandb logs them. Exit codes as every evalkit command
 (evalkit.errors): 0 done, 2 bad input (one line), 3 a bug.
 
 The arithmetic, and where it comes from:
@@ -36,6 +37,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from evalkit import plan_page
 from evalkit.errors import ConfigError
 from evalkit.units import GiB, fmt_bytes  # binary units (KiB, MiB, GiB), one formatter
 
@@ -45,7 +47,7 @@ ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1, "int4
 # that; NVLink-C2C (Grace Hopper) 900 GB/s in both directions together, 450 each way.
 LINKS = {"pcie4": 32.0, "pcie5": 64.0, "nvlink-c2c": 450.0}
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-OUTPUTS = ("plan.json", "plan.md", "plan_pressure.png")
+OUTPUTS = ("plan.json", "plan.md", "plan.html", "plan_pressure.png")
 
 
 # --- the model's architecture, from its config --------------------------------------------------------------------
@@ -1042,6 +1044,7 @@ def write(p: dict[str, Any], out: Path) -> list[Path]:
         out.mkdir(parents=True, exist_ok=True)
         write_atomic(out / "plan.json", json.dumps(p, indent=2, default=str) + "\n")
         write_atomic(out / "plan.md", markdown(p))
+        plan_page.write(p, tables(p), out / "plan.html")
         plot(p, out / "plan_pressure.png")
     except OSError as err:
         raise ConfigError(f"cannot write the plan under {out} ({err.strerror or err}); give plan.out=FOLDER") from None

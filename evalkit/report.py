@@ -1,9 +1,12 @@
-"""Reports: Markdown and HTML with PNG plots, from one or more runs (a Hydra multirun folder merges its runs).
+"""Reports: one self-contained HTML page (report.html), Markdown and PNG plots, from one or more runs (a Hydra
+multirun folder merges its runs).
 
-    python -m evalkit.report results/RUN [results/RUN2 ...] [--out DIR]
+    python -m evalkit.report results/RUN [results/RUN2 ...] [--out DIR] [--gate default]
 
-Plots: accuracy per cell (context length x depth or position) per variant beside the baseline; accuracy (and
-KL, for fidelity) against the share of KV bytes saved, with the Pareto front; easy vs hard; flips by cause.
+report.html (evalkit.report_page): the gate's verdict first (verdict.json when the gate judged exactly these runs
+since their last row, otherwise judged now with the default thresholds or --gate), the trade-off of accuracy against
+KV bytes saved, accuracy per cell for every variant, every lost sample with its row in samples.jsonl, and each run's
+own panel. report.md and the PNGs (heatmaps, trade-off, easy vs hard, flips by cause) are the static copy W&B logs.
 Records the gate cannot judge (repeated, torn or corrupt rows, several runs in one file, no baseline or no policy
 rows, a weak baseline, ...) are still drawn, under a list of warnings at the top, also printed on stderr; exit code 0.
 """
@@ -11,7 +14,6 @@ rows, a weak baseline, ...) are still drawn, under a list of warnings at the top
 from __future__ import annotations
 
 import argparse
-import html
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,13 +34,10 @@ from evalkit.gate import (  # noqa: E402
     output_folder,
     read_runs,
 )
+from evalkit.report_data import verdict_view  # noqa: E402
+from evalkit.report_page import pareto  # noqa: E402
+from evalkit.report_page import write as write_page  # noqa: E402
 from evalkit.units import fmt_bytes  # noqa: E402
-
-
-def pareto(points: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
-    """Points (saved, accuracy, name) not beaten on both axes by another point, by increasing saving."""
-    front = [p for p in points if not any(q[0] >= p[0] and q[1] >= p[1] and q[:2] != p[:2] for q in points)]
-    return sorted(front)
 
 
 def _axes(rows: list[dict]) -> tuple[str, str] | None:
@@ -51,10 +50,13 @@ def _axes(rows: list[dict]) -> tuple[str, str] | None:
 
 
 def heatmaps(rows: list[dict], out: Path) -> Path | None:
+    """Accuracy per (context length, depth or position) for every variant whose rows have both keys: runs of other
+    tasks merged into the report (lm-eval's RULER cells, a dataset's subtasks) are left to report.html's panels."""
     axes = _axes(rows)
     if axes is None:
         return None
     xk, yk = axes
+    rows = [r for r in rows if xk in r["cell"] and yk in r["cell"]]
     variants = sorted({r["variant"] for r in rows}, key=label_order)
     xs = sorted({r["cell"][xk] for r in rows})
     ys = sorted({r["cell"][yk] for r in rows})
@@ -80,24 +82,23 @@ def heatmaps(rows: list[dict], out: Path) -> Path | None:
 
 
 def tradeoff(summary: dict[str, Any], out: Path) -> Path:
-    """Accuracy (and KL where measured) against the share of KV bytes saved, with the Pareto front."""
+    """Accuracy (and KL where measured) against the share of KV bytes saved, with the Pareto front. Variants are
+    named in the legend, not beside their markers: variants at one point would print their names over each other."""
     points = [(1 - s["kv_ratio"], s["accuracy"], name) for name, s in summary.items()]
     has_kl = any("kl_mean" in s for s in summary.values())
-    fig, axs = plt.subplots(1, 2 if has_kl else 1, figsize=(11 if has_kl else 6, 4.5), squeeze=False)
+    fig, axs = plt.subplots(1, 2 if has_kl else 1, figsize=(12 if has_kl else 8, 4.5), squeeze=False)
     ax = axs[0][0]
-    ax.scatter([p[0] for p in points], [p[1] for p in points])
-    for x, y, name in points:
-        ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    markers = "osD^vP*Xph<>"
+    for i, (x, y, name) in enumerate(points):
+        ax.scatter([x], [y], marker=markers[i % len(markers)], s=60, alpha=0.8, label=name)
     front = pareto(points)
     ax.plot([p[0] for p in front], [p[1] for p in front], "--", color="gray", label="Pareto front")
     ax.set_xlabel("KV bytes saved (share of the full fp16 cache)")
     ax.set_ylabel("accuracy")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     if has_kl:
-        kl = [(1 - s["kv_ratio"], s["kl_mean"], n) for n, s in summary.items() if "kl_mean" in s]
-        axs[0][1].scatter([p[0] for p in kl], [p[1] for p in kl], color="tab:red")
-        for x, y, name in kl:
-            axs[0][1].annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        for i, (n, s) in enumerate((n, s) for n, s in summary.items() if "kl_mean" in s):
+            axs[0][1].scatter([1 - s["kv_ratio"]], [s["kl_mean"]], marker=markers[i % len(markers)], label=n)
         axs[0][1].set_xlabel("KV bytes saved")
         axs[0][1].set_ylabel("mean KL (nats)")
     path = out / "tradeoff.png"
@@ -168,63 +169,33 @@ def markdown(
     return "\n".join(lines) + "\n"
 
 
-def to_html(md: str) -> str:
-    """A small HTML page for the Markdown above (tables and images), with no dependency."""
-    body, table = [], []
-    for line in md.splitlines():
-        if line.startswith("|"):
-            if set(line) <= set("|-: "):
-                continue
-            cells = [html.escape(c.strip()) for c in line.strip("|").split("|")]
-            tag = "th" if not table else "td"
-            table.append("<tr>" + "".join(f"<{tag}>{c}</{tag}>" for c in cells) + "</tr>")
-            continue
-        if table:
-            body.append("<table border=1 cellpadding=4>" + "".join(table) + "</table>")
-            table = []
-        if line.startswith("# "):
-            body.append(f"<h1>{html.escape(line[2:])}</h1>")
-        elif line.startswith("## "):
-            body.append(f"<h2>{html.escape(line[3:])}</h2>")
-        elif line.startswith("!["):
-            src = line[line.index("(") + 1 : -1]
-            body.append(f'<p><img src="{html.escape(src)}"></p>')
-        elif line:
-            body.append(f"<p>{html.escape(line)}</p>")
-    if table:
-        body.append("<table border=1 cellpadding=4>" + "".join(table) + "</table>")
-    return (
-        "<!doctype html><html><head><meta charset=utf-8><title>evalkit report</title></head><body>"
-        + "".join(body)
-        + "</body></html>\n"
-    )
-
-
 def report(runs: list[Path], out: Path, thresholds: Thresholds | None = None) -> list[Path]:
-    """Write report.md, report.html and the PNG plots into `out`; return the files written. What would keep the gate
-    (with `thresholds`, default conf/gate/default.yaml) from judging the records is listed as warnings at the top of
-    the report and printed on stderr."""
+    """Write report.html, report.md and the PNG plots into `out`; return the files written. `thresholds` (default
+    conf/gate/default.yaml) judge the runs when no verdict.json of the gate speaks for them, and always when given.
+    What would keep the gate from judging the records is listed as warnings at the top and printed on stderr."""
     records = read_runs(runs)
     if not records.rows:
         why = f": {records.problems[0]}" if records.problems else ""
         raise ConfigError(f"no records in {', '.join(map(str, runs))}{why}")
     out = output_folder(out)
+    t = thresholds or load_thresholds("default")
     summary = summarize(records.rows)
-    warnings = [*records.problems, *baseline_problems(summary, thresholds or load_thresholds("default"))[0]]
+    warnings = [*records.problems, *baseline_problems(summary, t)[0]]
     for w in warnings:
         print(f"evalkit report: warning: {w}", file=sys.stderr)
+    verdict = verdict_view(runs, records, t, explicit=thresholds is not None)
+    page = write_page(runs, records, t, verdict, out)
     try:
         images = [
             p for p in [heatmaps(records.rows, out), tradeoff(summary, out), *bars(summary, out)] if p is not None
         ]
         md = markdown(summary, images, runs, chunked_vs_oneshot(records.rows), warnings)
         (out / "report.md").write_text(md)
-        (out / "report.html").write_text(to_html(md))
     except OSError as err:
         raise ConfigError(
             f"could not write the report into {out} ({err.strerror or err}); give --out another folder"
         ) from None
-    return [out / "report.md", out / "report.html", *images]
+    return [page, out / "report.md", *images]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,8 +203,13 @@ def main(argv: list[str] | None = None) -> int:
         ap = argparse.ArgumentParser(prog="python -m evalkit.report", description=__doc__.splitlines()[0])
         ap.add_argument("runs", nargs="+", type=Path)
         ap.add_argument("--out", type=Path, default=None, help="output folder (default: RUN/report)")
+        ap.add_argument(
+            "--gate", default=None, help="judge with these thresholds (a conf/gate name or a YAML file) instead of the "
+            "runs' verdict.json"
+        )  # fmt: skip
         args = ap.parse_args(argv)
-        written = report(args.runs, args.out or args.runs[0] / "report")
+        out = args.out or args.runs[0] / "report"
+        written = report(args.runs, out, load_thresholds(args.gate)) if args.gate else report(args.runs, out)
         print("\n".join(str(p) for p in written))
         return 0
 

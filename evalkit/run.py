@@ -453,6 +453,7 @@ def _row(
         "protocol": protocol,
         "prediction": _text(loaded, outcome),
         "answers": sample.answers,
+        "question": sample.question,  # what was asked of the context: the report shows it beside a lost sample
         "kv_bytes": outcome.kv_bytes,
         "kv_bytes_baseline": baseline.kv_bytes,
         "kv_bytes_fp16_same_tokens": outcome.kv_bytes_fp16,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import random
 
 # Triton reads this when it is first imported: run its kernels on the CPU (the interpreter) throughout the tests.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -112,3 +114,55 @@ def pool_by_hand(x: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:
     pad = x.new_full((*x.shape[:-1], half), 0.0 if pooling == "avg" else float("-inf"))
     windows = torch.cat([pad, x, pad], dim=-1).unfold(-1, kernel, 1)  # (..., n, kernel)
     return windows.sum(-1) / kernel if pooling == "avg" else windows.max(-1).values
+
+
+# --- real runs for the report's tests -------------------------------------------------------------------------------
+
+# A graded task on which the tiny random model loses samples: LongBench's code similarity (rapidfuzz's ratio of the
+# first line against the reference) of the tiny model's byte soup. The reference is made of the characters that soup
+# is made of (U+FFFD and '/'), so every prediction scores a different fraction: variants lose and gain samples, as a
+# real graded task does.
+LCC_ANSWER = "\ufffd/\ufffd\ufffd"
+
+
+def lcc_dataset(path: Path, rows: int = 6) -> Path:
+    """A kvpress-layout JSONL (context, question, answer, task) of short Python files to complete (LongBench lcc)."""
+    rng = random.Random(0)
+    with path.open("w") as f:
+        for i in range(rows):
+            context = "\n".join(f"def f{j}(x):\n    return x * {rng.randint(2, 99)}" for j in range(8))
+            row = {"context": context, "question": f"Complete the next line of f{i}:", "answer": LCC_ANSWER}
+            f.write(json.dumps({**row, "task": "lcc"}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def report_runs(tmp_path_factory) -> dict[str, Path]:
+    """Three real runs of the tiny random model, of three tasks, made at once (one thread each): `lcc` (task=hf,
+    graded, with lost samples), `needle` (a context length x depth grid, evidence per layer) and `ruler` (lm-eval's
+    niah_single_1 at 512 tokens, through lm-eval). Returns their folders by name."""
+    tmp = tmp_path_factory.mktemp("report-runs")
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1"}
+    env |= {"HF_HUB_OFFLINE": "1", "NLTK_DATA": str(tmp / "nltk")}  # lm-eval's punkt download fails fast offline
+    common = ["model=tiny-random", "variants=[streaming_llm@0.25,snapkv@0.5]"]
+    argv = {
+        "lcc": ["task=hf", f"task.path={lcc_dataset(tmp / 'lcc.jsonl')}", "task.split=train", "task.scorer=longbench",
+                "task.max_new_tokens=8"],
+        "needle": ["task=needle", "task.context_lengths=[128]", "task.depths=[0.0,1.0]", "task.max_new_tokens=4"],
+        "ruler": ["task=lm_eval", "task.tasks=[niah_single_1]", "task.metadata.max_seq_lengths=[512]", "task.limit=2",
+                  "task.gen_kwargs.max_gen_toks=4"],
+    }  # fmt: skip
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "evalkit", *common, *args, f"hydra.run.dir={tmp / name}"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for name, args in argv.items()
+    }
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, f"{name}: {err.decode()[-3000:]}"
+    return {name: tmp / name for name in argv}

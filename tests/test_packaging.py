@@ -26,6 +26,10 @@ def test_wheel_ships_conf_policies_and_kernels_inside_evalkit_and_runs_outside_t
         "evalkit/policies/streaming_llm.py",
         "evalkit/kernels/__init__.py",
         "evalkit/tasks/needle.py",
+        "evalkit/templates/base.html.j2",  # the report's and the plan's pages (package data)
+        "evalkit/templates/report.html.j2",
+        "evalkit/templates/plan.html.j2",
+        "evalkit/templates/macros.html.j2",
     ]:
         assert required in names
     assert not [n for n in names if n.split("/")[0] in ("policies", "kernels", "conf")]
@@ -51,4 +55,8 @@ def test_wheel_ships_conf_policies_and_kernels_inside_evalkit_and_runs_outside_t
         text=True,
     )
     assert run.returncode == 0, run.stderr[-2000:]
-    assert list(elsewhere.glob("results/needle/tiny-random/streaming_llm/*/samples.jsonl"))
+    (folder,) = [p.parent for p in elsewhere.glob("results/needle/tiny-random/streaming_llm/*/samples.jsonl")]
+    page = subprocess.run(
+        [sys.executable, "-m", "evalkit.report", str(folder)], cwd=elsewhere, env=env, capture_output=True, text=True
+    )
+    assert page.returncode == 0 and (folder / "report" / "report.html").is_file(), page.stderr[-2000:]

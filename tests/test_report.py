@@ -1,8 +1,9 @@
-"""Reports (Markdown, HTML, PNG plots) and the W&B offline round trip."""
+"""Reports (Markdown, PNG plots, the page) and the W&B offline round trip."""
 
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -98,9 +99,8 @@ def test_report_writes_markdown_html_and_plots_merging_runs(tmp_path, capsys):
     assert (base["n"], base["baseline"], base["policy"], column(base, "KV ratio")) == ("12", "1.00", "1.00", "1.000x")
     for name in pngs:  # the Markdown shows every plot written
         assert f"![{name.removesuffix('.png')}]({name})" in md
-    page = (out / "report.html").read_text()
-    assert all(f'<img src="{name}">' in page for name in pngs)
-    assert "<td>streaming_llm@0.25</td><td>12</td><td>1.00</td><td>0.67</td>" in page
+    page = (out / "report.html").read_text()  # the page: tests/test_report_page.py reads it, the browser test opens it
+    assert "Plotly" in page and not re.search(r'<(script|link|img)[^>]+(src|href)="(https?:)?//', page)  # offline
     assert "Warnings" not in md and "warning" not in capsys.readouterr().err  # healthy records: no warnings
 
 

@@ -1,0 +1,182 @@
+"""The report and the plan in a real browser: headless Chromium (Debian's `chromium` and `chromium-driver`, driven by
+selenium; nothing is downloaded) opens the pages of real runs and checks what a reader sees.
+
+CI installs Chromium (.ci/run) and sets EVALKIT_REQUIRE_BROWSER=1, so there a missing browser fails instead of
+skipping. The checks return what is wrong, so the same checks are shown to catch a broken page (the last test).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+webdriver = pytest.importorskip("selenium.webdriver", reason="pip install -e '.[dev]' (selenium)")
+from selenium.webdriver.chrome.options import Options  # noqa: E402
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+DRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+# What works headless on these machines (no GPU, no sandbox as root, no network at all)
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--window-size=1280,900",
+)
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    if not (Path(CHROMIUM).is_file() and Path(DRIVER).is_file()):
+        if os.environ.get("EVALKIT_REQUIRE_BROWSER"):
+            raise RuntimeError(f"EVALKIT_REQUIRE_BROWSER is set but {CHROMIUM} or {DRIVER} is missing")
+        pytest.skip("apt-get install chromium chromium-driver to test the pages in a browser")
+    options = Options()
+    options.binary_location = CHROMIUM
+    for flag in FLAGS:
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium')}")
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options, service=Service(DRIVER))  # the given driver: no Selenium Manager
+    driver.set_page_load_timeout(120)
+    yield driver
+    driver.quit()
+
+
+def console_errors(driver) -> list[str]:
+    """Errors logged since the last call: console.error, uncaught exceptions, resources that failed to load."""
+    return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def open_page(driver, path: Path, plot: str) -> list[str]:
+    """Load a page from its file and wait until Plotly has drawn `plot`; return the console's errors."""
+    driver.get(path.as_uri())
+    wait = WebDriverWait(driver, 60)
+    wait.until(lambda d: d.execute_script("return document.readyState") == "complete")
+    try:
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, f"#{plot} .main-svg"))
+    except Exception:  # noqa: BLE001 - the plot not drawn is a finding, reported with the console's errors
+        return [*console_errors(driver), f"#{plot} was not drawn"]
+    return console_errors(driver)
+
+
+def shown_rows(driver) -> list[tuple[str, str]]:
+    rows = driver.find_elements(By.CSS_SELECTOR, "#lost-table tbody tr.lost-row")
+    return [(r.get_attribute("data-variant"), r.get_attribute("data-sample")) for r in rows if r.is_displayed()]
+
+
+def check_report(driver, page: Path, verdict: str, variants: int, lost: set[tuple[str, str]]) -> list[str]:
+    """Everything wrong with a report page as a reader sees it (an empty list: nothing)."""
+    problems = [f"console: {e}" for e in open_page(driver, page, "tradeoff-plot")]
+    status = driver.find_element(By.ID, "verdict-status")
+    if not status.is_displayed() or status.text != verdict:
+        problems.append(f"verdict: the page shows {status.text!r}, the gate says {verdict!r}")
+    drawn = len(driver.find_elements(By.CSS_SELECTOR, "#tradeoff-plot .scatterlayer .trace .points path.point"))
+    if drawn != variants:
+        problems.append(f"trade-off: {drawn} markers drawn for {variants} variants")
+    if not driver.find_element(By.ID, "lost-table").is_displayed() or set(shown_rows(driver)) != lost:
+        problems.append(f"lost samples: the table shows {sorted(shown_rows(driver))}, the records {sorted(lost)}")
+    width = driver.execute_script("return [document.documentElement.scrollWidth, window.innerWidth]")
+    if width[0] > width[1]:
+        problems.append(f"the page overflows sideways: {width[0]} px wide in a {width[1]} px window")
+    choose = Select(driver.find_element(By.ID, "filter-variant"))
+    for variant in sorted({v for v, _ in lost}):
+        choose.select_by_value(variant)
+        shown, want = sorted(shown_rows(driver)), sorted(x for x in lost if x[0] == variant)
+        if shown != want:
+            problems.append(f"filter {variant}: the table shows {shown}, the records {want}")
+        count = driver.find_element(By.ID, "lost-count").text
+        if count != str(len(want)):
+            problems.append(f"filter {variant}: the count says {count}, {len(want)} rows match")
+    choose.select_by_value("")
+    return problems + [f"console: {e}" for e in console_errors(driver)]
+
+
+def records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+
+
+def lost_in(runs: list[Path]) -> set[tuple[str, str]]:
+    """(label, sample id) of every row scoring below its run's baseline row on the same sample, read from the files;
+    the labels are the task-prefixed ones that runs of several tasks get (README, Comparing runs)."""
+    out = set()
+    for run in runs:
+        rows = records(run)
+        base = {r["sample_id"]: r["score"] for r in rows if r["variant"] == "baseline"}
+        out |= {(f"{r['task']}/{r['variant']}", r["sample_id"]) for r in rows if r["score"] < base[r["sample_id"]]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def report_page(report_runs, tmp_path_factory) -> tuple[Path, str, int, set]:
+    """The report of the three real runs (three tasks) as the CLI writes it, with what the gate says of them."""
+    runs = [report_runs[name] for name in ("lcc", "needle", "ruler")]
+    out = tmp_path_factory.mktemp("report")
+    cmd = [sys.executable, "-m", "evalkit.report", *map(str, runs), "--out", str(out / "page")]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    gate = [sys.executable, "-m", "evalkit.gate", *map(str, runs), "--out", str(out / "gate")]
+    subprocess.run(gate, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    verdict = json.loads((out / "gate" / "verdict.json").read_text())["verdict"]
+    variants = sum(len({r["variant"] for r in records(run)}) for run in runs)
+    lost = lost_in(runs)
+    assert {v for v, _ in lost} == {"hf/streaming_llm@0.25", "hf/snapkv@0.5"}, lost  # the graded run loses samples
+    return out / "page" / "report.html", verdict, variants, lost
+
+
+def test_the_report_of_three_tasks_reads_right_in_chromium(browser, report_page):
+    """No console error; the gate's verdict on top; one trade-off marker per variant of the three runs; the lost
+    samples table holds exactly the rows below their baseline, and filtering by a variant shows exactly its rows;
+    nothing overflows sideways at 1280 px."""
+    page, verdict, variants, lost = report_page
+    assert check_report(browser, page, verdict, variants, lost) == []
+
+
+def test_the_plan_page_draws_its_pressure_plot_in_chromium(browser, tmp_path):
+    res = subprocess.run(
+        [sys.executable, "-m", "evalkit.plan", "model=tiny-random", f"plan.out={tmp_path}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert open_page(browser, tmp_path / "plan.html", "pressure-plot") == []
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    locations = {(p["batch"], p["context"]) for p in doc["pressure"]["points"].values()}
+    crossings = [c for c in doc["pressure"]["crossover"].values() if c is not None]
+    drawn = browser.find_elements(By.CSS_SELECTOR, "#pressure-plot .scatterlayer .trace .points path.point")
+    assert len(drawn) == len(locations) + len(crossings)  # the operating points, and the curve's markers
+    assert [h.text for h in browser.find_elements(By.CSS_SELECTOR, "main h2")][:2] == [
+        "Model",
+        "KV pressure per decode step",
+    ]
+
+
+def test_the_checks_fail_on_a_broken_page(browser, report_page, tmp_path):
+    """The same checks on the page broken twice (a script error, and a filter that hides nothing) report both: the
+    browser test can fail."""
+    page, verdict, variants, lost = report_page
+    text = page.read_text()
+    assert "row.hidden = !ok;" in text
+    broken = text.replace("row.hidden = !ok;", "row.hidden = false;").replace(
+        "</body>", "<script>window.undefinedFunction();</script></body>"
+    )
+    (tmp_path / "report.html").write_text(broken)
+    problems = check_report(browser, tmp_path / "report.html", verdict, variants, lost)
+    assert any(p.startswith("console:") and "undefinedFunction" in p for p in problems), problems
+    assert any(p.startswith("filter hf/snapkv@0.5") for p in problems), problems
+    assert any(p.startswith("filter hf/streaming_llm@0.25") for p in problems), problems
