@@ -117,6 +117,25 @@ def test_openai_route_answers_as_the_in_process_engine(in_process, servers, tmp_
     assert secret not in written and "EVALKIT_TEST_KEY" in written
 
 
+def test_openai_resume_sends_only_the_missing_rows(servers, tmp_path):
+    f16, q4_0 = servers
+    args = ["backend=openai", endpoints(baseline=f16.url, q4_0=q4_0.url), "backend.kv_dtypes={baseline:f16}", GREEDY]
+    args += [*NEEDLES[:3], f"hydra.run.dir={tmp_path}"]
+    first = run_cli(*args, "task.samples_per_cell=1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    path = tmp_path / "samples.jsonl"
+    kept = path.read_text().splitlines(keepends=True)[:-1]  # killed before the last sample's variant row
+    path.write_text("".join(kept))
+    second = run_cli(*args, "task.samples_per_cell=2", "resume=true")
+    assert second.returncode == 0, second.stderr[-3000:]
+    lines = path.read_text().splitlines(keepends=True)
+    assert lines[: len(kept)] == kept  # rows written before are kept as they were
+    keys = [(r["sample_id"], r["variant"]) for r in read_rows(path)]
+    expected = [(f"L256-d{d}-{i}", v) for d in (0.25, 0.75) for i in (0, 1) for v in ("baseline", "q4_0")]
+    assert len(keys) == len(set(keys)) and sorted(keys) == sorted(expected)
+    assert len(json.loads((tmp_path / "run.json").read_text())["resumed"]) == 1
+
+
 def test_unreachable_server_is_exit_2(servers, tmp_path):
     f16, _ = servers
     dead = f"http://127.0.0.1:{free_port()}/v1"

@@ -1,4 +1,4 @@
-"""Backends: the engine that produces a run's paired rows (DESIGN.md section 9).
+"""Backends: the engine that produces a run's paired rows.
 
 `backend=hf` is evalkit's own engine (evalkit.engine, every policy and storage). `backend=llamacpp` runs llama.cpp
 in-process on the model's GGUF file, its KV cache types as variants; `backend=openai` sends the rendered prompt to
