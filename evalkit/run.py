@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
@@ -266,6 +267,7 @@ def _run_external(task, loaded, variants, run_info, rows_path: Path, done: set, 
                         "run_id": run_info["run_id"],
                         "task": task.name,
                         "protocol": cfg.protocol,
+                        **hf_engine(),
                         "flip": flip(row["score"], row["baseline_score"]),
                         **row,
                     }
@@ -496,6 +498,11 @@ def _text(loaded: models.LoadedModel, outcome: Outcome) -> str:
     return loaded.tokenizer.decode(outcome.tokens, skip_special_tokens=True).strip()
 
 
+def hf_engine() -> dict[str, str]:
+    """What every row of evalkit's own engine says produced it (issue 25: rows name their backend)."""
+    return {"backend": "hf", "engine_version": f"transformers {transformers.__version__}, torch {torch.__version__}"}
+
+
 def _row(
     run_info,
     task: Task,
@@ -540,6 +547,7 @@ def _row(
         "budget_clipped": budget_clipped(variant, prompt),
         "context_tokens": prompt.n_context,
         "prompt_tokens": int(prompt.ids.shape[1]),
+        **hf_engine(),
         "generated_tokens": len(outcome.tokens),
         "seconds": {k: round(v, 4) for k, v in outcome.seconds.items()},
         **task.row_fields(sample),  # what a task records of each sample beyond these (task=hf: its truncation)

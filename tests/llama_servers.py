@@ -37,12 +37,12 @@ class LlamaServer:
     """`python -m llama_cpp.server` on SmolLM2's GGUF, on a free port of 127.0.0.1, with the KV cache types given
     (GGML type numbers: 1 f16, 2 q4_0, 8 q8_0); stopped by its own process id."""
 
-    def __init__(self, type_k: int = 1, type_v: int = 1, alias: str | None = None):
+    def __init__(self, type_k: int = 1, type_v: int = 1, alias: str | None = None, n_ctx: int = N_CTX):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         args = [
             *("--model", str(smollm2_gguf()), "--host", "127.0.0.1", "--port", str(self.port)),
-            *("--n_ctx", str(N_CTX), "--n_batch", "512", "--n_ubatch", "512", "--flash_attn", "true"),
+            *("--n_ctx", str(n_ctx), "--n_batch", "512", "--n_ubatch", "512", "--flash_attn", "true"),
             *("--type_k", str(type_k), "--type_v", str(type_v), "--seed", "0", "--verbose", "false"),
             *(("--model_alias", alias) if alias else ()),
         ]

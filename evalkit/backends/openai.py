@@ -250,7 +250,10 @@ class OpenAI:
             if asked and probe:  # a server that cannot return log probabilities: no fidelity, said in the rows
                 self._fidelity = f"not returned: {name} refused logprobs ({_cause(err)})"
                 return self._complete(name, job, probe)
-            raise ConfigError(f"endpoint {name} refused the request ({_cause(err)}); check backend.extra") from None
+            raise ConfigError(
+                f"endpoint {name} refused the request ({_cause(err)}): fix the server's settings (its context length) "
+                "or backend.extra"
+            ) from None
         except (openai.APIConnectionError, openai.APIStatusError) as err:
             where = f"on sample {job.sample_id!r}" if not probe else "on the first sample"
             raise ConfigError(
