@@ -18,7 +18,8 @@ from tqdm import tqdm
 
 from evalkit import interrupt, models
 from evalkit.analysis import BASELINE, format_summary, summarize
-from evalkit.backends import Backend, Job
+from evalkit.backends import Backend
+from evalkit.backends.loop import run_backend
 from evalkit.config import backend as configured_backend
 from evalkit.config import build, validate
 from evalkit.config import variants as configured_variants
@@ -38,6 +39,7 @@ from evalkit.records import (
     versions,
     write_json,
 )
+from evalkit.stats import flip
 from evalkit.tasks import Sample, Task
 
 
@@ -74,8 +76,9 @@ def _run(
         prompts = [build_prompt(tokenizer, s, cfg.protocol) for s in samples]
         check_samples(samples, prompts, models.max_context(cfg.model), cfg, task, variants)
         write_json(out_dir / RUN, run_info)
-    if engine is not None:  # --- issue 25: another engine produces the outcomes (evalkit.backends) ---
-        _run_backend(engine, cfg, run_info, task, samples, prompts, tokenizer, rows_path)
+    if engine is not None:  # --- issue 25: another engine produces the outcomes (evalkit.backends.loop) ---
+        texts = {s.id: prompt_text(tokenizer, s)[0] for s in samples}  # what a server is sent
+        run_backend(engine, cfg, run_info, task, samples, prompts, texts, rows_path)
         return _finish(rows_path, out_dir)
     loaded = models.load(cfg.model, cfg.device)
     _check_model(run_info, loaded)
@@ -143,94 +146,6 @@ def _run(
     return _finish(rows_path, out_dir)
 
 
-# --- issue 25: backends (evalkit.backends) ---------------------------------------------------------------------------
-
-
-def _run_backend(
-    engine: Backend, cfg: DictConfig, run_info: dict, task: Task, samples, prompts, tokenizer, rows_path: Path
-) -> None:
-    """Another engine answers each sample for the baseline and the variants still missing; the task scores the
-    answers and the rows are paired and written here, as for evalkit's own engine. On resume the baseline runs again
-    for every sample a variant still needs, and must answer as it did."""
-    names = [BASELINE, *engine.variant_names()]
-    recorded = {(r["sample_id"], r["variant"]): r for r in read_rows(rows_path, repair=True)}
-    jobs = [
-        Job(s.id, p.ids[0].tolist(), prompt_text(tokenizer, s)[0], task.answer_tokens(s), todo)
-        for s, p in zip(samples, prompts, strict=True)
-        if (todo := [n for n in names[1:] if (s.id, n) not in recorded]) or (s.id, BASELINE) not in recorded
-    ]
-    if recorded:
-        print(f"evalkit: resuming {rows_path.parent}: {len(samples) - len(jobs)} of {len(samples)} samples done before")
-    opened = engine.open(cfg, jobs)
-    _check_engine(run_info, opened)
-    run_info.update(opened)
-    write_json(rows_path.parent / RUN, run_info)
-    by_id = {s.id: (s, p) for s, p in zip(samples, prompts, strict=True)}
-    writer = RecordWriter(rows_path)
-    try:
-        done = tqdm(engine.run(jobs), total=len(jobs), desc=f"{task.name} x {', '.join(names[1:])}", file=sys.stderr)
-        for i, (job, results) in enumerate(done):
-            if interrupt.requested():
-                raise interrupt.Interrupted(f"stopped: {len(jobs) - i} of {len(samples)} samples left to run")
-            sample, prompt = by_id[job.sample_id]
-            old = recorded.get((sample.id, BASELINE))
-            if old is not None and old["prediction"] != results[0].prediction:
-                raise ConfigError(
-                    f"resume=true, but the baseline now answers sample {sample.id!r} with {results[0].prediction!r}, "
-                    f"not {old['prediction']!r} as recorded: the engine or server changed; run it in a new folder"
-                )
-            for row in _backend_rows(run_info, cfg, task, sample, prompt, results):
-                if (sample.id, row["variant"]) not in recorded:
-                    writer.write(row)
-    finally:
-        writer.close()
-        engine.close()
-
-
-def _backend_rows(run_info: dict, cfg: DictConfig, task: Task, sample: Sample, prompt: Prompt, results) -> list[dict]:
-    """The rows of one sample from a backend's results (the baseline's first): the fields every row has, the
-    engine's own, and the pairing with the baseline."""
-    base = results[0]
-    base_score = task.score(base.prediction, sample)
-    rows = []
-    for res in results:
-        score = task.score(res.prediction, sample)
-        rows.append(
-            {
-                "run_id": run_info["run_id"],
-                "sample_id": sample.id,
-                "task": task.name,
-                "cell": sample.cell,
-                "variant": res.variant,
-                "protocol": cfg.protocol,
-                "prediction": res.prediction,
-                "answers": sample.answers,
-                **res.fields,
-                "kv_bytes_baseline": base.fields["kv_bytes"],
-                "kv_bytes_baseline_deployed": base.fields["kv_bytes_deployed"],
-                "budget_clipped": None if res is base else False,
-                "context_tokens": prompt.n_context,
-                "prompt_tokens": int(prompt.ids.shape[1]),
-                **task.row_fields(sample),
-                "score": score,
-                "baseline_score": base_score,
-                "flip": flip(score, base_score),
-            }
-        )
-    return rows
-
-
-def _check_engine(run_info: dict, opened: dict) -> None:
-    """On resume: the same engine version and the same model weights as the rows already written."""
-    for key, field in (("engine", "engine_version"), ("model", "fingerprint")):
-        old, new = (run_info.get(key) or {}).get(field), opened[key].get(field)
-        if old is not None and old != new:
-            raise ConfigError(f"resume=true, but the {key}'s {field} changed ({old} -> {new}); run it in a new folder")
-
-
-# --- end of issue 25 --------------------------------------------------------------------------------------------------
-
-
 def prepare_policies(variants: list[Variant], loaded) -> dict[str, dict]:
     """Let each policy learn what it needs from the loaded model (KVPolicy.prepare); what they report, timed, by
     variant name."""
@@ -290,11 +205,6 @@ def score_outcomes(loaded, task: Task, sample: Sample, prompt: Prompt, baseline:
         ]
     base_score = task.score(_text(loaded, baseline), sample)
     return [(base_score, base_score, {})] + [(task.score(_text(loaded, o), sample), base_score, {}) for o in outcomes]
-
-
-def flip(score: float, base_score: float) -> str | None:
-    """`lost` when the variant scores below the baseline on the sample, `gained` above, None when equal."""
-    return None if score == base_score else ("lost" if score < base_score else "gained")
 
 
 def check_samples(

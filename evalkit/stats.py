@@ -227,3 +227,8 @@ def flip_cause(row: dict, evicted_below: float = 0.5) -> str | None:
     if row.get("flip") != "lost" or not retained:
         return None
     return "evicted" if sum(retained) / len(retained) < evicted_below else "ignored"
+
+
+def flip(score: float, base_score: float) -> str | None:
+    """`lost` when the variant scores below the baseline on the sample, `gained` above, None when equal."""
+    return None if score == base_score else ("lost" if score < base_score else "gained")

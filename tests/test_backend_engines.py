@@ -74,6 +74,7 @@ def test_llamacpp_run_writes_paired_rows_a_verdict_and_the_engines_bytes(in_proc
         kind = variant.removeprefix("llamacpp:") if variant != "baseline" else "f16"
         per, tokens = PER_TOKEN[kind], r["prompt_tokens"]
         assert r["backend"] == "llamacpp" and r["engine_version"] == info["engine"]["engine_version"]
+        assert r["protocol"].startswith("engine")  # the whole prompt and answer sit in the engine's cache type
         assert r["kv_bytes"] == per * tokens and r["kv_bytes_deployed"] == per * tokens
         assert r["kv_bytes_baseline"] == PER_TOKEN["f16"] * tokens
         # after the answer: every generated token but the last (or but a final end-of-generation token) was cached

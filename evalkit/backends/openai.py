@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -80,6 +81,7 @@ class OpenAI:
     _version: str | None = field(default=None, init=False, repr=False)
     _fidelity: str | None = field(default=None, init=False, repr=False)  # why there is none, when there is none
     _owner: str = field(default="", init=False, repr=False)
+    _warned: bool = field(default=False, init=False, repr=False)
 
     def check(self, cfg: DictConfig, task: Any) -> None:
         check_fields(self, "backend")
@@ -293,9 +295,23 @@ class OpenAI:
                     return
                 job, futures = ahead.popleft()
                 done = {n: f.result() for n, f in futures.items()}
+                self._warn_tokenization(job, done[BASELINE])
                 yield job, [self._result(n, job, c, done[BASELINE]) for n, c in done.items()]
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+
+    def _warn_tokenization(self, job: Job, c: Completion) -> None:
+        """Say once when a server counts another number of prompt tokens than evalkit did: its tokenizer or the
+        way it parses special tokens in the text differs from `model`'s (rows keep both counts)."""
+        if self._warned or c.prompt_tokens is None or c.prompt_tokens == len(job.ids):
+            return
+        self._warned = True
+        print(
+            f"evalkit: warning: the baseline's server read {c.prompt_tokens} prompt tokens of sample {job.sample_id!r} "
+            f"where evalkit's tokenizer made {len(job.ids)} (rows: server_prompt_tokens, prompt_tokens); check that "
+            "model= is the served model",
+            file=sys.stderr,
+        )
 
     def close(self) -> None:
         for client in self._clients.values():
