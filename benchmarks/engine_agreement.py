@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import resource
 import shutil
 import subprocess
@@ -39,10 +40,16 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+# OpenMP threads that spin while they wait (torch's and llama.cpp's) slow each other down many times over on a shared
+# CPU: every engine here waits passively, so that they compare under the same rule
+ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def evalkit(folder: Path, *args: str) -> tuple[float, float]:
     """Run `python -m evalkit ARGS` into `folder`; its wall and CPU seconds."""
     start, cpu = time.perf_counter(), children_cpu()
-    done = subprocess.run([sys.executable, "-m", "evalkit", *args, f"hydra.run.dir={folder}"], cwd=ROOT, text=True)
+    argv = [sys.executable, "-m", "evalkit", *args, f"hydra.run.dir={folder}"]
+    done = subprocess.run(argv, cwd=ROOT, env=ENV, text=True)
     if done.returncode not in (0, 1, 2):
         raise SystemExit(f"python -m evalkit {' '.join(args)} exited {done.returncode}")
     return time.perf_counter() - start, children_cpu() - cpu

@@ -25,6 +25,7 @@ SMOLLM2 = Arch("smollm2", 30, 9, 3, 64, 576, 49152, True, (False,) * 30, None, N
 def test_llamacpp_variants_name_key_and_value_types():
     assert parse_variant("llamacpp:q8_0") == CacheTypes("llamacpp:q8_0", "q8_0", "q8_0")
     assert parse_variant("llamacpp:k=q8_0/v=q4_0") == CacheTypes("llamacpp:k=q8_0/v=q4_0", "q8_0", "q4_0")
+    assert parse_variant("llamacpp:q8_0/q4_0") == CacheTypes("llamacpp:q8_0/q4_0", "q8_0", "q4_0")
     assert parse_variant("llamacpp:k=q4_0") == CacheTypes("llamacpp:k=q4_0", "q4_0", "f16")
     assert parse_variant("llamacpp:v=q8_0") == CacheTypes("llamacpp:v=q8_0", "f16", "q8_0")
 
@@ -141,3 +142,13 @@ def test_a_backend_refusal_is_exit_2_in_one_line(tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     assert "llama.cpp cache type 'q9_0' is not one of" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_sliding_window_layers_hold_at_most_their_window():
+    # Gemma-3-270M: 18 layers, every sixth global, the rest a 512-token window; 1 KV head of 256 dimensions
+    gemma = Arch(
+        "gemma3", 18, 4, 1, 256, 640, 262144, True, tuple((i + 1) % 6 != 0 for i in range(18)), 512, None, 32768
+    )
+    per_token_layer = 2 * 256 * 2  # keys and values, f16
+    assert format_bytes(gemma, 100, "f16", "f16") == 18 * 100 * per_token_layer
+    assert format_bytes(gemma, 2000, "f16", "f16") == (3 * 2000 + 15 * 512) * per_token_layer

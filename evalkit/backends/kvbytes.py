@@ -53,10 +53,11 @@ def per_element(dtype: str) -> float:
 
 
 def format_bytes(arch: Arch, tokens: int, k: str, v: str) -> int:
-    """Bytes of `tokens` tokens held in every layer with keys of type k and values of type v: per layer and token one
-    row of kv_heads x head_dim keys and one of values."""
+    """Bytes of a sequence of `tokens` tokens with keys of type k and values of type v: per layer and token one row of
+    kv_heads x head_dim keys and one of values; a sliding-window layer holds at most its window."""
     width = arch.kv_heads * arch.head_dim
-    return arch.layers * tokens * (row_bytes(k, width) + row_bytes(v, width))
+    held = sum(min(tokens, arch.window) if sliding and arch.window else tokens for sliding in arch.sliding)
+    return held * (row_bytes(k, width) + row_bytes(v, width))
 
 
 def declared_bytes(arch: Arch, tokens: int, dtype: str) -> int:

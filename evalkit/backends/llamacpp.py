@@ -33,8 +33,9 @@ from evalkit.errors import ConfigError
 from evalkit.hydra_errors import check_fields
 from evalkit.plan import Arch, arch_from_config, cache_root, read_source
 
+T = r"[a-z0-9_]+"  # a cache type's name
 SPEC = re.compile(
-    r"llamacpp:(?:(?P<both>[a-z0-9_]+)|k=(?P<k>[a-z0-9_]+)(?:/v=(?P<v>[a-z0-9_]+))?|v=(?P<vo>[a-z0-9_]+))"
+    rf"llamacpp:(?:(?P<both>{T})|(?P<kv_k>{T})/(?P<kv_v>{T})|k=(?P<k>{T})(?:/v=(?P<v>{T}))?|v=(?P<vo>{T}))"
 )
 BASELINE_TYPES = ("f16", "f16")
 INSTALL = "backend=llamacpp needs llama-cpp-python: run make install (it builds it for this CPU)"
@@ -55,16 +56,17 @@ class CacheTypes:
 
 
 def parse_variant(spec: str) -> CacheTypes:
-    """`llamacpp:q8_0` (keys and values), `llamacpp:k=q8_0/v=q4_0`, `llamacpp:k=q8_0` or `llamacpp:v=q4_0` (the
-    other f16)."""
+    """`llamacpp:q8_0` (keys and values), `llamacpp:q8_0/q4_0` (keys, then values), or named, `llamacpp:k=q8_0/v=q4_0`,
+    `llamacpp:k=q8_0`, `llamacpp:v=q4_0` (the other f16; on Hydra's command line a name with `=` is quoted inside the
+    list: `'variants=[llamacpp:q8_0,"llamacpp:k=q8_0/v=q4_0"]'`)."""
     match = SPEC.fullmatch(spec)
     if not match:
         raise ConfigError(
-            f"variants: {spec!r} is not a llama.cpp cache type; write llamacpp:TYPE or llamacpp:k=TYPE/v=TYPE with "
-            f"TYPE one of {list(CACHE_TYPES)}, e.g. 'variants=[llamacpp:q8_0,llamacpp:k=q8_0/v=q4_0]'"
+            f"variants: {spec!r} is not a llama.cpp cache type; write llamacpp:TYPE (keys and values) or "
+            f"llamacpp:K_TYPE/V_TYPE, each one of {list(CACHE_TYPES)}: 'variants=[llamacpp:q8_0,llamacpp:q8_0/q4_0]'"
         )
-    k = match["both"] or match["k"] or "f16"
-    v = match["both"] or match["v"] or match["vo"] or "f16"
+    k = match["both"] or match["kv_k"] or match["k"] or "f16"
+    v = match["both"] or match["kv_v"] or match["v"] or match["vo"] or "f16"
     for t in (k, v):
         ggml_type(t)
     if (k, v) == BASELINE_TYPES:
