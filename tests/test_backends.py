@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from evalkit.backends.agreement import full_vocabulary, shared_positions, top_tokens
-from evalkit.backends.kvbytes import declared_bytes, format_bytes, per_element, row_bytes
-from evalkit.backends.llamacpp import CacheTypes, parse_variant, state_kv_bytes
+from evalkit.backends.kvbytes import block_bytes, declared_bytes, per_element, row_bytes
+from evalkit.backends.llamacpp import CacheTypes, parse_variant, state_caches, state_kv_bytes
 from evalkit.config import check_choices
 from evalkit.errors import ConfigError
 from evalkit.hydra_errors import precheck
@@ -20,6 +20,8 @@ from tests.conftest import run_cli
 
 # SmolLM2-135M: 30 layers, 3 KV heads of 64 dimensions (its config.json)
 SMOLLM2 = Arch("smollm2", 30, 9, 3, 64, 576, 49152, True, (False,) * 30, None, None, 8192)
+# Gemma-3-270M: 18 layers, every sixth global, the others a 512-token window; 1 KV head of 256 dimensions
+GEMMA = Arch("gemma3", 18, 4, 1, 256, 640, 262144, True, tuple((i + 1) % 6 != 0 for i in range(18)), 512, None, 32768)
 
 
 def test_llamacpp_variants_name_key_and_value_types():
@@ -56,16 +58,20 @@ def test_block_formats_take_their_published_bytes():
 
 def test_kv_bytes_of_smollm2_by_hand():
     # per token and layer one row of 3 x 64 = 192 keys and one of values: f16 768 bytes, q8_0 408, q4_0 216
-    assert format_bytes(SMOLLM2, 100, "f16", "f16") == 30 * 100 * 768
-    assert format_bytes(SMOLLM2, 100, "q8_0", "q8_0") == 30 * 100 * 408
-    assert format_bytes(SMOLLM2, 100, "q8_0", "q4_0") == 30 * 100 * (204 + 108)
+    assert block_bytes(SMOLLM2, 100, "f16", "f16") == 30 * 100 * 768
+    assert block_bytes(SMOLLM2, 100, "q8_0", "q8_0") == 30 * 100 * 408
+    assert block_bytes(SMOLLM2, 100, "q8_0", "q4_0") == 30 * 100 * (204 + 108)
     assert declared_bytes(SMOLLM2, 100, "fp8") == 30 * 100 * 384
     assert declared_bytes(SMOLLM2, 100, "bfloat16") == 30 * 100 * 768
 
 
 def test_llamacpp_state_headers_are_taken_off():
-    # 24 fixed bytes, 12 per cell (position, sequence count, sequence id), 24 per layer (type and row size, K and V)
-    assert state_kv_bytes(24 + 12 * 10 + 24 * 30 + 1000, 10, 30) == 1000
+    # 8 bytes, then per cache 16, 12 per cell (position, sequence count, sequence id), 24 per layer (K and V: type, row
+    # size); Gemma-3's sliding cache writes only the 512 cells its window sees (figures read off a real Gemma-3 run:
+    # 1053 tokens, state 11,118,388 bytes, KV 11,099,136 = (3 x 1053 + 15 x 512) x 1024 f16 bytes)
+    assert state_kv_bytes(8 + 16 + 12 * 10 + 24 * 30 + 1000, state_caches(SMOLLM2, 10)) == 1000
+    assert state_caches(GEMMA, 1053) == [(1053, 3), (512, 15)]
+    assert state_kv_bytes(11_118_388, state_caches(GEMMA, 1053)) == (3 * 1053 + 15 * 512) * 1024
 
 
 def test_shared_positions_end_at_the_first_different_token():
@@ -145,10 +151,7 @@ def test_a_backend_refusal_is_exit_2_in_one_line(tmp_path):
 
 
 def test_sliding_window_layers_hold_at_most_their_window():
-    # Gemma-3-270M: 18 layers, every sixth global, the rest a 512-token window; 1 KV head of 256 dimensions
-    gemma = Arch(
-        "gemma3", 18, 4, 1, 256, 640, 262144, True, tuple((i + 1) % 6 != 0 for i in range(18)), 512, None, 32768
-    )
+    gemma = GEMMA
     per_token_layer = 2 * 256 * 2  # keys and values, f16
-    assert format_bytes(gemma, 100, "f16", "f16") == 18 * 100 * per_token_layer
-    assert format_bytes(gemma, 2000, "f16", "f16") == (3 * 2000 + 15 * 512) * per_token_layer
+    assert block_bytes(gemma, 100, "f16", "f16") == 18 * 100 * per_token_layer
+    assert block_bytes(gemma, 2000, "f16", "f16") == (3 * 2000 + 15 * 512) * per_token_layer

@@ -20,7 +20,7 @@ CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "
 DENSE = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
 
 ENGINE_STATE = "llama.cpp state (llama_state_seq_get_size) less its per-token and per-layer headers"
-FORMAT = "format blocks (gguf GGML_QUANT_SIZES) x elements"
+FORMAT = "format blocks (gguf GGML_QUANT_SIZES): the engine reported no state size"
 DECLARED = "declared"
 
 
@@ -52,7 +52,7 @@ def per_element(dtype: str) -> float:
     raise ConfigError(f"KV dtype {dtype!r} is not one of {sorted(ELEMENT) + list(CACHE_TYPES)}")
 
 
-def format_bytes(arch: Arch, tokens: int, k: str, v: str) -> int:
+def block_bytes(arch: Arch, tokens: int, k: str, v: str) -> int:
     """Bytes of a sequence of `tokens` tokens with keys of type k and values of type v: per layer and token one row of
     kv_heads x head_dim keys and one of values; a sliding-window layer holds at most its window."""
     width = arch.kv_heads * arch.head_dim

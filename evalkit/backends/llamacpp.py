@@ -6,7 +6,8 @@ llama.cpp context, created once with the same settings but the cache types (flas
 stores quantized values only with it). Per sample each context is cleared, evaluates the prompt evalkit tokenized
 (the task's template), and decodes greedily (argmax of the logits) until an end-of-generation token of the model's
 vocabulary or the task's answer length: the stop rule of llama.cpp's own server. The KV bytes are the engine's: the
-state llama.cpp writes for the sequence (llama_state_seq_get_size) less the headers of that format.
+state llama.cpp writes for the sequence (llama_state_seq_get_size) less the headers of that format (a sliding-window
+layer's cache writes the cells its window still sees).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from omegaconf import DictConfig, ListConfig
 
 from evalkit.backends import Job, Result, check_generates, check_variants_unused
 from evalkit.backends.agreement import full_vocabulary
-from evalkit.backends.kvbytes import CACHE_TYPES, ENGINE_STATE, FORMAT, format_bytes, ggml_type
+from evalkit.backends.kvbytes import CACHE_TYPES, ENGINE_STATE, FORMAT, block_bytes, ggml_type
 from evalkit.errors import ConfigError
 from evalkit.hydra_errors import check_fields
 from evalkit.plan import Arch, arch_from_config, cache_root, read_source
@@ -84,8 +85,8 @@ class Decode:
     chosen: list[int]
     answer: list[int]
     logits: list[np.ndarray]
-    held: tuple[int, int]  # (KV bytes, the engine's whole sequence state) after the prompt
-    final: tuple[int, int]  # the same when decoding ended
+    held: tuple[int, int, str]  # (KV bytes, the engine's whole sequence state, their source) after the prompt
+    final: tuple[int, int, str]  # the same when decoding ended
     seconds: dict[str, float]
 
 
@@ -103,6 +104,7 @@ class LlamaCpp:
     _arch: Arch | None = field(default=None, init=False, repr=False)
     _version: str = field(default="", init=False, repr=False)
     _lib: Any = field(default=None, init=False, repr=False)
+    _types: dict[str, tuple[str, str]] = field(default_factory=dict, init=False, repr=False)
 
     def check(self, cfg: DictConfig, task: Any) -> None:
         check_fields(self, "backend")
@@ -150,7 +152,8 @@ class LlamaCpp:
         if longest > n_ctx:
             raise ConfigError(f"backend.n_ctx={n_ctx} is shorter than the longest prompt plus its answer ({longest})")
         threads = self.threads or os.cpu_count() or 1
-        for name, (k, v) in [("baseline", BASELINE_TYPES), *((c.name, (c.k, c.v)) for c in self.variants)]:
+        self._types = {"baseline": BASELINE_TYPES, **{c.name: (c.k, c.v) for c in self.variants}}
+        for name, (k, v) in self._types.items():
             self._contexts[name] = _context(llama_cpp, path, n_ctx, self.n_batch, threads, self.flash_attn, k, v, cfg)
         return {
             "engine": {
@@ -192,8 +195,8 @@ class LlamaCpp:
         llm.reset()  # the next eval drops every cell from position 0: an empty cache
         t0 = time.perf_counter()
         logits = _eval(self._lib, llm, job.ids)
-        held = self._kv(llm)
         t1 = time.perf_counter()
+        held = self._kv(llm, self._types[name])
         chosen, seen = [], []
         for step in range(job.max_new_tokens):
             seen.append(logits)
@@ -203,24 +206,26 @@ class LlamaCpp:
                 break
             if step + 1 < job.max_new_tokens:
                 logits = _eval(self._lib, llm, [token])
-        final = self._kv(llm)
+        t2 = time.perf_counter()
+        final = self._kv(llm, self._types[name])
         stopped = bool(chosen) and self._lib.llama_vocab_is_eog(llm._model.vocab, chosen[-1])
         answer = chosen[:-1] if stopped else chosen
-        seconds = {"prefill": t1 - t0, "decode": time.perf_counter() - t1}
+        seconds = {"prefill": t1 - t0, "decode": t2 - t1}
         return Decode(chosen, answer, seen, held, final, seconds)
 
-    def _kv(self, llm) -> tuple[int, int]:
-        """(KV bytes, the engine's sequence state bytes) of what the context holds now."""
+    def _kv(self, llm, types: tuple[str, str]) -> tuple[int, int, str]:
+        """(KV bytes, the engine's sequence state bytes, where the bytes come from) of what the context holds now:
+        llama.cpp's own figure, or, where it reports none (0 on an error), the format's block sizes."""
         state = int(self._lib.llama_state_seq_get_size(llm.ctx, 0))
-        return state_kv_bytes(state, llm.n_tokens, self._arch.layers), state
+        if state == 0:
+            return block_bytes(self._arch, llm.n_tokens, *types), 0, FORMAT
+        return state_kv_bytes(state, state_caches(self._arch, llm.n_tokens)), state, ENGINE_STATE
 
     def _result(self, name: str, job: Job, dec: Decode, base: Decode | None) -> Result:
-        types = next(((c.k, c.v) for c in self.variants if c.name == name), BASELINE_TYPES)
+        types = self._types[name]
         llm = self._contexts[name]
         text = llm.detokenize(dec.answer, prev_tokens=job.ids).decode("utf-8", errors="ignore").strip()
-        sliding = self._arch.sliding_layers > 0
-        held = format_bytes(self._arch, len(job.ids), *types) if sliding else dec.held[0]
-        final = format_bytes(self._arch, llm.n_tokens, *types) if sliding else dec.final[0]
+        held, final = dec.held[0], dec.final[0]
         fields = {
             "backend": self.name,
             "engine_version": self._version,
@@ -233,7 +238,7 @@ class LlamaCpp:
             "kv_bytes_deployed": held,  # llama.cpp holds the cache as the deployed engine does: these are its bytes
             "kv_bytes_final": final,
             "peak_kv_bytes": final,  # nothing is evicted: the cache only grows while the answer is decoded
-            "kv_bytes_source": FORMAT if sliding else ENGINE_STATE,
+            "kv_bytes_source": dec.held[2],
             "engine_state_bytes": dec.held[1],
             "prefill_peak_kv_bytes": held,
             "prefill_peak_tokens": len(job.ids),
@@ -251,14 +256,24 @@ class LlamaCpp:
 
 
 # Headers llama.cpp writes around a sequence's KV data (src/llama-kv-cache.cpp, state_write): the magic and sequence
-# id (8 bytes), the stream count and cell count (8), per cell its position, sequence count and sequence id (12), the
+# id (8 bytes); then for each cache (one; two for a model with sliding-window layers, the full layers' and the
+# window's) its stream and cell counts (8), per cell its position, sequence count and sequence id (12), the
 # V-transposed flag and layer count (8), and per layer a type and a row size for keys and again for values (2 x 12).
-STATE_FIXED, STATE_PER_CELL, STATE_PER_LAYER = 24, 12, 24
+STATE_MAGIC, CACHE_FIXED, PER_CELL, PER_LAYER = 8, 16, 12, 24
 
 
-def state_kv_bytes(state: int, cells: int, layers: int) -> int:
-    """The KV data in a llama.cpp sequence state of `state` bytes holding `cells` tokens in `layers` layers."""
-    return state - STATE_FIXED - STATE_PER_CELL * cells - STATE_PER_LAYER * layers
+def state_kv_bytes(state: int, caches: list[tuple[int, int]]) -> int:
+    """The KV data in a llama.cpp sequence state of `state` bytes whose caches hold (cells, layers) each; a
+    sliding-window cache writes only the cells its window still sees."""
+    return state - STATE_MAGIC - sum(CACHE_FIXED + PER_CELL * cells + PER_LAYER * layers for cells, layers in caches)
+
+
+def state_caches(arch: Arch, tokens: int) -> list[tuple[int, int]]:
+    """(cells, layers) of each cache llama.cpp keeps for `tokens` tokens of a model."""
+    full = arch.layers - arch.sliding_layers
+    if not arch.sliding_layers:
+        return [(tokens, full)]
+    return [(tokens, full), (min(tokens, arch.window or tokens), arch.sliding_layers)]
 
 
 def _context(llama_cpp, path: Path, n_ctx: int, n_batch: int, threads: int, flash_attn: bool, k: str, v: str, cfg):
@@ -275,6 +290,7 @@ def _context(llama_cpp, path: Path, n_ctx: int, n_batch: int, threads: int, flas
             type_v=int(ggml_type(v)),
             seed=int(cfg.seed),
             logits_all=False,
+            swa_full=False,  # sliding-window layers cache their window, as llama.cpp's CLI and server do by default
             verbose=False,
         )
     except ValueError as err:
