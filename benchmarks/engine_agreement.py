@@ -126,15 +126,28 @@ def print_agreement(hf: dict, llama: dict) -> None:
         print(f"| {a} ~ {b} | {g['n']} | {yy} | {yn} | {ny} | {nn} | {g['agree']:.3f} | {kappa} |")
 
 
+def fidelity(table: dict, variant: str) -> str:
+    """Mean top-1 agreement and KL (nats) of a variant's answer positions against the baseline's, where its rows
+    have them (backends; evalkit's own engine records fidelity for teacher-forced tasks only)."""
+    found = [r["fidelity"] for (_, v), r in table.items() if v == variant and r.get("fidelity")]
+    found = [f for f in found if f["kl_mean"] is not None]
+    if not found:
+        return "-"
+    top1 = sum(f["top1_agreement"] for f in found) / len(found)
+    return f"{top1:.3f} / {sum(f['kl_mean'] for f in found) / len(found):.4f}"
+
+
 def print_accuracy(hf: dict, llama: dict) -> None:
-    print("| engine | variant | baseline acc. | variant acc. | lost | gained | KV ratio |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| engine | variant | baseline acc. | variant acc. | lost | gained | KV ratio | top-1 / KL at the answer |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for engine, table, names in (("hf", hf, [a for a, _, _ in PAIRS]), ("llama.cpp", llama, [b for _, b, _ in PAIRS])):
         for v in names:
             base, acc, lost, gained = accuracy(table, v)
             ratios = [r["kv_bytes_deployed"] / r["kv_bytes_baseline_deployed"] for (_, x), r in table.items() if x == v]
             ratio = sum(ratios) / len(ratios)
-            print(f"| {engine} | {v} | {base:.3f} | {acc:.3f} | {lost} | {gained} | {ratio:.3f}x |")
+            print(
+                f"| {engine} | {v} | {base:.3f} | {acc:.3f} | {lost} | {gained} | {ratio:.3f}x | {fidelity(table, v)} |"
+            )
 
 
 def main() -> None:
@@ -163,6 +176,8 @@ def main() -> None:
     costs = [("hf", *hf_time, engine_seconds(hf)), ("llamacpp", *llama_time, engine_seconds(llama))]
     if args.openai:
         wall, cpu = serve_and_run(args.out / "openai", args.overrides, args.n_ctx)
+        if not (args.out / "openai" / "samples.jsonl").is_file():
+            raise SystemExit("the openai route was refused (its reason is printed above)")
         served = rows(args.out / "openai")
         costs.append(("openai (3 llama_cpp.server)", wall, cpu, engine_seconds(served)))
         agree = sum(served[(s, "baseline")]["prediction"] == llama[(s, "baseline")]["prediction"] for s in base)

@@ -214,9 +214,10 @@ class OpenAI:
             second = self._complete(name, job, probe=True)
             if first.text != second.text:
                 raise ConfigError(
-                    f"endpoint {name} ({self.endpoints[name]}) ignores temperature 0: two identical requests gave two "
-                    f"answers ({first.text[:40]!r} and {second.text[:40]!r}); its results would not be reproducible: "
-                    "serve it with deterministic sampling (no sampling override in front of it)"
+                    f"endpoint {name} ({self.endpoints[name]}) is not deterministic at temperature 0: two identical "
+                    f"requests gave two answers ({first.text[:40]!r} and {second.text[:40]!r}): it samples anyway "
+                    "(an override in front of it?) or its numerics depend on earlier requests (prefix caching, "
+                    "batching); its rows would not be reproducible"
                 )
             self._not_argmax(name, first)
 
