@@ -258,10 +258,10 @@ class OpenAI:
                 "or backend.extra"
             ) from None
         except (openai.APIConnectionError, openai.APIStatusError) as err:
-            where = f"on sample {job.sample_id!r}" if not probe else "on the first sample"
+            where = f"on sample {job.sample_id!r}, retried up to {self.retries} times" if not probe else "at start"
             raise ConfigError(
-                f"endpoint {name} ({self.endpoints[name]}) failed {where} after {0 if probe else self.retries} "
-                f"retries ({_cause(err)}): the rows written so far are kept; fix the server, then resume=true"
+                f"endpoint {name} ({self.endpoints[name]}) failed {where} ({_cause(err)}): the rows written so far "
+                "are kept; fix the server, then resume=true"
             ) from None
         seconds = time.perf_counter() - start
         choice = reply.choices[0]
