@@ -1,5 +1,5 @@
 """Real OpenAI-compatible servers for the backend tests: llama.cpp's own (`python -m llama_cpp.server`) on 127.0.0.1,
-and a sampling override in front of one (a gateway that forces temperature 1, as a misconfigured proxy does)."""
+and a sampling override in front of one (a gateway that forces a hot temperature, as a misconfigured proxy does)."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ class LlamaServer:
 
 
 class HotGateway:
-    """An HTTP gateway in front of a real server that rewrites each completion request to temperature 1 with a new
+    """An HTTP gateway in front of a real server that rewrites each completion request to temperature 5 with a new
     seed: the server behind it samples, whatever the client asked."""
 
     def __init__(self, target: str):
@@ -92,7 +92,8 @@ class HotGateway:
 
             def do_POST(self):  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                body.update(temperature=1.0, seed=int(time.monotonic_ns() % 2**31))
+                # hot: two 24-token answers all but never agree (at temperature 1 a confident needle answer can)
+                body.update(temperature=5.0, seed=int(time.monotonic_ns() % 2**31))
                 gateway._forward(self, body)
 
             def log_message(self, *args):
