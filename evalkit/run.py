@@ -12,11 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from evalkit import interrupt, models
 from evalkit.analysis import BASELINE, format_summary, summarize
+from evalkit.backends import Backend
+from evalkit.backends.loop import run_backend
+from evalkit.config import backend as configured_backend
 from evalkit.config import build, validate
 from evalkit.config import variants as configured_variants
 from evalkit.engine import Outcome, Variant, run_sample
@@ -25,7 +29,7 @@ from evalkit.evidence import contradictions, flip, row_problem
 from evalkit.fidelity import fidelity
 from evalkit.lock import RunLock
 from evalkit.models import file_sha256
-from evalkit.prompt import Prompt, build_prompt
+from evalkit.prompt import Prompt, build_prompt, prompt_text
 from evalkit.records import (
     RUN,
     SAMPLE_COUNT,
@@ -44,17 +48,20 @@ from evalkit.tasks import Sample, Task
 def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     """Run the configured task with the baseline and the configured policy; return the summary."""
     task: Task = build(cfg.task, "task")
-    variants = configured_variants(cfg)
+    engine = configured_backend(cfg, task)  # None: evalkit's own engine (backend=hf)
+    variants = configured_variants(cfg) if engine is None else []
     validate(cfg, task, [v.policy for v in variants])
     if task.external and any(v.chunk for v in variants):
         raise ConfigError(f"task={task.name}: lm-eval drives its own forwards, so prefill=chunked is not supported")
     _check_attention(cfg, variants)
     print(f"evalkit: run folder: {out_dir}")
     with RunLock(out_dir):  # before evalkit writes anything there: one writer per folder
-        return _run(cfg, out_dir, task, variants)
+        return _run(cfg, out_dir, task, variants, engine)
 
 
-def _run(cfg: DictConfig, out_dir: Path, task: Task, variants: list[Variant]) -> dict[str, Any]:
+def _run(
+    cfg: DictConfig, out_dir: Path, task: Task, variants: list[Variant], engine: Backend | None = None
+) -> dict[str, Any]:
     rows_path = out_dir / SAMPLES
     config = OmegaConf.to_container(cfg, resolve=True)
     run_info = _start(out_dir, config, bool(cfg.resume), task)
@@ -72,6 +79,10 @@ def _run(cfg: DictConfig, out_dir: Path, task: Task, variants: list[Variant]) ->
         check_written(rows_path, task, samples, prompts)
         check_samples(samples, prompts, models.max_context(cfg.model), cfg, task, variants)
         write_json(out_dir / RUN, run_info)
+    if engine is not None:  # --- issue 25: another engine produces the outcomes (evalkit.backends.loop) ---
+        texts = {s.id: prompt_text(tokenizer, s)[0] for s in samples}  # what a server is sent
+        run_backend(engine, cfg, run_info, task, samples, prompts, texts, rows_path)
+        return _finish(rows_path, out_dir)
     loaded = models.load(cfg.model, cfg.device)
     _check_model(run_info, loaded)
     run_info["model"] = {
@@ -213,6 +224,7 @@ def _run_external(task, loaded, variants, run_info, rows_path: Path, done: set, 
                         "run_id": run_info["run_id"],
                         "task": task.name,
                         "protocol": cfg.protocol,
+                        **hf_engine(),
                         "flip": flip(row["score"], row["baseline_score"]),
                         **row,
                     }
@@ -286,6 +298,8 @@ NOT_IDENTITY = ("resume", "gate", "logger", "results_root")
 
 def _identity(config: dict) -> dict:
     out = {k: v for k, v in config.items() if k not in NOT_IDENTITY}
+    if out.get("backend") == {"name": "hf"}:  # issue 25: runs written before backends existed ran on hf
+        del out["backend"]
     if isinstance(out.get("task"), dict):
         out["task"] = {k: v for k, v in out["task"].items() if k not in SAMPLE_COUNT}
     return out
@@ -431,6 +445,11 @@ def _text(loaded: models.LoadedModel, outcome: Outcome) -> str:
     return loaded.tokenizer.decode(outcome.tokens, skip_special_tokens=True).strip()
 
 
+def hf_engine() -> dict[str, str]:
+    """What every row of evalkit's own engine says produced it (issue 25: rows name their backend)."""
+    return {"backend": "hf", "engine_version": f"transformers {transformers.__version__}, torch {torch.__version__}"}
+
+
 def _row(
     run_info,
     task: Task,
@@ -478,6 +497,7 @@ def _row(
         "context_tokens": prompt.n_context,
         "context_id": prompt.context_id,  # the compressed context: questions answered from one prefill share it
         "prompt_tokens": int(prompt.ids.shape[1]),
+        **hf_engine(),
         "generated_tokens": len(outcome.tokens),
         "seconds": {k: round(v, 4) for k, v in outcome.seconds.items()},
         **task.row_fields(sample),  # what a task records of each sample beyond these (task=hf: its truncation)

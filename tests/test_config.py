@@ -111,7 +111,7 @@ def test_every_logger_config_composes(name):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["sed=1"], "unknown key sed (did you mean seed?); valid keys: device, gate, logger, model, policy,"),
+        (["sed=1"], "unknown key sed (did you mean seed?); valid keys: backend, device, gate, logger, model, policy,"),
         (["polcy.budget=0.5"], "unknown key polcy (did you mean policy?)"),
         (
             ["policy=h2o", "policy.n_sink=2"],
