@@ -19,16 +19,18 @@ import time
 
 from omegaconf import OmegaConf
 
-from evalkit import contract, models
 from evalkit import policies as policy_module
-from evalkit.engine import Variant, run_sample
+from evalkit.kv import contract
+from evalkit.kv.variant import Variant
 from evalkit.policies import adakv, chunkkv
 from evalkit.policies.adakv import AdaKV
 from evalkit.policies.h2o import H2O
 from evalkit.policies.pyramidkv import PyramidKV
 from evalkit.policies.snapkv import SnapKV
-from evalkit.prompt import build_prompt
+from evalkit.run import models
+from evalkit.run.engine import run_sample
 from evalkit.tasks.needle import NeedleTask
+from evalkit.tasks.prompt import build_prompt
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "conf", "model", "smollm2-135m.yaml")
 CHECKS = ("allowance", "check_indices", "check_layer", "check_held", "check_budgets")

@@ -25,12 +25,13 @@ import time
 import torch
 from omegaconf import OmegaConf
 
-from evalkit import models
-from evalkit.cache import compress
-from evalkit.config import variants as configured_variants
-from evalkit.engine import Variant, prefill, run_sample
-from evalkit.prompt import build_prompt
+from evalkit.cli.config import variants as configured_variants
+from evalkit.kv.cache import compress
+from evalkit.kv.variant import Variant
+from evalkit.run import models
+from evalkit.run.engine import prefill, run_sample
 from evalkit.tasks.needle import NeedleTask
+from evalkit.tasks.prompt import build_prompt
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "conf", "model", "smollm2-135m.yaml")
 POLICIES = ["h2o", "snapkv", "pyramidkv", "knorm", "random", "streaming_llm"]

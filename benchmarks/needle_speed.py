@@ -17,11 +17,12 @@ import time
 import torch
 from omegaconf import OmegaConf
 
-from evalkit import models
-from evalkit.engine import Variant, run_sample
+from evalkit.kv.variant import Variant
 from evalkit.policies.streaming_llm import StreamingLLM
-from evalkit.prompt import build_prompt
+from evalkit.run import models
+from evalkit.run.engine import run_sample
 from evalkit.tasks.needle import NeedleTask
+from evalkit.tasks.prompt import build_prompt
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "conf", "model", "smollm2-135m.yaml")
 

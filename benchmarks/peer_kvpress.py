@@ -48,9 +48,8 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from evalkit import models
-from evalkit.cache import compress, held_positions
-from evalkit.engine import prefill
+from evalkit.embedded import converted_folder
+from evalkit.kv.cache import compress, held_positions
 from evalkit.policies import KVPolicy
 from evalkit.policies.adakv import AdaKV
 from evalkit.policies.expected_attention import ExpectedAttention
@@ -61,8 +60,10 @@ from evalkit.policies.pyramidkv import PyramidKV
 from evalkit.policies.snapkv import SnapKV
 from evalkit.policies.streaming_llm import StreamingLLM
 from evalkit.policies.tova import TOVA
-from evalkit.prompt import build_prompt
+from evalkit.run import models
+from evalkit.run.engine import prefill
 from evalkit.tasks.needle import NeedleTask
+from evalkit.tasks.prompt import build_prompt
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf" / "model" / "smollm2-135m.yaml"
@@ -249,7 +250,7 @@ def main() -> None:
 
     cfg = OmegaConf.load(CONF)
     loaded = models.load(cfg, "cpu")
-    model_dir = models.cache_root() / f"{cfg.name}-{cfg.package_version}"  # the converted safetensors folder
+    model_dir = converted_folder(cfg)  # the converted safetensors folder
     prompts = build_prompts(loaded.tokenizer)
     print("prompts:", ", ".join(f"{p['name']} ({len(p['ids'])} tokens)" for p in prompts), flush=True)
 

@@ -26,12 +26,13 @@ from dataclasses import replace
 import torch
 from omegaconf import OmegaConf
 
-from evalkit import models
-from evalkit.config import quant_spec
-from evalkit.engine import Variant, run_sample
+from evalkit.cli.config import quant_spec
+from evalkit.kv.variant import Variant
 from evalkit.policies.none import FullCache
-from evalkit.prompt import build_prompt
+from evalkit.run import models
+from evalkit.run.engine import run_sample
 from evalkit.tasks.needle import NeedleTask
+from evalkit.tasks.prompt import build_prompt
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 

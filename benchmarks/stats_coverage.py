@@ -29,10 +29,10 @@ from functools import cache, lru_cache
 
 import numpy as np
 
-from evalkit import betting, decide, exact
-from evalkit.gate import Thresholds
-from evalkit.power import betting_contexts, draw_contexts, first_look_samples
-from evalkit.stats import binary_bounds
+from evalkit.gate import betting, decide, exact
+from evalkit.gate.power import betting_contexts, draw_contexts, first_look_samples
+from evalkit.gate.stats import binary_bounds
+from evalkit.gate.thresholds import Thresholds
 
 T = Thresholds()
 ALPHA = 1 - T.confidence

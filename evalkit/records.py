@@ -10,8 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -167,41 +165,6 @@ def write_json(path: Path, obj: Any) -> None:
         write_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
     except OSError as err:
         raise write_failed(path, err) from None
-
-
-def versions() -> dict[str, str]:
-    """Versions the results depend on."""
-    import hydra
-    import torch
-    import transformers
-
-    import evalkit
-
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "hydra": hydra.__version__,
-        "evalkit": evalkit.__version__,
-        "evalkit_git": git_sha(),
-    }
-
-
-def git_sha() -> str:
-    """The evalkit checkout's commit (with '+dirty' for uncommitted changes), or 'unknown' when installed."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def config_differences(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:

@@ -10,13 +10,13 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 from torch import Tensor
 
 from evalkit.errors import ConfigError, PolicyError
-from evalkit.hydra_errors import check_fields
+from evalkit.fields import check_fields
 
 
 class Need(str, Enum):
@@ -34,6 +34,25 @@ class Need(str, Enum):
 
 # Needs carried per held token and gathered with the keys; the others are per layer.
 PER_TOKEN = frozenset({Need.ATTN_MASS})
+
+
+@dataclass
+class Probe:
+    """A prompt a policy learns from while it prepares (KVPolicy.prepare): its ids, the positions of the evidence in
+    it, and how many of its last tokens are the question."""
+
+    ids: Tensor  # (1, N)
+    evidence: list[int]
+    question_tokens: int
+
+
+class Probes(Protocol):
+    """Prompts for a policy to learn from, built by the run pipeline with the model's tokenizer (evalkit.run.probes):
+    policies never build prompts or tasks themselves."""
+
+    def needles(self, context: int, depths: list[float]) -> list[Probe]:
+        """A synthetic needle in a `context`-token haystack at each depth (0 = start, 1 = end)."""
+        ...
 
 
 @dataclass
@@ -79,9 +98,10 @@ class KVPolicy:
         """Context queries the policy scores with (Need.WINDOW_QUERIES); 0 when it needs none."""
         return 0
 
-    def prepare(self, model, tokenizer) -> dict | None:
+    def prepare(self, model, probes: Probes) -> dict | None:
         """Called once the model is loaded, before any sample: a policy that learns from the model (DuoAttention's
-        head roles) does it here and returns what run.json records under `prepared`; None: nothing to prepare."""
+        head roles) does it here, on the prompts `probes` builds, and returns what run.json records under `prepared`;
+        None: nothing to prepare."""
         return None
 
     def score(self, view: LayerView) -> Tensor:
@@ -184,16 +204,17 @@ class Wrapper(KVPolicy):
     whether it can evict chunk by chunk or while decoding are the inner policy's, unless the wrapper says otherwise.
     The inner policy takes the wrapper's budget and decode setting. Recorded as OUTER(INNER), e.g. chunkkv(snapkv)."""
 
-    # the scorer: a KVPolicy, or what config gives (resolved in __post_init__): a conf/policy name, or a mapping
-    # {name: snapkv, window: 16} (that YAML with those fields) or {_target_: ..., ...}
-    inner: KVPolicy = "snapkv"  # type: ignore[assignment]
+    # the scorer: a KVPolicy object (evalkit.cli.config builds it from what a config gives: a conf/policy name, or a
+    # mapping {name: snapkv, window: 16}), as kvpress's wrappers hold a press object
+    inner: KVPolicy
     decode: bool | None = None  # None: the inner policy's default (snapkv: false, h2o: true)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.inner, KVPolicy):  # a name or a mapping, e.g. when instantiated from YAML directly
-            from evalkit.config import policy_from  # here: evalkit.config imports the policies
-
-            self.inner = policy_from(self.inner, "policy.inner")
+        if not isinstance(self.inner, KVPolicy):
+            raise ConfigError(
+                f"{self.name}: inner={self.inner!r} is not a policy; give a KVPolicy object, or build the wrapper "
+                "from its config (variants=[chunkkv(snapkv)@0.25], policy=chunkkv policy.inner=snapkv)"
+            )
         if self.decode is None:
             self.decode = self.inner.decode
         # A copy: the inner policy holds the wrapper's budget and decode setting, whoever else holds the original.
@@ -216,8 +237,8 @@ class Wrapper(KVPolicy):
     def observation_window(self) -> int:
         return self.inner.observation_window()
 
-    def prepare(self, model, tokenizer) -> dict | None:
-        return self.inner.prepare(model, tokenizer)
+    def prepare(self, model, probes: Probes) -> dict | None:
+        return self.inner.prepare(model, probes)
 
     def protected(self, view: LayerView, k: int) -> Tensor | None:
         return self.inner.protected(view, k)
@@ -290,6 +311,8 @@ __all__ = [
     "PER_TOKEN",
     "KVPolicy",
     "LayerView",
+    "Probe",
+    "Probes",
     "Need",
     "SinkPolicy",
     "Wrapper",

@@ -33,9 +33,11 @@ from typing import ClassVar
 import numpy as np
 import torch
 from torch import Tensor
+from transformers import DynamicCache
 
 from evalkit.errors import ConfigError
-from evalkit.policies import KVPolicy, LayerView, padded_indices
+from evalkit.kv.attention import observe
+from evalkit.policies import KVPolicy, LayerView, Probes, padded_indices
 
 
 @dataclass(kw_only=True)
@@ -60,7 +62,7 @@ class DuoAttention(KVPolicy):
 
     # --- roles -----------------------------------------------------------------------------------------------------
 
-    def prepare(self, model, tokenizer) -> dict:
+    def prepare(self, model, probes: Probes) -> dict:
         """Give every KV head its role, from the pattern file or a calibration run; returns what run.json records."""
         if self.prepared is not None:
             return self.prepared
@@ -72,7 +74,7 @@ class DuoAttention(KVPolicy):
             setting = (self.calibration_samples, self.calibration_context, self.sink, self.recent)
             done = CALIBRATED.setdefault(model, {})  # variants of one run at other budgets share the calibration
             if setting not in done:
-                done[setting] = calibrate(model, tokenizer, *setting)
+                done[setting] = calibrate(model, probes, *setting)
             scores = done[setting]
             source = f"calibration: {self.calibration_samples} synthetic needles of {self.calibration_context} tokens"
         self.assign(scores)
@@ -164,26 +166,19 @@ def read_pattern(path: str, shape: tuple[int, int]) -> np.ndarray:
 
 
 @torch.inference_mode()
-def calibrate(model, tokenizer, n: int, context: int, sink: int, recent: int) -> np.ndarray:
-    """(layers, Hkv) mean attention the question's queries put on the needle, per KV head (see the module doc)."""
-    from transformers import DynamicCache
-
-    from evalkit.attention import observe
-    from evalkit.prompt import build_prompt
-    from evalkit.tasks.needle import NeedleTask
-
+def calibrate(model, probes: Probes, n: int, context: int, sink: int, recent: int) -> np.ndarray:
+    """(layers, Hkv) mean attention the question's queries put on the needle, per KV head (see the module doc); the
+    needles are the run's (Probes: evalkit's needle task, built by the run pipeline)."""
     config = model.config.get_text_config()
     scores = np.zeros((config.num_hidden_layers, config.num_key_value_heads))
     # needles outside the sinks and the recent window, spread over the rest of the context
     lo, hi = (sink + 16) / context, 1.0 - (recent + 32) / context
     depths = [round(lo + (hi - lo) * i / max(n - 1, 1), 4) for i in range(n)]
-    task = NeedleTask(context_lengths=[context], depths=depths, seed=1234)
-    for sample in task.samples(tokenizer)[:n]:
-        prompt = build_prompt(tokenizer, sample)
-        observer = NeedleAttention(prompt.evidence, prompt.ids.shape[1] - prompt.n_context)
+    for probe in probes.needles(context, depths)[:n]:
+        observer = NeedleAttention(probe.evidence, probe.question_tokens)
         cache = DynamicCache(config=model.config)
         with observe(observer, cache):
-            model(input_ids=prompt.ids.to(model.device), cache=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=probe.ids.to(model.device), cache=cache, use_cache=True, logits_to_keep=1)
         for layer, per_head in observer.mass.items():
             scores[layer] += per_head / n
     return scores

@@ -27,8 +27,8 @@ from typing import ClassVar
 
 from torch import Tensor
 
-from evalkit.attention import reconstruction_key
 from evalkit.errors import ConfigError
+from evalkit.kv.attention import reconstruction_key
 from evalkit.policies import LayerView, Need, SinkPolicy
 
 

@@ -17,11 +17,11 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig, OmegaConf
 
-import evalkit.__main__  # noqa: F401  (registers the resolvers of the run-folder pattern)
-from evalkit import models
-from evalkit.cache import compress
-from evalkit.config import build
-from evalkit.engine import prefill, reconstruction
+import evalkit.cli.main  # noqa: F401  (registers the resolvers of the run-folder pattern)
+from evalkit.cli.config import build
+from evalkit.kv.cache import compress
+from evalkit.run import models
+from evalkit.run.engine import prefill, reconstruction
 
 ROOT = Path(__file__).resolve().parent.parent
 

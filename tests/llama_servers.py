@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 from omegaconf import OmegaConf
 
-from evalkit.backends.llamacpp import gguf_path
+from evalkit.embedded import gguf_path
 from tests.conftest import ROOT
 
 N_CTX = 512  # the prompts of the tests' needles (256-token haystacks) and their answers fit

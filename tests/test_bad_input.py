@@ -13,11 +13,14 @@ from pathlib import Path
 import pytest
 from datasets import Dataset
 
-from evalkit import hydra_errors, plan
-from evalkit.__main__ import main as evalkit_main
+from evalkit.cli import precheck as precheck_module
+from evalkit.cli.main import main as evalkit_main
 from evalkit.errors import ConfigError
-from evalkit.gate import extend_command
-from evalkit.lmeval import EvalkitLM, model_config, plan_metrics
+from evalkit.gate.judge import extend_command
+from evalkit.lmeval.cli import CommandLineLM, model_config
+from evalkit.lmeval.metrics import plan_metrics
+from evalkit.plan.arch import arch_from_config
+from evalkit.plan.settings import settings as plan_settings
 from evalkit.tasks.hf import HfTask
 from tests.conftest import ROOT
 
@@ -101,7 +104,7 @@ def test_an_empty_saved_dataset_is_refused(capsys, monkeypatch, tmp_path):
 
 def test_a_rows_own_answer_budget_is_named(tmp_path):
     """A row asking 10^9 new tokens was blamed on task.max_new_tokens."""
-    from evalkit.models import byte_tokenizer
+    from evalkit.embedded import byte_tokenizer
 
     path = tmp_path / "big.jsonl"
     path.write_text(json.dumps({"context": "c", "question": "q", "answer": "x", "max_new_tokens": 10**9}) + "\n")
@@ -114,7 +117,7 @@ def test_a_rows_own_answer_budget_is_named(tmp_path):
 def test_needle_cells_say_the_length_the_essay_gave(tmp_path):
     """An essay of 300 byte-level tokens cannot fill the 100000 asked: the cell says what it gave (the essay, the
     needle and the 150 tokens kvpress leaves for the template), not 100000."""
-    from evalkit.models import byte_tokenizer
+    from evalkit.embedded import byte_tokenizer
 
     essay, needle = "a" * 300, "The best thing is a sandwich."
     Dataset.from_dict({"context": [essay], "question": ["q"], "needle": [needle]}).save_to_disk(tmp_path / "d")
@@ -143,7 +146,7 @@ def test_the_advice_is_the_command_that_extends_the_run_in_its_folder():
 
 def test_a_larger_limit_resumes_the_same_experiment(tmp_path):
     """limit, fraction and samples_per_cell say how many samples, not which: not part of the run's identity."""
-    from evalkit.run import _identity
+    from evalkit.run.resume import _identity
 
     a = {"task": {"name": "hf", "path": "d", "limit": 20, "fraction": 1.0}, "seed": 0}
     b = {"task": {"name": "hf", "path": "d", "limit": 59, "fraction": 0.5}, "seed": 0}
@@ -157,12 +160,13 @@ def test_unknown_model_args_and_models_are_refused(tiny):
     """`--model_args ...,varient=snapkv@0.5` ran the default none@1.0 (unknown keys swallowed); model=nosuch was
     exit 3; metric=bogus was blamed on task.metric, a key of the other route."""
     with pytest.raises(ConfigError, match=r"--model_args varient=...: the evalkit model takes no 'varient' \(did you "):
-        EvalkitLM(loaded=tiny, varient="snapkv@0.5")
+        CommandLineLM(model="tiny-random", varient="snapkv@0.5")
     with pytest.raises(ConfigError, match=r"--model_args model='smolm2': unknown model \(did you mean smollm2-135m"):
         model_config("smolm2")
     from lm_eval.tasks import TaskManager
 
-    from evalkit.lmeval import load_tasks, task_dir
+    from evalkit.lmeval.evaluate import load_tasks
+    from evalkit.lmeval.registry import task_dir
 
     manager = TaskManager(include_path=str(task_dir()))
     tasks = manager.load(load_tasks(manager, ["evalkit_recall"]))["tasks"]
@@ -201,7 +205,7 @@ def test_impossible_model_configs_are_refused(override, message):
     """Before: 0 KV heads was taken as MHA, 16 KV heads over 8 query heads printed GQA-16, hidden 512 over 7 heads
     gave head_dim 73, and 0 heads or negative layers were exit 3."""
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        plan.arch_from_config({**BASE, **override}, "m")
+        arch_from_config({**BASE, **override}, "m")
 
 
 def test_a_p95_context_below_the_median_is_refused():
@@ -210,7 +214,7 @@ def test_a_p95_context_below_the_median_is_refused():
     node = OmegaConf.load(ROOT / "conf" / "plan.yaml").plan
     node.context, node.p95_context = 8192, 4096
     with pytest.raises(ConfigError, match="plan.p95_context=4096 is below plan.context=8192"):
-        plan.settings(node)
+        plan_settings(node)
 
 
 # --- a bug before the model loads -----------------------------------------------------------------------------------
@@ -222,6 +226,6 @@ def test_a_bug_in_the_precheck_is_exit_3_with_the_report_line(capsys, monkeypatc
     def bug(argv):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(hydra_errors, "precheck", bug)
+    monkeypatch.setattr(precheck_module, "precheck", bug)
     code, err = evalkit(capsys, monkeypatch, tmp_path, "task=needle")
     assert code == 3 and "RuntimeError: a bug" in err and "internal error (a bug in evalkit" in err

@@ -7,10 +7,11 @@ import copy
 import pytest
 import torch
 
-from evalkit.cache import enforce, held_per_layer, kv_bytes, share
-from evalkit.config import options
-from evalkit.engine import Variant, greedy, prefill, run_sample
-from evalkit.prompt import Prompt
+from evalkit.cli.choices import options
+from evalkit.kv.cache import enforce, held_per_layer, kv_bytes, share
+from evalkit.kv.variant import Variant
+from evalkit.run.engine import greedy, prefill, run_sample
+from evalkit.tasks.prompt import Prompt
 from tests.conftest import CTX, QUESTION, STEPS, compressed, policy
 
 POLICIES = options("policy")

@@ -12,9 +12,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from evalkit.cache import held_per_layer, kv_bytes
-from evalkit.engine import Variant, chunked_prefill, greedy, prefill
 from evalkit.errors import ConfigError
+from evalkit.kv.cache import held_per_layer, kv_bytes
+from evalkit.kv.variant import Variant
+from evalkit.run.engine import chunked_prefill, greedy, prefill
 from tests.conftest import CTX, ROOT, by_kv_head, compose_config, policy, pool_by_hand
 
 BUDGET, CHUNK = 40, 16
@@ -132,7 +133,7 @@ def test_the_cache_never_holds_more_than_budget_plus_one_chunk(tiny, ids, name, 
 
 
 def variants(*overrides: str):
-    from evalkit.config import variants
+    from evalkit.cli.config import variants
 
     return variants(compose_config(*overrides))
 
@@ -167,9 +168,10 @@ def test_a_variant_validates_its_chunk():
 
 
 def test_a_chunked_run_records_its_bounded_peak_and_the_gate_report_sets_it_beside_one_shot(tmp_path):
-    from evalkit.gate import Thresholds, gate
+    from evalkit.cli.job import run
+    from evalkit.gate.cli import gate
+    from evalkit.gate.thresholds import Thresholds
     from evalkit.records import SAMPLES, read_rows
-    from evalkit.run import run
 
     cfg = compose_config(
         "model=tiny-random", "task.context_lengths=[256]", "task.depths=[0.0,1.0]", "policy=h2o", "policy.budget=64"

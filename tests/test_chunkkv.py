@@ -14,14 +14,14 @@ import pytest
 import torch
 from torch import Tensor
 
-from evalkit.cache import enforce, held_per_layer
-from evalkit.config import variants
-from evalkit.engine import greedy, prefill
+from evalkit.cli.config import variants
 from evalkit.errors import ConfigError
+from evalkit.kv.cache import enforce, held_per_layer
 from evalkit.policies import KVPolicy, LayerView
 from evalkit.policies.chunkkv import ChunkKV
 from evalkit.policies.h2o import H2O
 from evalkit.policies.snapkv import SnapKV
+from evalkit.run.engine import greedy, prefill
 from tests.conftest import CTX, STEPS, compose_config, compressed, policy, run_cli
 
 
@@ -139,7 +139,7 @@ def test_identity_at_full_budget_reproduces_full_cache_logits(tiny, ids, inner):
 
 
 def share_prefill(tiny, ids):
-    from evalkit.cache import share
+    from evalkit.kv.cache import share
 
     return share(prefill(tiny.model, ids[:, :CTX])[0])
 
@@ -201,7 +201,7 @@ def test_cli_runs_chunkkv_beside_its_inner_policy_on_the_same_samples(tmp_path):
 def test_chunked_prefill_keeps_the_budget_after_every_chunk(tiny, ids):
     """The wrapper supports a chunked prefill when its inner policy does (H2O): after each 32-token chunk every
     layer holds the budget for the tokens seen, so the cache never holds more than the budget plus one chunk."""
-    from evalkit.engine import chunked_prefill
+    from evalkit.run.engine import chunked_prefill
 
     pol = policy("chunkkv", 24, inner="h2o")
     cache, _, peak_tokens = chunked_prefill(tiny.model, ids[:, :CTX], pol, 32)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from evalkit import models
+from evalkit.cli.precheck import precheck
+from evalkit.embedded import byte_tokenizer
 from evalkit.errors import ConfigError
-from evalkit.hydra_errors import precheck
 from tests.conftest import run_cli
 
 # A model that cannot load: reaching the loader would fail with a different message, so each error below
@@ -108,7 +108,7 @@ def test_pickle_weights_torch_refuses_are_one_line(tmp_path):
     LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
     ).save_pretrained(folder)
-    models.byte_tokenizer().save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
     torch.save(
         {"model.embed_tokens.weight": torch.zeros(2, 32), "x": fractions.Fraction(1, 3)}, folder / "pytorch_model.bin"
     )

@@ -8,10 +8,11 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from evalkit import models
-from evalkit.config import build, check, check_choices, options
+from evalkit.cli.choices import check_choices, options
+from evalkit.cli.config import build, check
+from evalkit.cli.precheck import precheck
 from evalkit.errors import ConfigError
-from evalkit.hydra_errors import describe, fits, precheck
+from evalkit.fields import describe, fits
 from evalkit.policies import KVPolicy
 from evalkit.policies.h2o import H2O
 from evalkit.policies.knorm import KNorm
@@ -19,6 +20,7 @@ from evalkit.policies.pyramidkv import PyramidKV
 from evalkit.policies.random import RandomKeep
 from evalkit.policies.snapkv import SnapKV
 from evalkit.policies.streaming_llm import StreamingLLM
+from evalkit.run import models
 from evalkit.tasks import Task
 from evalkit.tasks.fidelity import FidelityTask
 from evalkit.tasks.lm_eval import LmEvalTask
@@ -86,7 +88,7 @@ def test_unknown_names_list_the_valid_ones_and_suggest_the_nearest():
 
 @pytest.mark.parametrize("name", options("quant"))
 def test_every_quant_config_composes_into_a_storage_spec(name):
-    from evalkit.config import quant_spec
+    from evalkit.cli.config import quant_spec
 
     spec = quant_spec(compose_config(f"quant={name}").quant)
     assert (spec is None) == (name == "none") and (spec is None or spec.name == name)
@@ -94,7 +96,7 @@ def test_every_quant_config_composes_into_a_storage_spec(name):
 
 @pytest.mark.parametrize("name", options("gate"))
 def test_every_gate_config_composes_into_thresholds(name):
-    from evalkit.gate import load_thresholds
+    from evalkit.gate.thresholds import load_thresholds
 
     assert load_thresholds(name) is not None
     assert compose_config(f"gate={name}").gate.name == name

@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from evalkit import contract
-from evalkit.cache import allowed_per_layer, held_per_layer
 from evalkit.errors import PolicyError
+from evalkit.kv import contract
+from evalkit.kv.cache import allowed_per_layer, held_per_layer
 from evalkit.policies import KVPolicy, LayerView
 from evalkit.policies.chunkkv import ChunkKV
 from evalkit.policies.streaming_llm import StreamingLLM

@@ -28,9 +28,10 @@ from pathlib import Path
 import pytest
 from hydra import initialize_config_module
 
-from evalkit.config import check_choices, options
+from evalkit.cli.choices import check_choices, options
+from evalkit.cli.overrides import check_resolved, compose_job, parse
+from evalkit.cli.precheck import precheck
 from evalkit.errors import ConfigError
-from evalkit.hydra_errors import check_resolved, compose_job, parse, precheck
 from tests.conftest import ROOT
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -148,7 +149,7 @@ def test_every_evalkit_command_composes_and_passes_the_checks(argv, workdir, mon
 
 def test_cfg_cannot_preview_a_sweep(monkeypatch, capsys):
     """The README says `--cfg` with `-m` is refused with one line and exit 2 (Sweeps, clusters and GPUs)."""
-    from evalkit import __main__ as cli
+    from evalkit.cli import main as cli
 
     monkeypatch.setattr(sys, "argv", ["evalkit", "-m", "policy=h2o,snapkv", "--cfg", "job"])
     with pytest.raises(SystemExit) as stop:
@@ -164,7 +165,7 @@ def test_cfg_cannot_preview_a_sweep(monkeypatch, capsys):
 def test_gate_commands_parse(argv, monkeypatch, capsys):
     """`--plan` runs (it only computes); a command that judges runs gets its folders and thresholds as written, the
     judging itself replaced (the README's folders are examples): an unknown option or gate config exits 2 here."""
-    from evalkit import gate
+    from evalkit.gate import cli as gate
 
     seen = {}
 
@@ -187,7 +188,7 @@ def test_gate_commands_parse(argv, monkeypatch, capsys):
 @pytest.mark.parametrize("argv", BY_MODULE["evalkit.report"], ids=_id)
 def test_report_commands_parse(argv, monkeypatch, capsys):
     """The runs and --out reach the report as written (the report itself replaced: the folders are examples)."""
-    from evalkit import report
+    from evalkit.report import cli as report
 
     seen = {}
     monkeypatch.setattr(report, "report", lambda runs, out, thresholds=None: seen.update(runs=runs, out=out) or [])
@@ -200,9 +201,10 @@ def test_report_commands_parse(argv, monkeypatch, capsys):
 def test_plan_commands_compose(argv):
     """conf/plan.yaml composes with the overrides and every plan.* setting is accepted (evalkit.plan.settings);
     nothing reads the model, so a Hub id or a path of yours does not need to exist here."""
-    from evalkit import plan
+    from evalkit.plan import cli as plan_cli
+    from evalkit.plan.settings import settings as plan_settings
 
-    settings = plan.settings(plan.compose(argv).plan)
+    settings = plan_settings(plan_cli.compose(argv).plan)
     for arg in argv:
         key, _, value = arg.partition("=")
         if key.startswith("plan.") and value.replace(".", "").isdigit():
@@ -219,14 +221,15 @@ def test_lmeval_commands_parse(argv, monkeypatch):
     from lm_eval.utils import simple_parse_args_string
     from omegaconf import OmegaConf
 
-    from evalkit.config import variants
-    from evalkit.lmeval import EvalkitLM, task_dir
+    from evalkit.cli.config import variants
+    from evalkit.lmeval.cli import CommandLineLM
+    from evalkit.lmeval.registry import task_dir
 
     monkeypatch.setattr(sys, "argv", ["lm-eval", *argv])
     args = HarnessCLI().parse_args()
     assert args.model == "evalkit"
     model_args = args.model_args if isinstance(args.model_args, dict) else simple_parse_args_string(args.model_args)
-    assert set(model_args) <= set(inspect.signature(EvalkitLM.__init__).parameters) - {"self", "loaded"}
+    assert set(model_args) <= set(inspect.signature(CommandLineLM.__init__).parameters) - {"self", "unknown"}
     assert model_args.get("model", "smollm2-135m") in options("model")
     (variant,) = variants(OmegaConf.create({"seed": 0, "variants": [model_args["variant"]]}))
     assert variant.name == model_args["variant"]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from evalkit.gate import main
+from evalkit.gate.cli import main
 from evalkit.records import read_rows
 from tests.conftest import compose_config
 
@@ -24,7 +24,7 @@ N = 24  # samples of the lossy runs
 
 def real_run(folder: Path, *overrides: str) -> Path:
     """A run written by evalkit itself (evalkit.run.run, in this process: the same code as the command line)."""
-    from evalkit.run import run
+    from evalkit.cli.job import run
 
     run(compose_config(*FIDELITY, *overrides), folder)
     return folder

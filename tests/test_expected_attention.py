@@ -20,12 +20,13 @@ import numpy as np
 import pytest
 import torch
 
-from evalkit.attention import PrefillObserver
-from evalkit.cache import compress
-from evalkit.engine import Variant, prefill
 from evalkit.errors import ConfigError
+from evalkit.kv.attention import PrefillObserver
+from evalkit.kv.cache import compress
+from evalkit.kv.variant import Variant
 from evalkit.policies import LayerView, Need
 from evalkit.policies.expected_attention import ExpectedAttention
+from evalkit.run.engine import prefill
 from tests.conftest import CTX, compressed, policy
 
 BUDGET = 24

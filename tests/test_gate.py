@@ -7,9 +7,11 @@ import json
 import pytest
 from scipy.stats import binomtest
 
-from evalkit.analysis import paired, summarize
-from evalkit.gate import Thresholds, judge, load_thresholds, main
-from evalkit.stats import flip_cause, mcnemar_exact
+from evalkit.gate.cli import main
+from evalkit.gate.judge import judge
+from evalkit.gate.stats import flip_cause, mcnemar_exact
+from evalkit.gate.summary import paired, summarize
+from evalkit.gate.thresholds import Thresholds, load_thresholds
 from tests.conftest import run_cli
 
 

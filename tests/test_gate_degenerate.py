@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-import evalkit.gate
-from evalkit import report as report_module
-from evalkit import sweep
+from evalkit.cli import sweep
 from evalkit.errors import ConfigError
-from evalkit.gate import main
+from evalkit.gate import cli as gate_cli
+from evalkit.gate.cli import main
 from evalkit.records import read_rows
+from evalkit.report import cli as report_module
 from tests.conftest import compose_config, run_cli
 
 N = 24  # samples: enough for a FAIL or CANNOT JUDGE; a PASS needs 59 at the default margin (N_PASS)
@@ -334,14 +334,14 @@ def test_a_bug_exits_3_and_ctrl_c_130(tmp_path, capsys, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(evalkit.gate, "judge", boom)
+    monkeypatch.setattr(gate_cli, "judge", boom)
     assert main([str(d)]) == 3
     assert "internal error" in capsys.readouterr().err
 
     def stop(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(evalkit.gate, "judge", stop)
+    monkeypatch.setattr(gate_cli, "judge", stop)
     assert main([str(d)]) == 130
     monkeypatch.setattr(report_module, "summarize", boom)
     assert report_module.main([str(d)]) == 3
@@ -378,7 +378,7 @@ def test_a_bug_in_the_sweep_merge_exits_3(tmp_path, capsys, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(evalkit.gate, "judge", boom)
+    monkeypatch.setattr(gate_cli, "judge", boom)
     cfg = OmegaConf.create(
         {"hydra": {"sweep": {"dir": str(tmp_path / "sweep")}}, "gate": compose_config("gate=default").gate}
     )

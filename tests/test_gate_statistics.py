@@ -14,9 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from evalkit import exact, looks
 from evalkit.errors import ConfigError
-from evalkit.gate import Thresholds, judge, main
+from evalkit.gate import exact, looks
+from evalkit.gate.cli import main
+from evalkit.gate.judge import judge
+from evalkit.gate.thresholds import Thresholds
 from tests.test_gate import rows, run_info
 from tests.test_stats import lossless_betting_count
 

@@ -11,11 +11,12 @@ import pytest
 import torch
 from datasets import Dataset
 
-from evalkit.engine import Variant, run_sample
 from evalkit.errors import ConfigError
-from evalkit.prompt import build_prompt
+from evalkit.kv.variant import Variant
+from evalkit.run.engine import run_sample
 from evalkit.tasks import infinitebench, longbench, loogle, needle_in_haystack, ruler, zero_scrolls
 from evalkit.tasks.hf import HfTask
+from evalkit.tasks.prompt import build_prompt
 from tests.conftest import policy, run_cli
 
 FILL = "The grass is green and the sky is blue. " * 6

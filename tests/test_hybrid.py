@@ -7,10 +7,11 @@ import torch
 from omegaconf import OmegaConf
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from evalkit import models
-from evalkit.cache import EvictingLayer, kv_bytes
-from evalkit.engine import Variant, run_sample
-from evalkit.prompt import Prompt
+from evalkit.kv.cache import EvictingLayer, kv_bytes
+from evalkit.kv.variant import Variant
+from evalkit.run import models
+from evalkit.run.engine import run_sample
+from evalkit.tasks.prompt import Prompt
 from tests.conftest import ROOT, policy
 
 CTX = 80
@@ -51,8 +52,8 @@ def test_eviction_applies_to_global_layers_only_and_bytes_cover_both(gemma, prom
 
 
 def test_hybrid_cache_layers_keep_their_types(gemma, prompt):
-    from evalkit.cache import compress
-    from evalkit.engine import prefill
+    from evalkit.kv.cache import compress
+    from evalkit.run.engine import prefill
 
     pol = policy("snapkv", 0.25)
     full, obs = prefill(gemma.model, prompt.ids[:, :CTX], [pol])

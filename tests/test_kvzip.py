@@ -9,12 +9,13 @@ import math
 import pytest
 import torch
 
-from evalkit.attention import ReconstructionObserver, max_attention_received
-from evalkit.cache import compress, kv_bytes
-from evalkit.engine import Variant, prefill, reconstruction, run_sample
 from evalkit.errors import ConfigError
-from evalkit.prompt import build_prompt
+from evalkit.kv.attention import ReconstructionObserver, max_attention_received
+from evalkit.kv.cache import compress, kv_bytes
+from evalkit.kv.variant import Variant
+from evalkit.run.engine import prefill, reconstruction, run_sample
 from evalkit.tasks import Sample
+from evalkit.tasks.prompt import build_prompt
 from tests.conftest import policy
 
 # A chat template written for the test (the tiny tokenizer is byte-level and has none): a system turn, the user's
@@ -186,7 +187,7 @@ def test_lm_eval_route_refuses_kvzip():
     """lm-eval's requests carry no chat template or context boundary to build the repeat prompt from: refused with
     the reason, before any request runs."""
     pytest.importorskip("lm_eval")
-    from evalkit import lmeval
+    from evalkit.lmeval.evaluate import evaluate
 
     with pytest.raises(ConfigError, match="reconstruction pass"):
-        lmeval.evaluate(None, None, [Variant(policy("kvzip", 0.25))])
+        evaluate(None, None, [Variant(policy("kvzip", 0.25))])

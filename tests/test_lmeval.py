@@ -14,11 +14,18 @@ import torch
 
 lm_eval = pytest.importorskip("lm_eval", reason="pip install 'lm-eval>=0.4.9,<0.5' for the lm-eval integration")
 
-from evalkit import lmeval  # noqa: E402
-from evalkit.cache import held_per_layer  # noqa: E402
-from evalkit.engine import Variant, run_sample  # noqa: E402
-from evalkit.prompt import Prompt  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from evalkit.cli.config import variants as parse_variants  # noqa: E402
+from evalkit.kv.cache import held_per_layer  # noqa: E402
+from evalkit.kv.variant import Variant  # noqa: E402
+from evalkit.lmeval import evaluate as lm_evaluate  # noqa: E402
+from evalkit.lmeval import metrics as lm_metrics  # noqa: E402
+from evalkit.lmeval import model as lm_model  # noqa: E402
+from evalkit.lmeval.registry import task_manager  # noqa: E402
 from evalkit.records import read_rows  # noqa: E402
+from evalkit.run.engine import run_sample  # noqa: E402
+from evalkit.tasks.prompt import Prompt  # noqa: E402
 from tests.conftest import ROOT, run_cli  # noqa: E402
 
 
@@ -33,9 +40,8 @@ def request(args, doc_id=0):
 
 
 def lm_for(tiny, variant):
-    lm = lmeval.EvalkitLM(loaded=tiny)
-    (lm.variant,) = lmeval.parse_variants(lmeval.OmegaConf.create({"seed": 0, "variants": [variant]}))
-    return lm
+    (parsed,) = parse_variants(OmegaConf.create({"seed": 0, "variants": [variant]}))
+    return lm_model.EvalkitLM(tiny, parsed)
 
 
 # The tiny model (conf/model/tiny-random.yaml): its KV bytes are counted here by hand, not by evalkit.cache.
@@ -90,9 +96,9 @@ def streaming_by_mask(tiny, context: str, continuation: str, sinks: int, budget:
 def capture_caches(monkeypatch) -> list:
     """The caches the adapter teacher-forces on, in order (variant, then baseline, per request)."""
     caches = []
-    real = lmeval.teacher_forced
+    real = lm_model.teacher_forced
     monkeypatch.setattr(
-        lmeval, "teacher_forced", lambda model, cache, *a, **k: caches.append(cache) or real(model, cache, *a, **k)
+        lm_model, "teacher_forced", lambda model, cache, *a, **k: caches.append(cache) or real(model, cache, *a, **k)
     )
     return caches
 
@@ -115,7 +121,7 @@ def test_loglikelihood_evicts_while_scoring_as_the_engine_does(tiny, monkeypatch
         streaming_by_mask(tiny, CONTEXT, CONTINUATION, lm.variant.policy.n_sink, budget), abs=1e-3
     )
     assert abs(got - kept) > 0.05  # the continuation outgrows the budget: not evicting would score it otherwise
-    assert lm.baseline_answers[lmeval._key("loglikelihood", (CONTEXT, CONTINUATION))][0] == pytest.approx(
+    assert lm.baseline_answers[lm_model._key("loglikelihood", (CONTEXT, CONTINUATION))][0] == pytest.approx(
         baseline, abs=1e-4
     )
     # after scoring, every layer of the variant holds its budget; the baseline holds every token it was fed
@@ -161,8 +167,8 @@ def test_the_peak_counts_every_step_before_its_eviction(tiny):
 
 def test_loglikelihood_prefills_a_chunked_variant_in_chunks(tiny, monkeypatch):
     calls = []
-    real = lmeval.prefill
-    monkeypatch.setattr(lmeval, "prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = lm_model.prefill
+    monkeypatch.setattr(lm_model, "prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
     lm = lm_for(tiny, "streaming_llm@16:chunk8")
     ((got, _),) = lm.loglikelihood([request((CONTEXT, CONTINUATION))])
     assert got == pytest.approx(engine_loglikelihoods(tiny, lm.variant, CONTEXT, CONTINUATION)[0], abs=1e-4)
@@ -204,15 +210,15 @@ def test_loglikelihood_equals_the_full_model_at_full_budget(tiny):
         logp = tiny.model(torch.tensor([whole])).logits[0].log_softmax(-1)
     want = sum(float(logp[i - 1, whole[i]]) for i in range(len(ctx), len(whole)))
     assert got[0] == pytest.approx(want, abs=1e-4)
-    assert lm.baseline_answers[lmeval._key("loglikelihood", (context, continuation))][0] == pytest.approx(
+    assert lm.baseline_answers[lm_model._key("loglikelihood", (context, continuation))][0] == pytest.approx(
         want, abs=1e-4
     )
 
 
 def test_one_compressed_context_serves_every_choice(tiny, monkeypatch):
     calls = []
-    real = lmeval.prefill
-    monkeypatch.setattr(lmeval, "prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = lm_model.prefill
+    monkeypatch.setattr(lm_model, "prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
     lm = lm_for(tiny, "knorm@0.5")
     context = "word " * 60
     out = lm.loglikelihood([request((context, f" choice {c}")) for c in "abcd"])
@@ -225,7 +231,7 @@ def test_generate_until_and_rolling_run_baseline_beside_the_variant(tiny):
     (text,) = lm.generate_until([request(("word " * 40, {"until": ["\n"], "max_gen_toks": 5}))])
     assert isinstance(text, str) and "\n" not in text
     (total,) = lm.loglikelihood_rolling([request(("some text " * 20,))])
-    base = lm.baseline_answers[lmeval._key("loglikelihood_rolling", ("some text " * 20,))]
+    base = lm.baseline_answers[lm_model._key("loglikelihood_rolling", ("some text " * 20,))]
     assert total < 0 and base < 0 and total != base
     replay = lm.baseline()
     assert replay.loglikelihood_rolling([request(("some text " * 20,))]) == [base]
@@ -235,7 +241,7 @@ def test_simple_evaluate_scores_variant_and_replayed_baseline(tiny):
     from lm_eval import simple_evaluate
 
     lm = lm_for(tiny, "none@1.0")
-    kwargs = {"tasks": ["evalkit_recall"], "task_manager": lmeval.task_manager(), "limit": 3, "bootstrap_iters": 0}
+    kwargs = {"tasks": ["evalkit_recall"], "task_manager": task_manager(), "limit": 3, "bootstrap_iters": 0}
     run = simple_evaluate(model=lm, **kwargs)
     base = simple_evaluate(model=lm.baseline(), **kwargs)
     assert run["results"]["evalkit_recall"]["acc,none"] == base["results"]["evalkit_recall"]["acc,none"]
@@ -360,7 +366,7 @@ from lm_eval.api.model import LM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from evalkit.errors import ConfigError  # noqa: E402
-from evalkit.evidence import flip  # noqa: E402
+from evalkit.gate.evidence import flip  # noqa: E402
 
 LM_EVAL_TASKS = os.path.join(os.path.dirname(lm_eval.__file__), "tasks")
 
@@ -390,9 +396,9 @@ def ruler_512(tiny):
     manager = TaskManager(
         include_defaults=False,
         include_path=os.path.join(LM_EVAL_TASKS, "ruler"),
-        metadata={"max_seq_lengths": [512], "tokenizer": lmeval.model_tokenizer(tiny)},
+        metadata={"max_seq_lengths": [512], "tokenizer": lm_evaluate.model_tokenizer(tiny)},
     )
-    return manager, lmeval.load_tasks(manager, ["niah_single_1"])
+    return manager, lm_evaluate.load_tasks(manager, ["niah_single_1"])
 
 
 def paired_by_hand(manager, objects, variant_answers, baseline_answers, limit, metric=None):
@@ -402,9 +408,9 @@ def paired_by_hand(manager, objects, variant_answers, baseline_answers, limit, m
     kwargs = {"tasks": objects, "task_manager": manager, "limit": limit, "log_samples": True, "bootstrap_iters": 0}
     run = simple_evaluate(model=Scripted(variant_answers), **kwargs)
     base = simple_evaluate(model=Scripted(baseline_answers), **kwargs)
-    plan = lmeval.plan_metrics(manager.load(objects)["tasks"], metric)
+    plan = lm_metrics.plan_metrics(manager.load(objects)["tasks"], metric)
     lm = SimpleNamespace(kv={}, kv_baseline={})
-    return lmeval.paired_rows("v", lm, run, base, plan, with_baseline=True)
+    return lm_evaluate.paired_rows("v", lm, run, base, plan, with_baseline=True)
 
 
 def test_ruler_rows_score_the_document_length_not_the_placeholder(ruler_512):
@@ -430,8 +436,8 @@ def test_ruler_refuses_a_metric_that_is_a_placeholder(ruler_512):
     manager, objects = ruler_512
     tasks = manager.load(objects)["tasks"]
     with pytest.raises(ConfigError, match="RULER scores each document under its own length.*-1"):
-        lmeval.plan_metrics(tasks, "4096")
-    assert lmeval.plan_metrics(tasks, "512") == lmeval.plan_metrics(tasks, None) == {"niah_single_1": None}
+        lm_metrics.plan_metrics(tasks, "4096")
+    assert lm_metrics.plan_metrics(tasks, "512") == lm_metrics.plan_metrics(tasks, None) == {"niah_single_1": None}
 
 
 TWO_METRICS = """
@@ -458,15 +464,15 @@ def test_a_task_with_several_metrics_is_refused_unless_one_is_chosen(tmp_path):
     data.write_text(json.dumps({"question": "2+2=", "choices": ["4", "5"], "label": 0}) + "\n")
     (tmp_path / "two_metrics.yaml").write_text(TWO_METRICS.format(data=json.dumps(str(data))))
     manager = TaskManager(include_defaults=False, include_path=str(tmp_path))
-    tasks = manager.load(lmeval.load_tasks(manager, ["two_metrics"]))["tasks"]
+    tasks = manager.load(lm_evaluate.load_tasks(manager, ["two_metrics"]))["tasks"]
     with pytest.raises(ConfigError, match=r"several per-document metrics \(acc, acc_norm\).*task.metric=acc"):
-        lmeval.plan_metrics(tasks, None)
-    assert lmeval.plan_metrics(tasks, "acc_norm") == {"two_metrics": "acc_norm"}
-    assert lmeval.plan_metrics(tasks, {"two_metrics": "acc"}) == {"two_metrics": "acc"}
+        lm_metrics.plan_metrics(tasks, None)
+    assert lm_metrics.plan_metrics(tasks, "acc_norm") == {"two_metrics": "acc_norm"}
+    assert lm_metrics.plan_metrics(tasks, {"two_metrics": "acc"}) == {"two_metrics": "acc"}
     with pytest.raises(ConfigError, match="logs acc, acc_norm per document"):
-        lmeval.plan_metrics(tasks, "f1")
+        lm_metrics.plan_metrics(tasks, "f1")
     with pytest.raises(ConfigError, match="not among the tasks run"):
-        lmeval.plan_metrics(tasks, {"hellaswag": "acc"})
+        lm_metrics.plan_metrics(tasks, {"hellaswag": "acc"})
     result = subprocess.run(
         [
             sys.executable,
@@ -533,11 +539,11 @@ def test_a_longbench_group_scores_each_task_by_its_unified_score(tmp_path):
         (tmp_path / f"{name}.yaml").write_text(text)
     (tmp_path / "group.yaml").write_text(LONGBENCH_GROUP)
     manager = TaskManager(include_defaults=False, include_path=str(tmp_path))
-    objects = lmeval.load_tasks(manager, ["longbench_local"])
+    objects = lm_evaluate.load_tasks(manager, ["longbench_local"])
     variant = {"longbench_local_hotpotqa": "in Paris France", "longbench_local_passage_count": "2 or 3"}
     baseline = {"longbench_local_hotpotqa": "Paris", "longbench_local_passage_count": "3"}
     tasks = manager.load(objects)["tasks"]
-    assert lmeval.plan_metrics(tasks, None) == {t: "score" for t in variant}
+    assert lm_metrics.plan_metrics(tasks, None) == {t: "score" for t in variant}
     rows = paired_by_hand(manager, objects, lambda r: variant[r.task_name], lambda r: baseline[r.task_name], 2)
     got = {(r["cell"]["lm_eval_task"], r["sample_id"].rsplit("/")[1], r["variant"]): r["score"] for r in rows}
     assert got[("longbench_local_hotpotqa", "0", "v")] == pytest.approx(0.5)
@@ -555,7 +561,7 @@ def test_ruler_documents_are_the_ones_lm_eval_builds(ruler_512):
 
     manager, _ = ruler_512
     random.seed(12345)  # whatever state an earlier import or run left
-    (ours,) = lmeval.load_tasks(manager, ["niah_single_1"])
+    (ours,) = lm_evaluate.load_tasks(manager, ["niah_single_1"])
     random.seed(0)  # lm-eval's default random_seed, set in simple_evaluate before task_manager.load
     stock = manager.load(["niah_single_1"])["tasks"]["niah_single_1"]
     assert [d["outputs"] for d in ours.eval_docs][:20] == [d["outputs"] for d in stock.eval_docs][:20]

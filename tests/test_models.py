@@ -6,8 +6,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from evalkit import models
 from evalkit.errors import ConfigError
+from evalkit.run import models
 from tests.conftest import ROOT
 
 

@@ -7,10 +7,10 @@ import re
 import pytest
 import torch
 
-from evalkit.prompt import build_prompt
 from evalkit.tasks import contains_any
 from evalkit.tasks.haystack import NOISE
 from evalkit.tasks.needle import NeedleTask, count_tokens
+from evalkit.tasks.prompt import build_prompt
 
 
 def task(**kw) -> NeedleTask:

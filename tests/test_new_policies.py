@@ -12,15 +12,15 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
-from evalkit.attention import StepObserver
-from evalkit.cache import EvictingLayer, enforce, held_per_layer
-from evalkit.engine import greedy
+from evalkit.kv.attention import StepObserver
+from evalkit.kv.cache import EvictingLayer, enforce, held_per_layer
 from evalkit.policies import LayerView
 from evalkit.policies.keydiff import KeyDiff
 from evalkit.policies.streaming_llm import StreamingLLM
 from evalkit.policies.tova import TOVA
 from evalkit.policies.window import SlidingWindow
 from evalkit.records import SAMPLES, read_rows
+from evalkit.run.engine import greedy
 from tests.conftest import CTX, QUESTION, compressed, policy, run_cli
 
 BUDGET = 24

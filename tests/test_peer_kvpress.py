@@ -14,9 +14,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from evalkit import models
-from evalkit.cache import compress, held_positions
-from evalkit.engine import prefill
+from evalkit.kv.cache import compress, held_positions
 from evalkit.policies.adakv import AdaKV
 from evalkit.policies.expected_attention import ExpectedAttention
 from evalkit.policies.h2o import H2O
@@ -26,6 +24,8 @@ from evalkit.policies.pyramidkv import PyramidKV
 from evalkit.policies.snapkv import SnapKV
 from evalkit.policies.streaming_llm import StreamingLLM
 from evalkit.policies.tova import TOVA
+from evalkit.run import models
+from evalkit.run.engine import prefill
 from tests.conftest import ROOT
 
 FIXTURE = json.loads((ROOT / "tests" / "data" / "kvpress_smollm2_kept.json").read_text())

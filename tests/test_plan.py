@@ -14,17 +14,24 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from evalkit import plan
+from evalkit.capacity import capacity, free_bytes, sequences
 from evalkit.errors import ConfigError
+from evalkit.plan.arch import Arch, arch_from_config, kv_bytes_per_sequence, kv_bytes_per_token
+from evalkit.plan.guide import capacity_rows
+from evalkit.plan.measured import failed_cells
+from evalkit.plan.params import count_params, metadata_params
+from evalkit.plan.pressure import crossover_context, link_seconds, offload, pressure
+from evalkit.plan.settings import Settings, settings
+from evalkit.plan.sources import read_source
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "plan"
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 
 
-def arch(name: str, **override) -> plan.Arch:
+def arch(name: str, **override) -> Arch:
     raw = json.loads((DATA / f"{name}.json").read_text())
-    return plan.arch_from_config({**raw, **override}, name)
+    return arch_from_config({**raw, **override}, name)
 
 
 def run_plan(*args: str, timeout: float = 300):
@@ -39,14 +46,14 @@ def run_plan(*args: str, timeout: float = 300):
 def test_70b_kv_per_token_mha_gqa_fp8():
     """2 x 80 layers x 64 heads x 128 x 2 bytes = 2,621,440 B = 2.5 MiB as MHA; 8 KV heads: 320 KiB; FP8 halves it:
     160 KiB. Catches a factor of 2 for keys and values dropped, query heads used for KV heads, or dtype ignored."""
-    assert plan.kv_bytes_per_token(arch("llama3_70b", num_key_value_heads=64)) == 2.5 * MiB
-    assert plan.kv_bytes_per_token(arch("llama3_70b")) == 320 * KiB
-    assert plan.kv_bytes_per_token(arch("llama3_70b"), "fp8") == 160 * KiB
+    assert kv_bytes_per_token(arch("llama3_70b", num_key_value_heads=64)) == 2.5 * MiB
+    assert kv_bytes_per_token(arch("llama3_70b")) == 320 * KiB
+    assert kv_bytes_per_token(arch("llama3_70b"), "fp8") == 160 * KiB
 
 
 def test_llama2_70b_mha_sequence_at_4096_is_10_7_gb():
     """2.5 MiB x 4096 tokens = 10,737,418,240 B: 10.7 GB (decimal), 10 GiB."""
-    per_seq = plan.kv_bytes_per_sequence(arch("llama2_70b_mha"), 4096, 2)
+    per_seq = kv_bytes_per_sequence(arch("llama2_70b_mha"), 4096, 2)
     assert per_seq == 10_737_418_240
     assert round(per_seq / 1e9, 1) == 10.7
 
@@ -56,8 +63,8 @@ def test_mistral_sliding_window_caps_the_sequence():
     4096 x 128 KiB = 0.5 GiB with the window: 32x. Catches a window not applied, or applied to a full-attention run."""
     a = arch("mistral_7b")
     assert a.sliding_layers == 32 and a.window == 4096
-    full = plan.kv_bytes_per_sequence(a, 131072, 2, window=False)
-    windowed = plan.kv_bytes_per_sequence(a, 131072, 2)
+    full = kv_bytes_per_sequence(a, 131072, 2, window=False)
+    windowed = kv_bytes_per_sequence(a, 131072, 2)
     assert full == 16 * GiB
     assert windowed == 0.5 * GiB
     assert full / windowed == 32
@@ -70,9 +77,9 @@ def test_gemma3_sliding_layers_capped_global_layers_full():
     sliding or all global), or the cap applied to global layers."""
     a = arch("gemma3_270m")
     assert [i for i, s in enumerate(a.sliding) if not s] == [5, 11, 17]
-    assert plan.kv_bytes_per_sequence(a, 32768, 2) == 3 * 32768 * 1024 + 15 * 512 * 1024
-    assert plan.kv_bytes_per_sequence(a, 100, 2) == 18 * 100 * 1024
-    assert plan.kv_bytes_per_token(a) == 18 * 1024  # MQA: one KV head
+    assert kv_bytes_per_sequence(a, 32768, 2) == 3 * 32768 * 1024 + 15 * 512 * 1024
+    assert kv_bytes_per_sequence(a, 100, 2) == 18 * 100 * 1024
+    assert kv_bytes_per_token(a) == 18 * 1024  # MQA: one KV head
 
 
 def test_sliding_pattern_of_an_older_gemma3_config_and_qwen2():
@@ -80,7 +87,7 @@ def test_sliding_pattern_of_an_older_gemma3_config_and_qwen2():
     but use_sliding_window=false: no layer slides. Catches the window applied to every layer of these."""
     raw = json.loads((DATA / "gemma3_270m.json").read_text())
     raw.pop("layer_types")
-    old = plan.arch_from_config({**raw, "sliding_window_pattern": 6}, "g")
+    old = arch_from_config({**raw, "sliding_window_pattern": 6}, "g")
     assert [i for i, s in enumerate(old.sliding) if not s] == [5, 11, 17]
     qwen = arch("mistral_7b", model_type="qwen2", use_sliding_window=False)
     assert qwen.sliding_layers == 0 and qwen.window is None
@@ -91,14 +98,14 @@ def test_mla_caches_the_latent_and_rope_key():
     576 x 61 x 2 = 70,272 B. DeepSeek-V2 (section 2.1.3) states MLA's cache equals GQA with 2.25 groups of head_dim
     128: 2 x 2.25 x 128 = 576. Catches MLA read as MHA (2 x 128 heads x 128 per layer) or the RoPE key left out."""
     a = arch("deepseek_v3")
-    assert plan.kv_bytes_per_token(a) == 576 * 61 * 2 == 70_272
+    assert kv_bytes_per_token(a) == 576 * 61 * 2 == 70_272
     assert a.per_layer_elements == 2 * 2.25 * 128
 
 
 def test_smollm2_config_bytes_per_token():
     """SmolLM2-135M: 2 x 30 layers x 3 KV heads x 64 x 2 bytes = 23,040 B a token in fp16/bf16. (Measured in a real
     run: see test_tiny_run_records_match_the_plan for CI; SmolLM2 by hand in the report.)"""
-    assert plan.kv_bytes_per_token(arch("smollm2_135m")) == 23_040
+    assert kv_bytes_per_token(arch("smollm2_135m")) == 23_040
 
 
 # --- weights --------------------------------------------------------------------------------------------------------
@@ -114,15 +121,15 @@ def test_smollm2_config_bytes_per_token():
 def test_params_from_config_match_published_counts(name, published):
     """Parameters computed from the config equal the published exact counts. Catches a tied head counted twice,
     GQA's K/V projections sized as MHA's, or the MLP's third matrix left out."""
-    assert plan.count_params(arch(name)) == (published, published)
+    assert count_params(arch(name)) == (published, published)
 
 
 def test_params_of_70b_and_moe_within_published_rounding():
     """Llama-3-70B: 70.6B published; DeepSeek-V3: 671B total, 37B activated a token (arXiv:2412.19437). Catches
     routed experts not counted, or every expert counted as active."""
-    total, _ = plan.count_params(arch("llama3_70b"))
+    total, _ = count_params(arch("llama3_70b"))
     assert abs(total / 70.6e9 - 1) < 0.001
-    total, active = plan.count_params(arch("deepseek_v3"))
+    total, active = count_params(arch("deepseek_v3"))
     assert abs(total / 671e9 - 1) < 0.001
     assert abs(active / 37e9 - 1) < 0.03
 
@@ -132,12 +139,12 @@ def test_safetensors_metadata_counts_without_reading_tensors(tmp_path):
     bf16 are 70,553,411,584 parameters; a single file's header alone (its tensors absent) counts 6 + 12 parameters."""
     raw = {"torch_dtype": "bfloat16"}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 141_106_823_168}}))
-    assert plan.metadata_params(tmp_path, raw)[0] == 70_553_411_584
+    assert metadata_params(tmp_path, raw)[0] == 70_553_411_584
     single = tmp_path / "one"
     single.mkdir()
     header = json.dumps({"a": {"shape": [2, 3]}, "b": {"shape": [12]}, "__metadata__": {}}).encode()
     (single / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)  # no tensor data at all
-    assert plan.metadata_params(single, raw)[0] == 18
+    assert metadata_params(single, raw)[0] == 18
 
 
 # --- capacity, pressure, offload -------------------------------------------------------------------------------------
@@ -146,27 +153,27 @@ def test_safetensors_metadata_counts_without_reading_tensors(tmp_path):
 def test_capacity_at_8k_on_640_gib_with_141_gib_weights():
     """(640 - 141) GiB free; MHA: 2.5 MiB x 8192 = 20 GiB a sequence -> 499 / 20 = 24.95: 24 sequences; GQA-8: 2.5 GiB
     -> 199 (about 8x); FP8: 1.25 GiB -> 399 (2x more). Catches weights not subtracted or a floor turned into a round."""
-    free = plan.free_bytes(640, 141 * GiB)
-    mha = plan.kv_bytes_per_sequence(arch("llama3_70b", num_key_value_heads=64), 8192, 2)
-    gqa = plan.kv_bytes_per_sequence(arch("llama3_70b"), 8192, 2)
-    fp8 = plan.kv_bytes_per_sequence(arch("llama3_70b"), 8192, 1)
-    assert [plan.sequences(free, x) for x in (mha, gqa, fp8)] == [24, 199, 399]
+    free = free_bytes(640, 141 * GiB)
+    mha = kv_bytes_per_sequence(arch("llama3_70b", num_key_value_heads=64), 8192, 2)
+    gqa = kv_bytes_per_sequence(arch("llama3_70b"), 8192, 2)
+    fp8 = kv_bytes_per_sequence(arch("llama3_70b"), 8192, 1)
+    assert [sequences(free, x) for x in (mha, gqa, fp8)] == [24, 199, 399]
 
 
 def test_utilization_and_prefix_sharing():
     """10 GiB at utilization 0.5 with 1 GiB of weights leaves 4 GiB; sequences of 1 GiB: 4. With half of every
     sequence a shared prefix held once: (4 - 0.5) / 0.5 = 7. Catches utilization ignored, or the prefix not held."""
-    free = plan.free_bytes(10, 1 * GiB, 0.5)
+    free = free_bytes(10, 1 * GiB, 0.5)
     assert free == 4 * GiB
-    assert plan.sequences(free, GiB) == 4
-    assert plan.sequences(free, GiB, shared=0.5) == 7
+    assert sequences(free, GiB) == 4
+    assert sequences(free, GiB, shared=0.5) == 7
 
 
 def test_offload_30_gb_at_50_gbps_is_600_ms():
     """30 GB of KV over a 50 GB/s link: 0.6 s. With 3000 GB/s HBM and 70 GB of weights, a step reads 100 GB in
     33.3 ms: the link hides 33.3 ms x 50 GB/s = 1.67 GB of the 30 GB, a cold share of 5.6%."""
-    assert plan.link_seconds(30e9, 50) == pytest.approx(0.6)
-    o = plan.offload(30e9, 70e9, 3000, 50)
+    assert link_seconds(30e9, 50) == pytest.approx(0.6)
+    o = offload(30e9, 70e9, 3000, 50)
     assert o["link_seconds"] == pytest.approx(0.6)
     assert o["compute_seconds"] == pytest.approx(100 / 3000)
     assert o["cold_fraction"] == pytest.approx((100 / 3000) * 50 / 30)
@@ -179,39 +186,40 @@ def test_pressure_and_crossover():
     Gemma-3's crossover is past the window: the sliding layers count 512 tokens. Catches KV and weights swapped."""
     a = arch("llama3_70b")
     w = 70_553_706_496 * 2
-    p = plan.pressure(a, w, 32, 8192)
+    p = pressure(a, w, 32, 8192)
     assert p["kv_bytes"] == 80 * GiB and p["bound"] == "weight-bound"
     assert p["ratio"] == pytest.approx(80 * GiB / w)
-    assert plan.crossover_context(a, w, 32) == pytest.approx(w / (32 * 320 * KiB))
+    assert crossover_context(a, w, 32) == pytest.approx(w / (32 * 320 * KiB))
     g = arch("gemma3_270m")
-    c = plan.crossover_context(g, 1e9, 1)
+    c = crossover_context(g, 1e9, 1)
     assert c > 512 and 3 * c * 1024 + 15 * 512 * 1024 == pytest.approx(1e9)
-    assert plan.crossover_context(arch("mistral_7b"), 1e12, 1) is None  # every layer slides: never KV-bound alone
+    assert crossover_context(arch("mistral_7b"), 1e12, 1) is None  # every layer slides: never KV-bound alone
 
 
 def test_gate_capacity_uses_the_plan_arithmetic():
-    """The gate's capacity line is plan.capacity: 2^29 free bytes, 1 byte a token, 1000 tokens -> 2^29 // 1000."""
-    from evalkit import gate
+    """The gate's capacity line is capacity: 2^29 free bytes, 1 byte a token, 1000 tokens -> 2^29 // 1000."""
+    from evalkit.gate import judge
 
-    assert gate.capacity is plan.capacity
-    out = plan.capacity({"v": {"kv_bytes_per_token": 1.0}}, 2**29, 1, 1000)
+    assert judge.capacity is capacity
+    out = capacity({"v": {"kv_bytes_per_token": 1.0}}, 2**29, 1, 1000)
     assert out["v"]["sequences"] == 2**29 // 1000
 
 
 def test_cache_root_is_the_models():
-    """plan reads the embedded models' converted folder where evalkit.models converts them."""
-    from evalkit.models import cache_root
+    """plan reads the embedded models' converted folder where evalkit.run.models converts them: one function."""
+    from evalkit.plan import sources
+    from evalkit.run import models
 
-    assert plan.cache_root() == cache_root()
+    assert sources.converted_folder is models.converted_folder
 
 
 # --- settings and the command ----------------------------------------------------------------------------------------
 
 
-def base_settings(**kw) -> plan.Settings:
+def base_settings(**kw) -> Settings:
     node = OmegaConf.load(ROOT / "conf" / "plan.yaml").plan
     node.out = None
-    return plan.settings(OmegaConf.merge(node, kw))
+    return settings(OmegaConf.merge(node, kw))
 
 
 @pytest.mark.parametrize(
@@ -230,11 +238,11 @@ def test_capacity_rows_in_the_guide_order_with_measured_verdicts():
     with its verdict beside it."""
     a = arch("mistral_7b")
     s = base_settings(context=32768)
-    free = plan.free_bytes(80, 7_241_732_096 * 2, 0.9)
+    free = free_bytes(80, 7_241_732_096 * 2, 0.9)
     measured = [
         {"variant": "h2o@0.25", "kv_ratio": 0.25, "model": "m", "status": "FAIL", "why": "on cells x", "run": "r"}
     ]
-    rows = plan.capacity_rows(a, s, free, measured)
+    rows = capacity_rows(a, s, free, measured)
     order = [r["option"].split(" ")[0] for r in rows]
     assert order == [
         "contiguous,",
@@ -335,15 +343,15 @@ def test_tiny_run_records_match_the_plan(tiny_runs):
     """The tiny Llama's config (3 layers, 2 KV heads x 16): 2 x 3 x 2 x 16 x 2 = 384 B a token; a real run's baseline
     records that many deployed bytes per context token (summary kv_bytes_per_token), and its weights_bytes (float32)
     are 4 x the parameters the plan computes from the same config."""
-    from evalkit.analysis import summarize
+    from evalkit.gate.summary import summarize
 
     folder = tiny_runs["tiny-random"]
     model = OmegaConf.load(ROOT / "conf" / "model" / "tiny-random.yaml")
-    a = plan.arch_from_config(plan.read_source(model).raw, "tiny")
-    assert plan.kv_bytes_per_token(a) == 2 * 3 * 2 * 16 * 2 == 384
+    a = arch_from_config(read_source(model).raw, "tiny")
+    assert kv_bytes_per_token(a) == 2 * 3 * 2 * 16 * 2 == 384
     assert summarize(_rows(folder))["baseline"]["kv_bytes_per_token"] == 384
     info = json.loads((folder / "run.json").read_text())
-    assert info["model"]["weights_bytes"] == 4 * plan.count_params(a)[0]
+    assert info["model"]["weights_bytes"] == 4 * count_params(a)[0]
 
 
 def test_tiny_gemma3_run_matches_the_capped_layers(tiny_runs):
@@ -355,9 +363,9 @@ def test_tiny_gemma3_run_matches_the_capped_layers(tiny_runs):
     row = next(r for r in _rows(folder) if r["variant"] == "baseline")
     n = row["context_tokens"]
     model = OmegaConf.load(ROOT / "conf" / "model" / "tiny-random-gemma3.yaml")
-    a = plan.arch_from_config(plan.read_source(model).raw, "tiny-gemma3")
-    assert plan.kv_bytes_per_sequence(a, n, 2) == n * 128 + 3 * 16 * 128
-    assert row["kv_bytes_baseline_deployed"] == plan.kv_bytes_per_sequence(a, n, 2) - 3 * 128
+    a = arch_from_config(read_source(model).raw, "tiny-gemma3")
+    assert kv_bytes_per_sequence(a, n, 2) == n * 128 + 3 * 16 * 128
+    assert row["kv_bytes_baseline_deployed"] == kv_bytes_per_sequence(a, n, 2) - 3 * 128
 
 
 def test_plan_runs_show_each_variant_beside_its_verdict(tiny_runs, tmp_path):
@@ -390,5 +398,5 @@ def test_only_cells_shown_to_fail_are_listed_as_failing():
             {"variant": "w", "cell": "a", "status": "shown to fail"},
         ]
     }
-    assert plan.failed_cells(verdict, "v") == ["a"]
-    assert plan.failed_cells(verdict, "x") == []
+    assert failed_cells(verdict, "v") == ["a"]
+    assert failed_cells(verdict, "x") == []

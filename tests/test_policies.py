@@ -10,11 +10,11 @@ import math
 import pytest
 import torch
 
-from evalkit.attention import attention_mass, causal_tail_mask
-from evalkit.cache import compress, share
-from evalkit.engine import greedy, prefill
 from evalkit.errors import ConfigError
+from evalkit.kv.attention import attention_mass, causal_tail_mask
+from evalkit.kv.cache import compress, share
 from evalkit.policies.pyramidkv import pyramid
+from evalkit.run.engine import greedy, prefill
 from tests.conftest import CTX, QUESTION, by_kv_head, compressed, policy, pool_by_hand
 
 BUDGET = 24

@@ -18,14 +18,15 @@ from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from evalkit import kernels
-from evalkit.attention import StepObserver, causal_tail_mask, evalkit_sdpa, observe
-from evalkit.cache import EvictingLayer, fp16_bytes, held_per_layer, kv_bytes, share
-from evalkit.config import quant_spec
-from evalkit.engine import Variant, greedy, run_sample
+from evalkit.cli.config import quant_spec
 from evalkit.errors import ConfigError
 from evalkit.kernels import naive
-from evalkit.prompt import Prompt
-from evalkit.quantized import Fp8Layer, QuantizedLayer, QuantSpec, attention_path, quantize_cache
+from evalkit.kv.attention import StepObserver, causal_tail_mask, evalkit_sdpa, observe
+from evalkit.kv.cache import EvictingLayer, fp16_bytes, held_per_layer, kv_bytes, share
+from evalkit.kv.quantized import Fp8Layer, QuantizedLayer, QuantSpec, attention_path, quantize_cache
+from evalkit.kv.variant import Variant
+from evalkit.run.engine import greedy, run_sample
+from evalkit.tasks.prompt import Prompt
 from tests.conftest import CTX, QUESTION, compose_config, compressed, policy
 
 GROUP, RESIDUAL = 16, 8  # the tiny model's head_dim is 16
@@ -279,7 +280,7 @@ def test_quantization_composes_with_eviction(tiny, ids):
 
 
 def test_decode_time_eviction_on_quantized_storage_is_a_config_error():
-    from evalkit.config import variants
+    from evalkit.cli.config import variants
 
     with pytest.raises(ConfigError, match="set policy.decode=false"):
         variants(compose_config("policy=streaming_llm", "quant=int4"))
@@ -316,7 +317,7 @@ def test_fp8_scales_are_safe_for_near_zero_and_zero_tokens():
     """A token whose largest |x| is far below fp16's range once had a scale that rounded to 0 (NaN codes). Bounds from
     the formats: e4m3 keeps 3 mantissa bits (rounding error <= 2**-4 of the value), its smallest subnormal code is
     2**-9, and a scale floored at fp16's smallest normal (2**-14) dequantizes anything below 2**-9 * 2**-14 to 0."""
-    from evalkit.quantized import to_fp8
+    from evalkit.kv.quantized import to_fp8
 
     x = torch.zeros(1, 1, 3, 8)
     x[0, 0, 1] = 1e-9 * torch.arange(1, 9)  # near zero: amax / 448 is 1.8e-11, below fp16's subnormals

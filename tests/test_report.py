@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from evalkit.report import pareto, report
+from evalkit.report.cli import pareto, report
 from tests.conftest import compose_config
 from tests.test_gate import rows, run_info
 
@@ -128,7 +128,7 @@ def wandb_records(path):
 
 def test_wandb_offline_round_trip(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="pip install wandb for logger=wandb")
-    from evalkit.wandb_log import log_run
+    from evalkit.report.wandb_log import log_run
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -160,7 +160,7 @@ def test_wandb_offline_round_trip(tmp_path, monkeypatch):
 
 
 def test_merging_runs_of_two_models_keeps_their_variants_apart(tmp_path):
-    from evalkit.analysis import merge
+    from evalkit.gate.summary import merge
 
     recs = needle_rows()
     runs = [

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from evalkit.analysis import summarize
-from evalkit.report import main as report_main
-from evalkit.report_data import VerdictView
-from evalkit.report_page import DODGE, tradeoff_figure
+from evalkit.gate.summary import summarize
+from evalkit.report.cli import main as report_main
+from evalkit.report.data import VerdictView
+from evalkit.report.page import DODGE, tradeoff_figure
 from tests.conftest import ROOT
 from tests.test_gate import rows
 from tests.test_report import needle_rows, write_run

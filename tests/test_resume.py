@@ -105,8 +105,8 @@ def test_a_consistent_forgery_is_caught_by_rescoring_on_resume(tmp_path):
     """A sample's baseline row and its variant row edited together (score 1 on both, baseline_score 1, no flip): no
     row contradicts another, yet the prediction does not contain the answer. Extending the run re-scores every row
     written from its prediction with the task's scorer, and stops at the first edited line."""
+    from evalkit.cli.job import run
     from evalkit.errors import ConfigError
-    from evalkit.run import run
     from tests.conftest import compose_config
 
     args = ["model=tiny-random", "task.context_lengths=[128]", "task.depths=[0.0,1.0]", "policy.budget=0.5"]

@@ -15,11 +15,13 @@ import pytest
 from scipy.optimize import minimize_scalar
 from scipy.stats import bootstrap
 
-from evalkit.decide import min_samples
 from evalkit.errors import ConfigError
-from evalkit.gate import Thresholds, judge, main, thresholds
-from evalkit.power import cell_samples
-from evalkit.stats import BCa, adjust, binary_bounds, binary_p, paired_drop, tango_z
+from evalkit.gate.cli import main
+from evalkit.gate.decide import min_samples
+from evalkit.gate.judge import judge
+from evalkit.gate.power import cell_samples
+from evalkit.gate.stats import BCa, adjust, binary_bounds, binary_p, paired_drop, tango_z
+from evalkit.gate.thresholds import Thresholds, thresholds
 from tests.test_gate import rows, run_info
 
 ROOT = Path(__file__).resolve().parents[1]

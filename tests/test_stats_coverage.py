@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from evalkit.decide import variant_decisions
-from evalkit.gate import Thresholds
-from evalkit.power import draw_contexts
+from evalkit.gate.decide import variant_decisions
+from evalkit.gate.power import draw_contexts
+from evalkit.gate.thresholds import Thresholds
 
 ROOT = Path(__file__).resolve().parents[1]
 

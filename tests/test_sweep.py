@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from evalkit import engine, models
 from evalkit.records import read_rows
+from evalkit.run import engine, models
 from tests.conftest import compose_config
 
 VARIANTS = ["snapkv@0.25", "snapkv@0.5", "h2o@0.5", "pyramidkv@0.25", "random@0.25", "knorm@64", "streaming_llm@32"]
@@ -17,7 +17,7 @@ def test_variants_run_on_the_same_samples_with_one_prefill_each(tmp_path, monkey
     prefill of the context: there is exactly one per sample, over exactly that sample's context, whatever the number
     of variants; every other forward continues a cache that already holds the context (the question, then one token
     per decode step). Were each variant to prefill on its own, there would be 1 + 7 context forwards per sample."""
-    from evalkit.run import run
+    from evalkit.cli.job import run
 
     forwards: list[tuple[int, int]] = []  # (tokens already cached, tokens given) for every forward of the model
     prefills: list[int] = []  # context length of every call of engine.prefill

@@ -9,15 +9,16 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from evalkit.engine import Variant, run_sample
 from evalkit.errors import ConfigError
-from evalkit.fidelity import fidelity
-from evalkit.prompt import build_prompt
+from evalkit.kv.variant import Variant
+from evalkit.run.engine import run_sample
+from evalkit.run.fidelity import fidelity
 from evalkit.tasks import contains_all, contains_any
 from evalkit.tasks.fidelity import FidelityTask
 from evalkit.tasks.jsonl import read_jsonl
 from evalkit.tasks.middoc import MiddocTask
 from evalkit.tasks.needle import NeedleTask, count_tokens
+from evalkit.tasks.prompt import build_prompt
 from tests.conftest import compose_config, policy, run_cli
 
 UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")

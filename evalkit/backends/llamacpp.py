@@ -30,9 +30,11 @@ from omegaconf import DictConfig, ListConfig
 from evalkit.backends import Job, Result, check_generates, check_variants_unused
 from evalkit.backends.agreement import full_vocabulary
 from evalkit.backends.kvbytes import CACHE_TYPES, ENGINE_STATE, FORMAT, block_bytes, ggml_type
+from evalkit.embedded import gguf_path
 from evalkit.errors import ConfigError
-from evalkit.hydra_errors import check_fields
-from evalkit.plan import Arch, arch_from_config, cache_root, read_source
+from evalkit.fields import check_fields
+from evalkit.plan.arch import Arch, arch_from_config
+from evalkit.plan.sources import read_source
 
 T = r"[a-z0-9_]+"  # a cache type's name
 SPEC = re.compile(
@@ -302,22 +304,6 @@ def _eval(lib, llm, ids: list[int]) -> np.ndarray:
     llm.eval(ids)
     ptr = lib.llama_get_logits_ith(llm.ctx, -1)
     return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(llm.n_vocab(),)).copy()
-
-
-def gguf_path(model: DictConfig) -> Path:
-    """The GGUF file of an embedded model: in its package, or assembled once from a chunked package's parts."""
-    spec = importlib.util.find_spec(model.module)
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(f"model {model.name} needs the package {model.package}; install it with: {model.pip_install}")
-    if not model.get("assemble"):
-        return Path(spec.submodule_search_locations[0]) / model.gguf_file
-    target = cache_root().parent / "gguf" / f"{model.name}-{model.package_version}" / model.gguf_file
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_suffix(f".{os.getpid()}.part")
-        importlib.import_module(model.module).assemble(partial)
-        os.replace(partial, target)
-    return target
 
 
 def _sha256(path: Path) -> str:

@@ -14,11 +14,11 @@ from typing import Any
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from evalkit import interrupt
 from evalkit.backends import Backend, Job, Result
 from evalkit.errors import ConfigError
-from evalkit.evidence import flip
+from evalkit.gate.evidence import flip
 from evalkit.records import RUN, RecordWriter, read_rows, write_json
+from evalkit.run import interrupt
 
 BASELINE = "baseline"
 # evalkit's protocols say which tokens its engine compresses (the context, or the whole prompt); an engine's cache

@@ -31,8 +31,9 @@ from evalkit.backends import Job, Result, check_generates, check_variants_unused
 from evalkit.backends.agreement import top_tokens
 from evalkit.backends.kvbytes import CACHE_TYPES, DECLARED, declared_bytes, per_element
 from evalkit.errors import ConfigError
-from evalkit.hydra_errors import check_fields
-from evalkit.plan import ELEMENT, Arch, arch_from_config, read_source
+from evalkit.fields import check_fields
+from evalkit.plan.arch import ELEMENT, Arch, arch_from_config
+from evalkit.plan.sources import read_source
 
 BASELINE = "baseline"
 FP8 = ("fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's and SGLang's --kv-cache-dtype names: one byte per value

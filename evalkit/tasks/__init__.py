@@ -8,7 +8,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from evalkit.errors import ConfigError
-from evalkit.hydra_errors import check_fields
+from evalkit.fields import check_fields
 
 
 @dataclass

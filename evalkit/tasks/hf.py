@@ -14,18 +14,15 @@ The `task` column (subtask) is the breakdown key `subtask` of reports and of the
 Rows are validated as JSONL rows are (evalkit.tasks.jsonl), named by their index in the dataset and their column,
 all at once, before any model loads. A context too long for the model is cut in the middle (LongBench's
 truncation: the first and last halves of the token budget are kept) or refused (`task.truncate`); each row records
-what was done in its `truncation` field.
-"""
+what was done in its `truncation` field."""
 
 from __future__ import annotations
 
-import csv
-import json
 import math
-import os
 import random
 import re
 from dataclasses import dataclass, field, replace
+from importlib import import_module
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +30,10 @@ from transformers import PreTrainedTokenizerBase
 
 from evalkit.errors import ConfigError
 from evalkit.tasks import Sample, Task, contains_all, contains_any
+from evalkit.tasks.hf_load import load
 from evalkit.tasks.jsonl import MAX_REPORTED, _row_errors
+from evalkit.tasks.needle_in_haystack import insert
+from evalkit.tasks.prompt import build_prompt
 
 # evalkit's fields and the dataset columns they come from by default (kvpress's layout).
 COLUMNS = {
@@ -47,142 +47,20 @@ COLUMNS = {
     "all_classes": "all_classes",  # LongBench's class names (trec)
     "needle": "needle",  # needle_in_haystack: the sentence inserted into the essay
 }
+
+
 REQUIRED = ("context", "question", "answers")
+
+
 SCORERS = ("contains_all", "contains_any", "ruler", "longbench", "infinitebench", "loogle", "zero_scrolls", "needle")
-FILES = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv"}
+
+
 TRUNCATE = ("middle", "refuse")
 
 
 def scorer_module(name: str):
-    from importlib import import_module
-
     module = {"needle": "needle_in_haystack"}.get(name, name)
     return import_module(f"evalkit.tasks.{module}")
-
-
-def fetch_command(path: str, config: str | None, data_dir: str | None, split: str) -> str:
-    """The command that saves the dataset to a folder on a machine that reaches the Hub."""
-    args = [repr(path)] + [f"{k}={v!r}" for k, v in (("name", config), ("data_dir", data_dir)) if v]
-    folder = re.sub(r"[^A-Za-z0-9_.-]+", "_", "-".join(str(x) for x in (path, config, data_dir) if x))
-    return (
-        f'python -c "import datasets; datasets.load_dataset({", ".join(args)}, split={split!r})'
-        f".save_to_disk('{folder}')\" (then copy {folder}/ here and give task.path={folder})"
-    )
-
-
-def load(path: str, config: str | None = None, data_dir: str | None = None, split: str = "test"):
-    """The dataset `path` names, as a datasets.Dataset; ConfigError (one line) when it cannot be had here."""
-    import datasets
-
-    local = Path(path).expanduser()
-    try:
-        if local.is_dir() and ((local / "dataset_info.json").exists() or (local / "dataset_dict.json").exists()):
-            if _no_data_files(local / "state.json"):  # datasets fails on it with an IndexError naming nothing
-                raise ConfigError(f"task.path={path!r} holds no rows (a dataset saved empty); give one with rows")
-            ds = datasets.load_from_disk(str(local))
-            if isinstance(ds, datasets.DatasetDict):
-                if split not in ds:
-                    raise ConfigError(f"task.split={split!r}: {path} holds the splits {sorted(ds)}; choose one")
-                ds = ds[split]
-            return ds
-        if local.is_file() and local.suffix.lower() == ".csv" and len(local.read_bytes().strip().splitlines()) < 2:
-            raise ConfigError(f"task.path={path!r} holds no rows (a header line only); give a file with rows")
-        if local.is_file():
-            builder = FILES.get(local.suffix.lower())
-            if builder is None:
-                raise ConfigError(f"task.path={path!r}: give a parquet, JSON, JSONL or CSV file, or a dataset folder")
-            if builder != "parquet":
-                check_text(local)
-            if builder == "csv":  # every column as text: type guessing would read the answer 00731 as 731.0
-                return datasets.load_dataset(
-                    builder, data_files=str(local), split="train", features=_text_columns(local), na_filter=False
-                )
-            return datasets.load_dataset(builder, data_files=str(local), split="train")
-        if local.is_dir():
-            return datasets.load_dataset(str(local), name=config, data_dir=data_dir, split=split)
-        if local.is_absolute() or path.startswith((".", "~")) or path.count("/") > 1:
-            raise ConfigError(f"task.path={path!r} is not a file or folder here")
-    except ConfigError:
-        raise
-    except Exception as err:  # noqa: BLE001 - datasets raises many kinds for a file it cannot read
-        raise ConfigError(
-            f"task.path={path!r} cannot be read by datasets ({type(err).__name__}: {_first(err)})"
-        ) from None
-    offline = datasets.config.HF_HUB_OFFLINE or os.environ.get("HF_DATASETS_OFFLINE", "") not in ("", "0")
-    try:
-        return datasets.load_dataset(path, name=config, data_dir=data_dir, split=split)
-    except ValueError as err:
-        if "split" in str(err).lower() or "config" in str(err).lower():
-            raise ConfigError(f"dataset {path!r}: {_first(err)}") from None
-        raise ConfigError(_unavailable(path, config, data_dir, split, offline, err)) from None
-    except Exception as err:  # noqa: BLE001 - not cached, not reachable, not on the Hub: one line either way
-        raise ConfigError(_unavailable(path, config, data_dir, split, offline, err)) from None
-
-
-def _no_data_files(state: Path) -> bool:
-    """A save_to_disk folder's state.json that lists no data files (an empty dataset)."""
-    try:
-        return json.loads(state.read_text()).get("_data_files") == []
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def check_text(path: Path) -> None:
-    """A JSON, JSON-lines or CSV file is UTF-8 text with rows in it, and a JSON-lines file one JSON value a line:
-    else a ConfigError naming the line (datasets would name none)."""
-    data = path.read_bytes()
-    if not data.strip():
-        raise ConfigError(f"task.path={str(path)!r} holds no rows (the file is empty); give a file with rows")
-    lines = data.splitlines()
-    for n, raw in enumerate(lines, start=1):
-        try:
-            raw.decode("utf-8-sig" if n == 1 else "utf-8")
-        except UnicodeDecodeError as err:
-            raise ConfigError(
-                f"{path}:{n}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column {err.start + 1}); save the file "
-                "as UTF-8"
-            ) from None
-    if path.suffix.lower() == ".json":
-        try:
-            json.loads(data.decode("utf-8-sig"))
-            return  # one JSON document (a list of rows, or datasets' {"data": [...]})
-        except json.JSONDecodeError:
-            pass  # JSON lines in a .json file, checked line by line
-    if path.suffix.lower() in (".json", ".jsonl"):
-        for n, raw in enumerate(lines, start=1):
-            if not raw.strip():
-                continue
-            try:
-                json.loads(raw.decode("utf-8-sig" if n == 1 else "utf-8"))
-            except json.JSONDecodeError as err:
-                why = f"not valid JSON ({err.msg} at column {err.colno})"
-                raise ConfigError(f"{path}:{n}: {why}; fix the line") from None
-
-
-
-def _text_columns(path: Path):
-    """datasets Features reading every column of a CSV file as a string."""
-    import datasets
-
-    with path.open(newline="", encoding="utf-8-sig") as f:
-        header = next(csv.reader(f), [])
-    if not header:
-        raise ConfigError(f"task.path={str(path)!r} has no header line naming its columns")
-    return datasets.Features({name: datasets.Value("string") for name in header})
-
-
-def _unavailable(path, config, data_dir, split, offline: bool, err: BaseException) -> str:
-    where = "offline (HF_DATASETS_OFFLINE)" if offline else "from here"
-    given = ", ".join(f"{k}={v}" for k, v in (("config", config), ("data_dir", data_dir), ("split", split)) if v)
-    return (
-        f"dataset {path!r} ({given}) "
-        f"is not a local folder or file, and not in the datasets cache, and cannot be fetched {where} "
-        f"({type(err).__name__}); on a machine that reaches the Hub run: {fetch_command(path, config, data_dir, split)}"
-    )
-
-
-def _first(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
 
 
 def _answers(value: Any) -> Any:
@@ -190,9 +68,7 @@ def _answers(value: Any) -> Any:
     left for validation, which refuses it."""
 
     def text(v: Any) -> bool:
-        return isinstance(v, str) or (
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-        )
+        return isinstance(v, str) or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
 
     if text(value):
         return [str(value)]
@@ -401,8 +277,6 @@ class HfTask(Task):
     def samples(self, tokenizer: PreTrainedTokenizerBase) -> list[Sample]:
         rows = self.rows or self.read()
         if self.needle_depths:
-            from evalkit.tasks.needle_in_haystack import insert
-
             for row in rows:
                 needle = row.extra.get("needle") or row.sample.answers[0]
                 depth = row.extra["depth"]
@@ -448,7 +322,6 @@ class HfTask(Task):
     def _fit(self, tokenizer, group: list[Row], window: int | None) -> tuple[list[Sample] | None, Any]:
         """The group's samples with their shared context cut in the middle to fit `window` (prompt + answer) for
         the longest of them, and the record of what was done (None: nothing); (None, rows) when refused."""
-        from evalkit.prompt import build_prompt
 
         samples = [r.sample for r in group]
         if window is None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from evalkit.errors import ConfigError
+from evalkit.lmeval.registry import task_manager
 from evalkit.tasks import Task
 
 
@@ -65,8 +66,6 @@ class LmEvalTask(Task):
             raise ConfigError("task=lm_eval needs lm-eval: pip install 'lm-eval>=0.4.9,<0.5'")
         if not self.tasks:
             raise ConfigError("task.tasks is empty; name at least one lm-eval task, e.g. 'task.tasks=[evalkit_recall]'")
-        from evalkit.lmeval import task_manager
-
         known = set(task_manager().all_tasks)
         for name in self.tasks:
             if name not in known:

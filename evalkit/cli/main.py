@@ -1,0 +1,215 @@
+"""`python -m evalkit policy=streaming_llm task=needle`: compose the Hydra config, run, exit with a code.
+
+Exit codes: 0 done (or, with gate=..., PASS), 1 the gate's FAIL, 2 a usage or configuration error (printed on one
+line, before any model is loaded), 130 stopped by Ctrl-C after the sample in flight (the command to resume is
+printed). `-m` runs a sweep through Hydra's launcher (`hydra/launcher=joblib` for parallel jobs); its jobs' records
+are merged into one report, and judged by one gate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shlex
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from evalkit.cli.choices import check_choices
+from evalkit.cli.overrides import RUNNING_FLAGS
+from evalkit.errors import ConfigError, InternalError, JobError
+from evalkit.exits import error, internal
+from evalkit.run import interrupt
+
+# The run folder is named after the policy, or "variants" for a sweep of several.
+OmegaConf.register_new_resolver(
+    "evalkit_label", lambda policy, variants: "variants" if variants else safe_name(policy), replace=True
+)
+
+# Overrides left out of a run's folder name: they do not change its records (or, for the group choices, the folder
+# path names them already).
+SAME_RECORDS = ("resume", "results_root", "device", "model", "task", "policy")
+NOT_RECORDS = ("gate", "logger", "hydra")
+
+
+def safe_name(text: str) -> str:
+    """`text` as one folder name: path separators, `..`, shell glob and quoting characters and spaces become `_`
+    or go (brackets of lists), so an override value can never climb out of the results folder or need quoting."""
+    name = re.sub(r"[^A-Za-z0-9._=,@+%:-]", "_", str(text).replace("[", "").replace("]", ""))
+    name = re.sub(r"_{2,}", "_", re.sub(r"\.{2,}", "_", name)).strip("._") or "_"
+    if len(name) > MAX_NAME:  # a long sweep list: keep the start readable, make it unique by a digest
+        name = f"{name[: MAX_NAME - 13]}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
+    return name
+
+
+MAX_NAME = 200  # filesystems allow 255 bytes per name
+
+
+def dirname(overrides) -> str:
+    """The run folder's last part: the sorted overrides that change the records, `k=v,k=v`, or `default`, made safe
+    as one folder name (safe_name)."""
+    keep = []
+    for item in overrides:
+        key = str(item).lstrip("+~").split("=", 1)[0]
+        if key in SAME_RECORDS or key.split(".", 1)[0] in NOT_RECORDS or key.startswith("hydra/"):
+            continue
+        keep.append(str(item).lstrip("+~"))
+    return safe_name(",".join(sorted(keep)) or "default")
+
+
+OmegaConf.register_new_resolver("evalkit_dirname", dirname, replace=True)
+OmegaConf.register_new_resolver("evalkit_safe", safe_name, replace=True)
+
+NOT_RUNNING = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion")
+
+
+def running(argv: list[str]) -> bool:
+    """A command line that runs jobs (no flag but -m): the pre-check composes and checks each of them."""
+    return not ({a.split("=", 1)[0] for a in argv if a.startswith("-")} - RUNNING_FLAGS)
+
+
+def fail(err: ConfigError | JobError) -> None:
+    sys.exit(error(err))
+
+
+def overrides(argv: list[str]) -> dict[str, str]:
+    """`key=value` arguments of the command line."""
+    return dict(arg.split("=", 1) for arg in argv if "=" in arg and not arg.startswith("-"))
+
+
+def sweeping(argv: list[str]) -> bool:
+    return bool({"-m", "--multirun"} & set(argv))
+
+
+@hydra.main(version_base="1.3", config_path="pkg://evalkit.conf", config_name="config")
+def _job(cfg: DictConfig) -> None:
+    from evalkit.cli.job import run
+
+    hc = HydraConfig.get()
+    out_dir = Path(hc.runtime.output_dir)
+    in_sweep = hc.mode == RunMode.MULTIRUN
+    try:
+        _inside_results_root(cfg, hc, out_dir)
+        with interrupt.deferred():
+            run(cfg, out_dir)
+        if cfg.logger.name == "wandb":
+            from evalkit.report.wandb_log import log_run
+
+            print(f"evalkit: W&B run written to {log_run(cfg, out_dir)}")
+        if cfg.gate.name != "none" and not in_sweep:  # a sweep is gated once, on all its jobs (evalkit.sweep)
+            from evalkit.gate.cli import gate
+            from evalkit.gate.outputs import print_verdict
+            from evalkit.gate.thresholds import thresholds
+
+            verdict = gate([out_dir], thresholds(cfg.gate, repr(cfg.gate.name)))
+            print_verdict(verdict)
+            sys.exit(0 if verdict.passed else 1)
+    except ConfigError as err:
+        where = f"[{' '.join(hc.overrides.task)}] " if in_sweep else ""
+        raise JobError(f"{where}{err}") from None
+    except Exception:  # a bug: Hydra would print it and exit 1, the gate's FAIL; carry it out as exit 3 instead
+        raise InternalError(traceback.format_exc()) from None
+
+
+def _inside_results_root(cfg: DictConfig, hc, out_dir: Path) -> None:
+    """A folder named by evalkit's pattern (not given with hydra.run.dir / hydra.sweep.dir) lies in results_root."""
+    if any(o.split("=", 1)[0] in ("hydra.run.dir", "hydra.sweep.dir") for o in hc.overrides.hydra):
+        return
+    root = Path(str(cfg.results_root)).resolve()
+    if not out_dir.resolve().is_relative_to(root):
+        raise ConfigError(f"the run folder {out_dir} lies outside results_root={root}; name it with hydra.run.dir=...")
+
+
+def results_folder(argv: list[str]) -> Path:
+    """The folder a run (or sweep) writes under, read from the command line before Hydra creates it."""
+    values = overrides(argv)
+    key = "hydra.sweep.dir" if sweeping(argv) else "hydra.run.dir"
+    folder = values.get(key) or values.get("results_root") or "results"
+    parts = Path(folder).parts
+    fixed = [p for p in parts[: next((i for i, p in enumerate(parts) if "$" in p), len(parts))]]
+    return Path(*fixed) if fixed else Path(".")
+
+
+def check_writable(folder: Path) -> None:
+    """Create the results folder and a file in it now: an unwritable place fails here, in one line, not in Hydra."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".evalkit-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(
+            f"cannot write results under {folder} ({err.strerror or err}); choose a writable folder with "
+            "results_root=PATH, or fix its permissions or free space"
+        ) from None
+
+
+def resume_command(argv: list[str]) -> str:
+    args = [a for a in argv if not a.startswith("resume=")] + ["resume=true"]
+    return "python -m evalkit " + " ".join(shlex.quote(a) for a in args)
+
+
+def name_the_sweep(argv: list[str]) -> list[str]:
+    """A sweep without hydra.sweep.dir gets Hydra's default folder, named here, so that the command this process
+    prints to resume it names its folder, whatever happens to the jobs."""
+    values = overrides(argv)
+    if not sweeping(argv) or "hydra.sweep.dir" in values:
+        return argv
+    root = values.get("results_root", "results")
+    return [*argv, f"hydra.sweep.dir={root}/multirun/{time.strftime('%Y-%m-%d_%H-%M-%S')}"]
+
+
+def stopped(message: str, argv: list[str]) -> None:
+    print(f"evalkit: {message}\nevalkit: to resume: {resume_command(argv)}", file=sys.stderr)
+    sys.exit(130)
+
+
+def main() -> None:
+    argv = name_the_sweep(sys.argv[1:])
+    sys.argv[1:] = argv
+    # Sweep jobs in worker processes (joblib) defer Ctrl-C from the moment they import evalkit.interrupt
+    os.environ[interrupt.DEFER_ENV] = "1"
+    try:
+        check_choices(argv)
+        modes = {"-m", "--multirun", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion"} & set(argv)
+        if len({m.lstrip("-")[0] for m in modes}) > 1:
+            raise ConfigError(f"{' and '.join(sorted(modes))} cannot go together (Hydra runs one mode at a time)")
+        if running(argv):  # --help, --cfg, ... are Hydra's to answer, with nothing of evalkit's loaded
+            from evalkit.cli.precheck import precheck
+
+            precheck(argv)  # Hydra's errors, unknown keys and bad values, as one line each, before Hydra runs
+        if not any(a in NOT_RUNNING for a in argv):
+            check_writable(results_folder(argv))
+    except ConfigError as err:
+        fail(err)
+    except Exception:  # noqa: BLE001 - a bug before the model loads: exit 3 with the report line, never 1 (FAIL)
+        sys.exit(internal(traceback.format_exc()))
+    try:
+        with interrupt.deferred():  # the first Ctrl-C lets every job finish the sample in flight
+            _job()
+    except JobError as err:
+        fail(err)
+    except InternalError as err:
+        sys.exit(internal(str(err)))
+    except interrupt.Interrupted as stop:
+        stopped(str(stop), argv)
+    except KeyboardInterrupt:
+        if not interrupt.requested():
+            raise
+        # a second Ctrl-C, or one that reached a worker before it could defer it: rows are whole all the same
+        stopped("stopped; every row written is whole", argv)
+    from evalkit.cli import sweep
+
+    if sweep.exit_code is not None:
+        sys.exit(sweep.exit_code)
+
+
+if __name__ == "__main__":
+    main()

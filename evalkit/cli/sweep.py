@@ -1,0 +1,60 @@
+"""What happens when a Hydra multirun ends (`python -m evalkit -m policy=h2o,snapkv policy.budget=0.25,0.5`): the
+jobs' records, under the sweep folder, are merged into one report and, with gate=..., judged by one gate.
+
+Registered as a Hydra callback (conf/config.yaml, hydra.callbacks), so it runs in the launching process whatever the
+launcher (basic, joblib, submitit), once every job has returned.
+"""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from evalkit.errors import EXIT_FAIL, EXIT_OK, ConfigError
+from evalkit.exits import error, internal
+
+# The gate's exit code for the sweep (0 PASS, 1 FAIL, 2 cannot judge or a bad gate config, 3 a bug in the merge),
+# read by evalkit.__main__ once Hydra returns; None: no gate.
+exit_code: int | None = None
+
+
+class MergeJobs(Callback):
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        global exit_code
+
+        try:
+            self._merge(config)
+        except Exception:  # noqa: BLE001 - a bug: Hydra would print it and exit 1, the gate's FAIL; exit 3 instead
+            exit_code = internal(traceback.format_exc())
+
+    def _merge(self, config: DictConfig) -> None:
+        global exit_code
+        from evalkit.gate.cli import gate
+        from evalkit.gate.outputs import print_verdict
+        from evalkit.gate.thresholds import thresholds
+        from evalkit.report.cli import report
+
+        sweep = Path(config.hydra.sweep.dir)
+        gated = config.gate.name != "none"
+        try:
+            limits = thresholds(config.gate, repr(config.gate.name)) if gated else None
+        except ConfigError as err:
+            exit_code = error(err)
+            return
+        try:
+            written = report([sweep], sweep / "report", limits)
+            print(f"evalkit: merged report of the sweep: {written[0]}")
+        except ConfigError as err:  # no job wrote records (all failed or were interrupted before a sample)
+            print(f"evalkit: no merged report: {err}")
+        if not gated:
+            return
+        try:
+            verdict = gate([sweep], limits)
+        except ConfigError as err:  # CannotJudge (the gate printed its reasons), or no records at all
+            exit_code = error(err)
+            return
+        print_verdict(verdict)
+        exit_code = EXIT_OK if verdict.passed else EXIT_FAIL

@@ -1,0 +1,103 @@
+"""The validation gate: thresholds on the paired results of one or more runs -> PASS, FAIL, INCONCLUSIVE or
+CANNOT JUDGE.
+
+    python -m evalkit.gate results/RUN [results/RUN2 ...] [--gate conf/gate/default.yaml] [--out DIR]
+    python -m evalkit.gate --plan [--gate default] [--variants 3] [--cells 10]   # the samples a PASS needs
+    python -m evalkit gate=default policy=snapkv task=needle          # run, then gate
+
+Exit code 0 PASS, 1 FAIL, 2 INCONCLUSIVE or cannot judge (or a usage error). PASS: every threshold is shown to hold
+at the gate's one-sided confidence (evalkit.decide). FAIL: a threshold is shown broken, compression was asked but
+not achieved, or runs whose model weights, protocol or library versions differ. INCONCLUSIVE: neither, with the
+samples that would settle it. CANNOT JUDGE, never a PASS: records that cannot support a verdict (torn, corrupt or
+repeated rows, several runs in one file, no policy rows, a variant not run on the baseline's samples, a missing
+run.json, a baseline too weak for the task). Writes verdict.json and report.md either way."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from evalkit.errors import EXIT_FAIL, EXIT_OK, CannotJudge, ConfigError
+from evalkit.exits import guarded
+from evalkit.gate import looks
+from evalkit.gate.decide import (
+    floor,
+)
+from evalkit.gate.judge import Verdict, judge
+from evalkit.gate.outputs import print_verdict, write_outputs
+from evalkit.gate.power import plan
+from evalkit.gate.reading import read_runs
+from evalkit.gate.thresholds import Thresholds, load_thresholds
+
+
+def gate(run_dirs: list[Path], thresholds: Thresholds, out_dir: Path | None = None) -> Verdict:
+    """Judge the runs and write verdict.json and report.md into `out_dir` (default: the first run folder); return a
+    PASS or FAIL verdict for the caller to print. INCONCLUSIVE, or records that cannot be judged: the outputs are
+    written (where the folder is writable), the reasons printed (print_verdict), then CannotJudge is raised (exit
+    code 2) with the samples that would settle it, or what is wrong with the records."""
+    records = read_runs(run_dirs)
+    verdict = judge(records.rows, records.infos, thresholds, records.problems)
+    verdict.runs = [str(d) for d in run_dirs]
+    if verdict.status != "CANNOT JUDGE":
+        folders = [Path(info["_folder"]) for info in records.infos]  # the run folders read_runs found
+        verdict.not_judged += looks.record(folders, verdict.look, verdict.history)
+    out = out_dir or run_dirs[0]
+    if verdict.status in ("PASS", "FAIL"):
+        write_outputs(verdict, out, thresholds)
+        return verdict
+    try:
+        write_outputs(verdict, out, thresholds)
+    except ConfigError as err:
+        verdict.reasons.append(f"(verdict.json and report.md not written: {err})")
+    print_verdict(verdict)
+    if verdict.status == "INCONCLUSIVE":
+        raise CannotJudge(f"the gate is INCONCLUSIVE: {verdict.advice}")
+    more = len(verdict.reasons) - 1
+    raise CannotJudge(
+        f"the gate cannot judge these records: {verdict.reasons[0]}" + (f" (and {more} more, above)" if more else "")
+    )
+
+
+def _plan(args) -> list[str]:
+    """--plan: the samples a PASS needs, for the thresholds and the rates given."""
+    if args.variants < 1 or args.cells < 1 or args.questions_per_context < 1:
+        raise ConfigError("--variants, --cells and --questions-per-context count things: give whole numbers >= 1")
+    if not 0 <= args.icc <= 1:
+        raise ConfigError(f"--icc {args.icc}: give a correlation in [0, 1]")
+    rates = None
+    if args.loss is not None:
+        if not (0 <= args.loss <= 1 and 0 <= args.gain <= 1 and args.loss + args.gain <= 1):
+            raise ConfigError(f"--loss {args.loss} --gain {args.gain}: give rates in [0, 1] that sum to at most 1")
+        rates = [(args.loss, args.gain)]
+    t = load_thresholds(args.gate)
+    return plan(t, floor(t), args.variants, args.cells, rates, args.questions_per_context, args.icc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    def run() -> int:
+        ap = argparse.ArgumentParser(prog="python -m evalkit.gate", description=__doc__.splitlines()[0])
+        ap.add_argument("runs", nargs="*", type=Path, help="evalkit run folders (or folders holding several)")
+        ap.add_argument("--gate", default="default", help="a conf/gate name or a YAML file of thresholds")
+        ap.add_argument("--out", type=Path, help="where verdict.json and report.md go (default: the first run)")
+        ap.add_argument("--plan", action="store_true", help="print the samples a PASS needs, and judge nothing")
+        ap.add_argument("--variants", type=int, default=1, help="with --plan: variants judged together")
+        ap.add_argument("--cells", type=int, default=1, help="with --plan: cells per variant")
+        ap.add_argument("--loss", type=float, help="with --plan: the policy's loss rate (right to wrong), e.g. 0.01")
+        ap.add_argument("--gain", type=float, default=0.0, help="with --plan: its gain rate (wrong to right)")
+        ap.add_argument("--questions-per-context", type=int, default=1, help="with --plan: questions on one context")
+        ap.add_argument("--icc", type=float, default=0.5, help="with --plan: correlation of a context's questions")
+        args = ap.parse_args(argv)
+        if args.plan:
+            print("\n".join(_plan(args)))
+            return EXIT_OK
+        if not args.runs:
+            raise ConfigError("give one or more run folders to judge (or --plan to size a run)")
+        verdict = gate(args.runs, load_thresholds(args.gate), args.out)
+        print_verdict(verdict)
+        return EXIT_OK if verdict.passed else EXIT_FAIL
+
+    return guarded(run)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

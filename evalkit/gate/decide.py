@@ -1,0 +1,338 @@
+"""The gate's statistical decisions: for each variant PASS, FAIL or INCONCLUSIVE, and for each cell whether it is
+shown to fail, counted in contexts (evalkit.contexts), with the error rate held across variants, cells and looks.
+
+A variant PASSes when every check (evalkit.checks: the drop below `max_drop`, the flip rate below `max_flip_rate`,
+the capped KL below `max_mean_kl`) is shown to hold: its p-value is the largest of its checks' (an
+intersection-union test, no correction among them), and the variants' p-values are corrected together (Holm or
+Bonferroni, `gate.multiplicity`). A variant FAILs when a check is shown broken (every claim of a broken check,
+over all variants and checks, corrected together) or a cell is shown below `min_cell_accuracy` (the cells
+corrected together); INCONCLUSIVE otherwise, with the contexts that would settle it (evalkit.power).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+from scipy.stats import binom
+
+from evalkit.gate import betting, exact
+from evalkit.gate.checks import Evidence, Spent, add, evaluate, first_spent, kl_cap
+from evalkit.gate.contexts import Contexts, by_cell, group
+from evalkit.gate.looks import History
+from evalkit.gate.power import betting_cell_samples, cell_samples, contexts_needed
+from evalkit.gate.stats import adjust, binary_bounds
+
+
+@dataclass
+class Decision:
+    status: str  # PASS, FAIL or INCONCLUSIVE
+    fail: list[str] = field(default_factory=list)
+    open: list[str] = field(default_factory=list)  # why it is not yet a PASS
+    samples_needed: int | None = None  # samples (questions) the next look needs for about 80% power at these rates
+    contexts_needed: int | None = None  # the same in contexts, the unit the statistics count
+    look: int = 1
+    p: float = math.nan  # the variant's p-value for a PASS, before the correction across variants
+    evidence: Evidence | None = field(default=None, repr=False)
+
+
+def min_samples(t) -> int:
+    """The fewest one-question contexts a variant that loses nothing needs to PASS at the first look: the default
+    `min_samples` (59 at a 0.05 margin and 95%: 0.95^59 < 0.05 < 0.95^58)."""
+    alpha = 1 - t.confidence
+    for n in range(1, 100_000):
+        if float(exact.Design(n, t.max_drop, t.max_flip_rate, 0).pass_p(0, 0)) <= alpha:
+            return n
+    return 100_000
+
+
+def floor(t) -> int:
+    """gate.min_samples, or the count a lossless PASS needs when it is null."""
+    return t.min_samples if t.min_samples is not None else min_samples(t)
+
+
+def spent_on(name: str, h: History, t) -> Spent:
+    """What the runs' first looks spent on this variant (0 when it was judged there by betting, or not at all)."""
+    total = Spent()
+    for look in h.first:
+        v = (look.get("variants") or {}).get(name) or {}
+        if v.get("exact") and isinstance(v.get("contexts"), int):
+            then = _thresholds_of(look, t)
+            total = add(total, first_spent(v["contexts"], then, floor(then)))
+    return total
+
+
+def _thresholds_of(look: dict, t):
+    """The thresholds a recorded look was judged at (the statistical ones; the current ones where not recorded)."""
+    keys = ("max_drop", "confidence", "max_flip_rate", "min_samples", "min_cell_accuracy")
+    recorded = look.get("thresholds") or {}
+    return replace(t, **{k: recorded[k] for k in keys if k in recorded})
+
+
+def evidence_of(by_variant: dict[str, list[dict]], t, h: History) -> dict[str, Evidence]:
+    out = {}
+    for name in sorted(by_variant):
+        ctx = group(by_variant[name], t.graded_flip_delta, kl_cap(t))
+        out[name] = evaluate(name, ctx, t, floor(t), h.number == 1, spent_on(name, h, t))
+    return out
+
+
+def critical_levels(pvalues: list[float], alpha: float, method: str) -> list[float]:
+    """The level each p-value is compared with (Holm: alpha / (k - rank)), for the messages."""
+    k = len(pvalues)
+    if method == "none":
+        return [alpha] * k
+    if method == "bonferroni":
+        return [alpha / k] * k
+    order = sorted(range(k), key=lambda i: pvalues[i])
+    out = [alpha] * k
+    for rank, i in enumerate(order):
+        out[i] = alpha / (k - rank)
+    return out
+
+
+def variant_decisions(by_variant: dict[str, list[dict]], t, h: History | None = None) -> dict[str, Decision]:
+    """PASS, FAIL or INCONCLUSIVE for every variant, corrected across variants."""
+    h = h or History()
+    alpha = 1 - t.confidence
+    ev = evidence_of(by_variant, t, h)
+    names = list(ev)
+    passes = adjust([ev[n].p_pass for n in names], alpha, t.multiplicity)
+    levels = critical_levels([ev[n].p_pass for n in names], alpha, t.multiplicity)
+    claims = [c for n in names for c in ev[n].checks]
+    for c, bad in zip(claims, adjust([c.p_broken for c in claims], alpha, t.multiplicity), strict=True):
+        c.broken = bad
+    out = {}
+    for name, passed, level in zip(names, passes, levels, strict=True):
+        e = ev[name]
+        for c in e.checks:
+            c.holds = c.p_holds <= level
+        d = Decision("INCONCLUSIVE", look=h.number, p=e.p_pass, evidence=e)
+        d.fail = [fail_message(name, e, c, t, len(names), h) for c in e.checks if c.broken]
+        if not passed:
+            d.open = open_messages(name, e, t, len(names), h)
+        d.status = "FAIL" if d.fail else "PASS" if passed else "INCONCLUSIVE"
+        if d.status == "INCONCLUSIVE":
+            d.contexts_needed = contexts_needed(e, t, spent_on(name, h, t), h.number == 1, len(names))
+            if d.contexts_needed is not None:
+                per = float(np.mean(e.contexts.questions)) if e.contexts.n else 1.0
+                d.samples_needed = math.ceil(d.contexts_needed * per)
+        out[name] = d
+    return out
+
+
+def _units(ctx: Contexts, noun: str = "") -> str:
+    """How many were judged: "59" (or "59 samples" with a noun) for one question per context, else "320 questions
+    on 21 contexts"."""
+    if ctx.single:
+        return f"{ctx.n} {noun}".rstrip()
+    return f"{int(np.sum(ctx.questions))} questions on {ctx.n} contexts"
+
+
+def _how(e: Evidence, c, t, k: int, h: History) -> str:
+    conf = f"{t.confidence:.0%}"
+    how = f"{conf} {{}} bound, {c.method}"
+    if not e.exact:
+        left = f", {c.budget:.2%} of the error rate left after the first look" if c.budget < 1 - t.confidence else ""
+        how += f", look {h.number}{left}"
+    if k > 1:
+        how += f"; {t.multiplicity.capitalize()}'s correction over {k} variants"
+    return how
+
+
+def _flipped(e: Evidence, t) -> str:
+    return "flipped from right to wrong" if e.contexts.binary else f"decreased by more than {t.graded_flip_delta}"
+
+
+def fail_message(name: str, e: Evidence, c, t, k: int, h: History) -> str:
+    ctx, how = e.contexts, _how(e, c, t, k, h).format("lower")
+    if c.what == "drop":
+        drop = float(ctx.drop.mean())
+        return f"{name}: accuracy drop {drop:+.3f}, at least {c.lower:.3f} ({how}): shown over the {c.limit} margin"
+    if c.what == "flips":
+        lost, q = ctx.lost_questions, int(np.sum(ctx.questions))
+        return (
+            f"{name}: {lost} of {_units(ctx, 'samples')} {_flipped(e, t)} ({lost / q:.0%}; at least {c.lower:.3f} "
+            f"per context, {how}): shown over the {c.limit:.0%} flip-rate limit"
+        )
+    return f"{name}: mean KL at least {c.lower:.4f} nats ({how}; each row capped at {kl_cap(t):g}): over {c.limit}"
+
+
+def open_messages(name: str, e: Evidence, t, k: int, h: History) -> list[str]:
+    ctx, out = e.contexts, []
+    for c in e.checks:
+        if c.holds or c.broken:
+            continue
+        how = _how(e, c, t, k, h).format("upper")
+        if c.what == "drop":
+            seen = (
+                f"{ctx.lost_questions} lost and {ctx.gained_questions} gained of {_units(ctx)}"
+                if ctx.binary
+                else f"graded scores, mean drop {float(ctx.drop.mean()):+.3f} over {_units(ctx, 'samples')}"
+            )
+            out.append(
+                f"{name}: {seen}: the drop may be as large as {c.upper:.3f} ({how}), not shown below the {c.limit} "
+                "margin"
+            )
+        elif c.what == "flips":
+            out.append(
+                f"{name}: {ctx.lost_questions} of {_units(ctx, 'samples')} {_flipped(e, t)}: the flip rate may be as "
+                f"large as {c.upper:.3f} ({how}), not shown below {c.limit:.0%}"
+            )
+        else:
+            out.append(
+                f"{name}: the mean KL may be as large as {c.upper:.4f} nats ({how}; each row capped at "
+                f"{kl_cap(t):g}), not shown below max_mean_kl={c.limit}"
+            )
+    if ctx.n < e.floor:
+        unit = "samples" if ctx.single else "contexts"
+        out.append(f"{name}: {ctx.n} {unit}, fewer than gate.min_samples={e.floor} (a lossless PASS needs {e.floor})")
+    if e.corrected:
+        out.append(
+            f"{name}: Tango's test alone would pass at n={ctx.n}, but its exact worst-case error rate there is above "
+            f"{1 - t.confidence:.0%}: the exact p-value is {e.p_pass:.4f}"
+        )
+    if not out:
+        out.append(f"{name}: p = {e.p_pass:.4f} for a PASS, not shown after the correction over {k} variants")
+    return out
+
+
+SHOWN_TO_FAIL = "shown to fail"  # the one cell status that is a failure ("no failure shown", "not judged: ..." are not)
+
+
+@dataclass
+class CellResult:
+    variant: str
+    cell: str
+    n: int  # contexts (samples, with one question per context)
+    lost: int
+    gained: int
+    baseline: float
+    policy: float
+    bounds: tuple[float, float]  # one-sided bounds on the cell's drop at the gate's confidence
+    status: str  # "shown to fail", "no failure shown", "not judged: ..."
+    p: float = math.nan
+
+
+def cell_decisions(by_variant: dict[str, list[dict]], t, h: History | None = None) -> list[CellResult]:
+    """Per variant and cell: is the policy's accuracy shown below `min_cell_accuracy` where the baseline reaches it?
+    The exact binomial test at the run's first look (one 0/1 question per context), the betting test otherwise, Holm
+    or Bonferroni across all cells judged; a cell too small to ever be shown failing is `not judged`."""
+    h = h or History()
+    results, contexts = [], {}
+    for name in sorted(by_variant):
+        for cell, rows in by_cell(by_variant[name]).items():
+            ctx = group(rows, t.graded_flip_delta)
+            contexts[name, cell] = ctx
+            lost, gained = ctx.counts()
+            bounds = _cell_bounds(ctx, t)
+            base, pol = float(ctx.baseline.mean()), float(ctx.policy.mean())
+            results.append(CellResult(name, cell, ctx.n, lost, gained, base, pol, bounds, "no failure shown"))
+    limit, weak = t.min_cell_accuracy, t.min_baseline_accuracy
+    if limit is None:
+        for c in results:
+            c.status = "not judged: gate.min_cell_accuracy is null"
+        return results
+    judged = []
+    for c in results:
+        if weak is not None and c.baseline < weak:
+            c.status = f"not judged: the baseline scores {c.baseline:.2f}, below gate.min_baseline_accuracy"
+        elif c.baseline < limit:
+            c.status = f"not judged: the baseline scores {c.baseline:.2f}, below gate.min_cell_accuracy"
+        else:
+            judged.append(c)
+    alpha = 1 - t.confidence
+    first = alpha if t.multiplicity == "none" else alpha / max(len(judged), 1)
+    pvalues = []
+    for c in judged:
+        ctx = contexts[c.variant, c.cell]
+        p, need = _cell_test(ctx, t, first, h, _cell_spent(c.variant, c.cell, h, t))
+        if c.n < need:
+            c.status = f"not judged: {c.n} samples, a failure here can be shown from {need}"
+            p = math.nan
+        c.p = p
+        pvalues.append(p)
+    for c, bad in zip(judged, adjust(pvalues, alpha, t.multiplicity), strict=True):
+        if bad:
+            c.status = SHOWN_TO_FAIL
+    return results
+
+
+def _cell_bounds(ctx: Contexts, t) -> tuple[float, float]:
+    if ctx.n == 0:
+        return (math.nan, math.nan)
+    if ctx.single and ctx.binary:
+        return binary_bounds(*ctx.counts(), ctx.n, t.confidence)
+    alpha = 1 - t.confidence
+    return betting.bound(ctx.drop, alpha, -1, 1, upper=False), betting.bound(ctx.drop, alpha, -1, 1, upper=True)
+
+
+def _cell_spent(variant: str, cell: str, h: History, t) -> float:
+    total = 0.0
+    for look in h.first:
+        v = (look.get("variants") or {}).get(variant) or {}
+        n = (v.get("cells") or {}).get(cell)
+        if v.get("exact") and isinstance(n, int) and t.min_cell_accuracy is not None:
+            then = _thresholds_of(look, t)
+            total += exact.binomial_spent(n, then.min_cell_accuracy, 1 - then.confidence, below=True)
+    return total
+
+
+def _cell_test(ctx: Contexts, t, first: float, h: History, spent: float) -> tuple[float, int]:
+    """(p-value that the cell's accuracy is below the limit, the contexts before an all-wrong cell can show it)."""
+    limit = t.min_cell_accuracy
+    if h.number == 1 and ctx.single and ctx.binary:
+        right = int(round(float(np.sum(ctx.policy))))
+        return float(binom.cdf(right, ctx.n, limit)), cell_samples(limit, first)
+    p = betting.p_value(ctx.policy, limit, 0.0, 1.0, below=True, spent=spent)
+    return p, betting_cell_samples(limit, first - spent)
+
+
+def unjudged_cells(cells: list[CellResult], name: str, t) -> str | None:
+    """A line for a verdict where the cell criterion judged none of this variant's cells (and why)."""
+    mine = [c for c in cells if c.variant == name]
+    if t.min_cell_accuracy is None or not mine or any(not c.status.startswith("not judged") for c in mine):
+        return None
+    small = [c for c in mine if c.status.startswith("not judged: ") and "can be shown from" in c.status]
+    why = f" ({small[0].status.removeprefix('not judged: ')})" if small else ""
+    return (
+        f"{name}: no cell judged by min_cell_accuracy={t.min_cell_accuracy}{why}: this verdict says nothing about "
+        "single cells; run more samples per cell (python -m evalkit.gate --plan --cells N)"
+    )
+
+
+def decision_summary(d: Decision, t) -> dict[str, Any]:
+    """What verdict.json and report.md say of a variant's decision: its status, look, p-value, checks and bounds."""
+    e = d.evidence
+    return {
+        "status": d.status,
+        "look": d.look,
+        "p_pass": d.p,
+        "samples_needed": d.samples_needed,
+        "contexts_needed": d.contexts_needed,
+        "level": t.confidence,
+        "contexts": e.contexts.n,
+        "questions": int(e.contexts.questions.sum()),
+        "method": "exact first look" if e.exact else "betting (anytime-valid)",
+        "checks": {
+            c.what: {"p_holds": c.p_holds, "p_broken": c.p_broken, "bounds": [c.lower, c.upper], "method": c.method}
+            for c in e.checks
+        },
+    }
+
+
+def look_record(decisions: dict[str, Decision], cells: list[CellResult]) -> dict[str, dict]:
+    """Per variant, what this look judged (recorded in run.json, evalkit.looks): the error rate a later look has
+    left depends on it."""
+    out = {}
+    for name, d in decisions.items():
+        ctx = d.evidence.contexts
+        out[name] = {
+            "contexts": ctx.n,
+            "questions": int(ctx.questions.sum()),
+            "exact": d.evidence.exact,
+            "cells": {c.cell: c.n for c in cells if c.variant == name},
+        }
+    return out

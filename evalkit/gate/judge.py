@@ -1,0 +1,230 @@
+"""The verdict on records already read: PASS, FAIL, INCONCLUSIVE or CANNOT JUDGE, every reason in words, and for
+INCONCLUSIVE the samples that would settle it and the command that adds them."""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from evalkit.capacity import capacity
+from evalkit.gate import looks
+from evalkit.gate.decide import (
+    SHOWN_TO_FAIL,
+    cell_decisions,
+    decision_summary,
+    look_record,
+    unjudged_cells,
+    variant_decisions,
+)
+from evalkit.gate.reading import check_rows
+from evalkit.gate.summary import BASELINE, chunked_vs_oneshot, is_baseline, summarize
+from evalkit.gate.thresholds import Thresholds
+
+
+@dataclass
+class Verdict:
+    status: str  # PASS, FAIL, INCONCLUSIVE (not shown either way: more samples) or CANNOT JUDGE (the records)
+    reasons: list[str] = field(default_factory=list)  # why it FAILs, is INCONCLUSIVE, or cannot be judged
+    variants: dict[str, Any] = field(default_factory=dict)
+    runs: list[str] = field(default_factory=list)
+    capacity: dict[str, Any] = field(default_factory=dict)
+    chunked: list[dict[str, Any]] = field(default_factory=list)  # chunked vs one-shot prefill, side by side
+    not_judged: list[str] = field(default_factory=list)  # cells left out: the baseline is too weak there
+    cells: list[dict[str, Any]] = field(default_factory=list)  # per variant and cell: n, flips, bounds, status
+    advice: str | None = None  # INCONCLUSIVE: the samples that would settle it
+    extend: str | None = None  # INCONCLUSIVE, one run: the command that adds them, in the run's own folder
+    look: dict[str, Any] = field(default_factory=dict)  # this judgement's record for run.json (evalkit.looks)
+    history: looks.History = field(default_factory=looks.History)
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "PASS"
+
+
+def _compression_asked(row: dict) -> bool:
+    policy = row.get("policy") or {}
+    return bool(row.get("quant")) or (
+        policy.get("name") not in (None, "none", BASELINE) and policy.get("budget") != 1.0
+    )
+
+
+def baseline_problems(summary: dict[str, Any], t: Thresholds) -> tuple[list[str], list[str]]:
+    """A baseline below min_baseline_accuracy (cannot judge), and the cells where it is (not judged)."""
+    if t.min_baseline_accuracy is None:
+        return [], []
+    problems, cells = [], []
+    for name, s in summary.items():
+        if not is_baseline(name):
+            continue
+        of = "" if name == BASELINE else f" ({name})"
+        if s["accuracy"] < t.min_baseline_accuracy:
+            problems.append(
+                f"the full-cache baseline{of} scores {s['accuracy']:.2f} on this task (gate.min_baseline_accuracy is "
+                f"{t.min_baseline_accuracy}): nothing can be learned about the policy; use a stronger model or an "
+                "easier task"
+            )
+            continue
+        cells += [
+            f"cell {cell}{of}: the baseline scores {c['baseline']:.2f} there, below {t.min_baseline_accuracy}"
+            for cell, c in s["cells"].items()
+            if c["baseline"] < t.min_baseline_accuracy
+        ]
+    return problems, cells
+
+
+def judge(rows: list[dict], infos: list[dict], t: Thresholds, problems: list[str] | None = None) -> Verdict:
+    """Every reason a variant fails, in words; PASS only when there is none. `problems`: why the records cannot be
+    judged, found while reading them (read_runs); None checks `rows` here, as the rows of one records file."""
+    reasons = run_reasons(infos)
+    cannot = check_rows(rows, "the records") if problems is None else list(problems)
+    if not rows and not cannot:
+        cannot.append("no records")
+    summary = summarize(rows) if rows else {}
+    weak, not_judged = baseline_problems(summary, t)
+    # capacity is a figure per model: with several, each is counted against the largest model's weights
+    weights = max((_field(i, "weights") or 0 for i in infos), default=0)
+    cap = capacity(summary, weights, float(t.capacity["gpu_gib"]), int(t.capacity["context"]))
+    if cannot or weak:
+        chunked = chunked_vs_oneshot(rows) if rows else []
+        return Verdict("CANNOT JUDGE", [*cannot, *weak, *reasons], summary, capacity=cap, chunked=chunked)
+    by_variant: dict[str, list[dict]] = {}
+    for r in rows:
+        by_variant.setdefault(r["variant"], []).append(r)
+    policies = {name: by_variant[name] for name in summary if not is_baseline(name)}
+    key = looks.digest(rows, t)
+    history = looks.history(infos, key)
+    decisions = variant_decisions(policies, t, history)
+    cells = cell_decisions(policies, t, history)
+    inconclusive: list[str] = []
+    for name, rs in policies.items():
+        d, s = decisions[name], summary[name]
+        s["gate"] = decision_summary(d, t)
+        note = unjudged_cells(cells, name, t)
+        not_judged += [note] if note else []
+        reasons += d.fail + cell_reasons(name, cells, t) + record_reasons(name, rs, s, t)
+        inconclusive += d.open
+    status = "FAIL" if reasons else "INCONCLUSIVE" if inconclusive else "PASS"
+    advice, extend = _advice(decisions, summary, infos, cells) if status == "INCONCLUSIVE" else (None, None)
+    return Verdict(
+        status,
+        reasons + inconclusive,
+        summary,
+        capacity=cap,
+        chunked=chunked_vs_oneshot(rows),
+        not_judged=not_judged,
+        cells=[asdict(c) for c in cells],
+        advice=advice,
+        extend=extend,
+        look=looks.entry(history, key, status, t, look_record(decisions, cells)),
+        history=history,
+    )
+
+
+def run_reasons(infos: list[dict]) -> list[str]:
+    """Runs that are not one configuration: other protocols or library versions, one model's different weights."""
+    reasons = []
+    for key, what in (("protocol", "protocol"), ("versions", "library versions")):
+        seen = {json.dumps(_field(i, key), sort_keys=True) for i in infos}
+        if len(seen) > 1:
+            reasons.append(f"the runs differ in {what} ({len(seen)} different); gate runs of one configuration")
+    for name in sorted({(i.get("model") or {}).get("name") for i in infos} - {None}):
+        prints = {_field(i, "model") for i in infos if (i.get("model") or {}).get("name") == name}
+        if len(prints) > 1:
+            reasons.append(f"the runs of model {name} used different weights ({len(prints)} fingerprints)")
+    return reasons
+
+
+def cell_reasons(name: str, cells: list, t: Thresholds) -> list[str]:
+    """The variant's cells shown below min_cell_accuracy."""
+    return [
+        f"{name}: cell {c.cell}: accuracy {c.policy:.2f} (baseline {c.baseline:.2f}, n={c.n}) shown below "
+        f"{t.min_cell_accuracy} at {t.confidence:.0%} ({t.multiplicity} over the cells judged)"
+        for c in cells
+        if c.variant == name and c.status == SHOWN_TO_FAIL
+    ]
+
+
+def record_reasons(name: str, rows: list[dict], s: dict[str, Any], t: Thresholds) -> list[str]:
+    """What the variant's records show broken whatever the statistics: a chunked prefill over its bound, compression
+    asked but not in the bytes."""
+    reasons = []
+    over = [
+        r
+        for r in rows
+        if r.get("prefill_bound_tokens") is not None and r["prefill_peak_tokens"] > r["prefill_bound_tokens"]
+    ]
+    if over:
+        r = max(over, key=lambda r: r["prefill_peak_tokens"])
+        reasons.append(
+            f"{name}: the chunked prefill held {r['prefill_peak_tokens']} tokens in a layer, over its bound of "
+            f"{r['prefill_bound_tokens']} (budget + chunk), on {len(over)} samples"
+        )
+    if any(_compression_asked(r) for r in rows) and s["kv_ratio"] >= t.min_compression:
+        clipped = s.get("budget_clipped")
+        note = f" (its budget exceeds the context of {clipped} of {s['n']} samples: budget_clipped)" if clipped else ""
+        reasons.append(
+            f"{name}: compression was asked but its KV bytes are {s['kv_ratio']:.3f}x the full cache's "
+            f"({s['kv_ratio_basis']}){note}"
+        )
+    return reasons
+
+
+def _advice(
+    decisions: dict[str, Any], summary: dict[str, Any], infos: list[dict], cells: list
+) -> tuple[str, str | None]:
+    """How many samples would settle an INCONCLUSIVE verdict, in the task's own terms where one run is judged, and
+    the command that adds them to that run (extend_command; None where there is none)."""
+    needs = {name: d.samples_needed for name, d in decisions.items() if d.status == "INCONCLUSIVE"}
+    if any(v is None for v in needs.values()):
+        return (
+            "more samples may settle it (graded scores, or an observed drop or flip rate at the limit: no count "
+            "follows from the observed rates)"
+        ), None
+    name = max(needs, key=lambda k: needs[k] - summary[k]["n"])
+    need, have = needs[name], summary[name]["n"]
+    d = decisions[name]
+    unit = "samples" if d.evidence.contexts.single else f"samples ({d.contexts_needed} contexts, the unit counted)"
+    text = (
+        f"at the observed rates, {need} {unit} would show it with about 80% chance at look {d.look + 1} (judged by "
+        f"the anytime-valid betting test): add at least {need - have}"
+    )
+    task = ((infos[0].get("config") or {}).get("task") or {}) if len(infos) == 1 else {}
+    n_cells = len({c.cell for c in cells if c.variant == name}) or 1
+    if "samples_per_cell" in task:
+        setting = f"task.samples_per_cell={math.ceil(need / n_cells)}"
+    elif "limit" in task:
+        setting = f"task.limit={need}"
+    else:
+        return text, None
+    return f"{text}, e.g. {setting} resume=true", extend_command(infos[0], setting)
+
+
+RUNNERS = ("__main__.py", "evalkit")  # `python -m evalkit` and the `evalkit` script: what writes a run's command
+
+
+def extend_command(info: dict, setting: str) -> str | None:
+    """The command that extends a run in its own folder: the one that wrote it (run.json `command`), with `setting`
+    (`task.limit=59`) in place of its own, resume=true and hydra.run.dir naming the folder. None where the run was
+    not written by `python -m evalkit` (lm-eval's command line)."""
+    argv, folder = info.get("command"), info.get("_folder")
+    if not isinstance(argv, list) or not argv or folder is None or Path(str(argv[0])).name not in RUNNERS:
+        return None
+    key = setting.split("=", 1)[0]
+    drop = (key, "resume", "hydra.run.dir")
+    args = [str(a) for a in argv[1:] if str(a).lstrip("+~").split("=", 1)[0] not in drop]
+    args += [setting, "resume=true", f"hydra.run.dir={folder}"]
+    return "python -m evalkit " + " ".join(shlex.quote(a) for a in args)
+
+
+def _field(info: dict, key: str) -> Any:
+    if key == "model":
+        return (info.get("model") or {}).get("fingerprint")
+    if key == "weights":
+        return (info.get("model") or {}).get("weights_bytes")
+    if key == "versions":
+        return {k: v for k, v in (info.get("versions") or {}).items() if k in ("torch", "transformers", "evalkit")}
+    return info.get(key)

@@ -1,0 +1,186 @@
+"""What the gate writes and prints: verdict.json (verdict_doc), report.md with its tables, and the console lines."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from evalkit.errors import ConfigError
+from evalkit.gate.judge import Verdict
+from evalkit.gate.thresholds import Thresholds
+from evalkit.records import write_atomic
+from evalkit.units import fmt_bytes
+
+VERDICT, REPORT = "verdict.json", "report.md"
+
+
+def output_folder(out: Path) -> Path:
+    """`out`, created if missing; a ConfigError when it is a file or cannot be created."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} is a file, not a folder: give --out a folder (it is created if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"cannot create {out} ({err.strerror or err}); give --out a writable folder") from None
+    return out
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write a gate output atomically (records.write_atomic), or a ConfigError naming it."""
+    try:
+        write_atomic(path, text)
+    except OSError as err:
+        raise ConfigError(f"could not write {path} ({err.strerror or err}); give --out a writable folder") from None
+
+
+def verdict_doc(verdict: Verdict, t: Thresholds) -> dict[str, Any]:
+    """verdict.json: what the gate decided, why, at which thresholds and look, and the command that extends an
+    INCONCLUSIVE run (the report shows the same document)."""
+    return {
+        "verdict": verdict.status,
+        "reasons": verdict.reasons,
+        "not_judged": verdict.not_judged,
+        "advice": verdict.advice,
+        "extend": verdict.extend,
+        "cells": verdict.cells,
+        "thresholds": asdict(t),
+        "runs": verdict.runs,
+        "variants": verdict.variants,
+        "chunked_vs_oneshot": verdict.chunked,
+        "look": verdict.look,
+    }
+
+
+def write_outputs(verdict: Verdict, out_dir: Path, t: Thresholds) -> None:
+    output_folder(out_dir)
+    write_text(out_dir / VERDICT, json.dumps(verdict_doc(verdict, t), indent=2, sort_keys=True) + "\n")
+    lines = [f"# evalkit gate: {verdict.status}", ""]
+    if verdict.status == "CANNOT JUDGE":
+        lines += ["These records cannot be judged (exit code 2); the tables below, if any, are not a verdict.", ""]
+    if verdict.status == "INCONCLUSIVE":
+        lines += [
+            "Neither shown within the thresholds nor shown outside them at the gate's confidence (exit code 2): "
+            + (verdict.advice or "more samples would settle it")
+            + ".",
+            "",
+            *([f"To extend the run: `{verdict.extend}`", ""] if verdict.extend else []),
+        ]
+    lines += [f"- {r}" for r in verdict.reasons] or [
+        f"Every threshold is shown to hold at {t.confidence:.0%} one-sided confidence ({t.multiplicity} across "
+        f"variants), at look {verdict.look.get('look', 1)} of this run (the confidence holds over all its looks)."
+    ]
+    if verdict.not_judged:
+        lines += [
+            "",
+            "Not judged: cells where the full-cache baseline is below min_baseline_accuracy, a cell criterion that "
+            "could judge no cell, a look that could not be recorded.",
+            "",
+        ]
+        lines += [f"- not judged: {c}" for c in verdict.not_judged]
+    if verdict.variants:
+        lines += tables(verdict, t)
+    if verdict.cells:
+        lines += cell_table(verdict.cells, t)
+    lines += ["", "Thresholds: " + ", ".join(f"{k}={v}" for k, v in asdict(t).items()), ""]
+    write_text(out_dir / REPORT, "\n".join(lines))
+
+
+def tables(verdict: Verdict, t: Thresholds) -> list[str]:
+    lines = [
+        "",
+        f"Drop bounds: the gate's, one-sided {t.confidence:.0%} each, counted in contexts (method per row: the exact "
+        "first look, or the anytime-valid betting test at a later look or with several questions per context); status "
+        f"after {t.multiplicity} across variants, with the look that reached it.",
+        "",
+        "KV ratio: the variant's KV bytes over the full cache's, both as a deployment holds them (dense in fp16/bf16, "
+        "quantized packed); KV measured: bytes held here, in the model's own dtype.",
+        "",
+        "| variant | status | n | baseline | policy | drop [bounds] | method | McNemar p | lost | gained | KV ratio "
+        "(fp16) | KV measured |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, s in verdict.variants.items():
+        p, g = s["paired"], s.get("gate") or {}
+        drop = (g.get("checks") or {}).get("drop") or {"bounds": p["drop_bounds"], "method": p["method"]}
+        lo, hi = drop["bounds"]
+        status = f"{g['status']} (look {g['look']})" if g else "-"
+        n = s["n"] if not g or g["contexts"] == s["n"] else f"{s['n']} ({g['contexts']} contexts)"
+        lines.append(
+            f"| {name} | {status} | {n} | {p['baseline']:.2f} | {p['policy']:.2f} | {p['drop']:+.3f} "
+            f"[{lo:+.3f}, {hi:+.3f}] | {drop['method']} | {p['mcnemar_p']:.3g} | {s['lost']} | {s['gained']} | "
+            f"{s['kv_ratio']:.3f}x | {fmt_bytes(s['kv_bytes'], 'MiB')} ({s['kv_ratio_measured']:.3f}x) |"
+        )
+    gib, ctx = t.capacity["gpu_gib"], t.capacity["context"]
+    lines += [
+        "",
+        f"Capacity: sequences of {ctx} tokens that fit in {gib} GiB after the weights, from the KV bytes",
+        "per context token as a deployment holds them (fp16/bf16 dense, packed quantized).",
+        "",
+        "| variant | KV bytes per token | sequences | nominal budget | KV ratio (fp16) | peak KV measured (prefill) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, c in verdict.capacity.items():
+        s = verdict.variants[name]
+        nominal = "-" if s["nominal_budget"] is None else f"{s['nominal_budget']:g}"
+        lines.append(
+            f"| {name} | {c['kv_bytes_per_token']:.0f} | {c['sequences']} | {nominal} | "
+            f"{s['kv_ratio']:.3f}x | {fmt_bytes(s['peak_prefill_kv_bytes'], 'MiB', 1)} |"
+        )
+    return lines + chunked_table(verdict.chunked)
+
+
+def chunked_table(comparisons: list[dict[str, Any]]) -> list[str]:
+    """Markdown: each chunked variant beside its one-shot twin (empty when the runs hold none)."""
+    if not comparisons:
+        return []
+    lines = [
+        "",
+        "Chunked vs one-shot prefill, paired on the same samples (difference = chunked - one-shot).",
+        "",
+        "| variant | chunk | n | baseline | one-shot | chunked | difference [95% bounds] | chunked lost/gained | "
+        "peak KV one-shot | peak KV chunked | peak tokens chunked |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in comparisons:
+        lo, hi = c["difference_bounds"]
+        lines.append(
+            f"| {c['variant']} | {c['chunk']} | {c['n']} | {c['baseline']:.2f} | {c['oneshot']:.2f} | "
+            f"{c['chunked']:.2f} | {c['difference']:+.3f} [{lo:+.3f}, {hi:+.3f}] | {c['chunked_lost']}/"
+            f"{c['chunked_gained']} | {fmt_bytes(c['oneshot_peak_kv_bytes'], 'MiB')} | "
+            f"{fmt_bytes(c['chunked_peak_kv_bytes'], 'MiB')} | {c['chunked_peak_tokens']} |"
+        )
+    return lines
+
+
+def cell_table(cells: list[dict[str, Any]], t: Thresholds) -> list[str]:
+    """Markdown: every variant's cells with n, flips, the bounds on the cell's drop and the cell's status."""
+    lines = [
+        "",
+        f"Cells: a cell fails when its accuracy is shown below min_cell_accuracy={t.min_cell_accuracy} at "
+        f"{t.confidence:.0%} ({t.multiplicity} across the cells judged); drop bounds one-sided {t.confidence:.0%}.",
+        "",
+        "| variant | cell | n | baseline | policy | lost | gained | drop [bounds] | status |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for c in cells:
+        lo, hi = c["bounds"]
+        lines.append(
+            f"| {c['variant']} | {c['cell']} | {c['n']} | {c['baseline']:.2f} | {c['policy']:.2f} | {c['lost']} | "
+            f"{c['gained']} | [{lo:+.3f}, {hi:+.3f}] | {c['status']} |"
+        )
+    return lines
+
+
+def print_verdict(verdict: Verdict) -> None:
+    look = verdict.look.get("look")
+    print(f"\nevalkit gate: {verdict.status}" + (f" (look {look} of this run)" if look else ""))
+    for reason in verdict.reasons:
+        print(f"  - {reason}")
+    for cell in verdict.not_judged:
+        print(f"  - not judged: {cell}")
+    if verdict.advice:
+        print(f"  - {verdict.advice}")
+    if verdict.extend:
+        print(f"  - to extend the run: {verdict.extend}")

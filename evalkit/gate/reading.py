@@ -1,0 +1,201 @@
+"""Reading run folders for the gate: every row and run.json, what cannot be judged file by file (torn, corrupt,
+repeated or contradicting rows, several runs in one file, a variant not on the baseline's samples), and the rows of
+several runs merged into one table (evalkit.gate.summary.merge)."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from evalkit.errors import ConfigError
+from evalkit.gate.evidence import contradictions, row_problem, run_problems
+from evalkit.gate.summary import is_baseline, merge
+from evalkit.records import RUN, SAMPLES, scan_rows, torn_line
+
+
+@dataclass
+class Records:
+    """The rows of one or more runs, merged (see analysis.merge), and why they cannot be judged, if they cannot."""
+
+    rows: list[dict]  # the rows that could be read, each (sample, variant) once
+    infos: list[dict]  # the run.json of every run that has a readable one
+    problems: list[str] = field(default_factory=list)  # each names the file (and line) and the fix
+
+
+# What the gate reads from every row, and must be numbers
+ROW_FIELDS = (
+    "sample_id",
+    "variant",
+    "score",
+    "baseline_score",
+    "cell",
+    "kv_bytes",
+    "kv_bytes_baseline",
+    "peak_kv_bytes",
+)
+
+
+LISTED = 3  # bad lines named per file; the rest are counted
+
+
+def read_runs(run_dirs: list[Path]) -> Records:
+    """All rows and run.json files under the given folders (a Hydra multirun folder holds several runs), the rows
+    merged into one table with variant labels that keep different measurements apart (see analysis.merge), and every
+    reason, file by file, why they cannot be judged."""
+    runs, infos, problems = [], [], []
+    for d in run_dirs:
+        found = [d] if (d / SAMPLES).exists() else sorted(p.parent for p in d.rglob(SAMPLES))
+        if not found:
+            raise ConfigError(f"{d}: no {SAMPLES} found; give an evalkit run folder (results/...)")
+        for run in found:
+            info, problem = read_info(run / RUN)
+            problem = problem or next(iter(run_problems(info, str(run / RUN))), None)
+            if problem:
+                problems.append(problem)
+            else:
+                infos.append({**info, "_folder": str(run.resolve())})  # in memory only: the folder the advice extends
+            rows, lines, bad = read_records(run / SAMPLES)
+            where = str(run / SAMPLES)
+            problems += bad or check_rows(rows, where, info.get("run_id")) or contradictions(rows, lines, where)
+            runs.append((run.resolve(), info, _once(rows)))
+    return Records(merge(runs), infos, problems)
+
+
+def read_info(path: Path) -> tuple[dict, str | None]:
+    """A run's run.json, or ({}, why it cannot be used)."""
+    fix = (
+        "the gate needs the run.json its run wrote beside the rows (config, model, versions): judge the folder the "
+        "run wrote, or rerun it"
+    )
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}, f"{path}: missing; {fix}"
+    except (OSError, UnicodeDecodeError) as err:
+        return {}, f"{path}: cannot be read ({getattr(err, 'strerror', None) or err}); fix its permissions, or {fix}"
+    if not text.strip():
+        return {}, f"{path}: empty (a write was killed?); {fix}"
+    try:
+        info = json.loads(text)
+    except json.JSONDecodeError as err:
+        return {}, f"{path}: not valid JSON ({err.msg}, line {err.lineno}); {fix}"
+    if not isinstance(info, dict):
+        return {}, f"{path}: not a JSON object; {fix}"
+    return info, None
+
+
+def read_records(path: Path) -> tuple[list[dict], list[int], list[str]]:
+    """The rows of a samples.jsonl that the gate can read, the line of each, and a problem for every line it cannot
+    (torn included; a row whose scores or bytes are not finite numbers in range, evalkit.evidence.row_problem)."""
+    try:
+        rows, bad, torn, _, lines = scan_rows(path, ROW_FIELDS, row_problem)
+    except ConfigError as err:
+        return [], [], [str(err)]
+    if len(bad) > LISTED:
+        bad = [*bad[:LISTED], f"{path}: {_n(len(bad) - LISTED, 'more line')} like these"]
+    return rows, lines, bad + ([torn_line(path, torn)] if torn is not None else [])
+
+
+def _once(rows: list[dict]) -> list[dict]:
+    """The first row of every (sample, variant)."""
+    first: dict[tuple, dict] = {}
+    for r in rows:
+        first.setdefault((r["sample_id"], r["variant"]), r)
+    return list(first.values())
+
+
+def _n(k: int, noun: str) -> str:
+    return f"{k} {noun}" + ("" if k == 1 else "s")
+
+
+def _some(values, k: int = 3) -> str:
+    values = sorted(map(str, values))
+    return ", ".join(values[:k]) + (f" and {len(values) - k} more" if len(values) > k else "")
+
+
+def check_rows(rows: list[dict], where: str, run_id: str | None = None) -> list[str]:
+    """Why the rows of one records file (one run) cannot be judged: none, repeated (sample, variant) rows, rows of
+    several runs or configurations, no baseline or no policy rows, a variant not run on the baseline's samples."""
+    if not rows:
+        return [f"{where}: no rows; the run wrote none: finish it with resume=true, or give a finished run's folder"]
+    return _repeated(rows, where) + _several_runs(rows, where, run_id) + _coverage(rows, where)
+
+
+def _repeated(rows: list[dict], where: str) -> list[str]:
+    first: dict[tuple, int] = {}
+    repeats = []
+    for i, r in enumerate(rows, start=1):
+        key = (r["sample_id"], r["variant"])
+        if key in first:
+            repeats.append((key, first[key], i))
+        else:
+            first[key] = i
+    if not repeats:
+        return []
+    (sid, variant), a, b = repeats[0]
+    verb = "repeats" if len(repeats) == 1 else "repeat"
+    return [
+        f"{where}: {_n(len(repeats), 'row')} {verb} a (sample, variant) already recorded (first: sample {sid!r}, "
+        f"variant {variant!r}, lines {a} and {b}): rows were written twice (a run's rows appended to its own "
+        "file?); keep one row per sample and variant, or rerun into a new folder"
+    ]
+
+
+def _several_runs(rows: list[dict], where: str, run_id: str | None) -> list[str]:
+    ids = {str(r["run_id"]) for r in rows if r.get("run_id") is not None}
+    if len(ids) > 1:
+        return [
+            f"{where}: rows of {len(ids)} runs in one file (run ids {_some(ids)}): several runs wrote the same "
+            "folder; give each run its own folder (hydra.run.dir=...) and rerun them"
+        ]
+    out = []
+    if ids and run_id is not None and ids != {str(run_id)}:
+        out.append(
+            f"{where}: the rows were written by run {ids.pop()}, but the run.json beside them is run {run_id}'s: "
+            "several runs wrote the same folder; give each run its own folder (hydra.run.dir=...) and rerun"
+        )
+    settings: dict[str, set[str]] = defaultdict(set)
+    for r in rows:
+        settings[r["variant"]].add(
+            json.dumps([r.get(k) for k in ("task", "protocol", "policy", "quant", "prefill")], sort_keys=True)
+        )
+    mixed = sorted(v for v, s in settings.items() if len(s) > 1)
+    if mixed:
+        out.append(
+            f"{where}: variants {_some(mixed)} recorded with different settings (task, protocol, policy, quant "
+            "or prefill) in one file: rows of several configurations; give each run its own folder and rerun them"
+        )
+    return out
+
+
+def _coverage(rows: list[dict], where: str) -> list[str]:
+    samples: dict[str, set] = defaultdict(set)
+    for r in rows:
+        samples[r["variant"]].add(r["sample_id"])
+    base = set().union(*(ids for v, ids in samples.items() if is_baseline(v)))
+    policies = sorted(v for v in samples if not is_baseline(v))
+    if not policies:
+        return [
+            f"{where}: only baseline rows ({_n(len(base), 'sample')}), no policy rows: nothing to judge; run a policy "
+            "(policy=... or variants=[...]), or finish the run with resume=true"
+        ]
+    if not base:
+        return [
+            f"{where}: no baseline rows: every variant must be compared with the full cache on the same samples; "
+            "rerun with evalkit, which runs the baseline on every sample"
+        ]
+    out = []
+    for v in policies:
+        missing, extra = base - samples[v], samples[v] - base
+        parts = (
+            [f"lacks {len(missing)} of the baseline's {_n(len(base), 'sample')} ({_some(missing)})"] if missing else []
+        )
+        parts += [f"has {_n(len(extra), 'sample')} the baseline lacks ({_some(extra)})"] if extra else []
+        if parts:
+            out.append(
+                f"{where}: variant {v!r} {' and '.join(parts)}: it was not run on the baseline's samples; finish "
+                "the run with resume=true, or rerun it"
+            )
+    return out

@@ -1,0 +1,117 @@
+"""The gate's thresholds (conf/gate/*.yaml): typed, ranged, and refused when no check is left that could show a
+variant keeps the baseline's accuracy."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from evalkit.errors import ConfigError
+from evalkit.gate.contexts import GRADED_FLIP_DELTA
+from evalkit.gate.stats import MULTIPLICITY
+
+
+@dataclass
+class Thresholds:
+    """Conf/gate/*.yaml. None switches a check off."""
+
+    max_drop: float | None = 0.05  # non-inferiority margin on the accuracy drop, shown by its upper bound
+    confidence: float = 0.95  # one-sided, of every bound and test
+    multiplicity: str = "holm"  # holm, bonferroni or none: across variants, and across cells
+    max_flip_rate: float | None = 0.10  # lost samples / samples, shown below it for a PASS
+    min_cell_accuracy: float | None = 0.5  # per cell, where the baseline reaches it: a FAIL when shown below it
+    min_baseline_accuracy: float | None = 0.5  # below it overall: cannot judge; cells below it are not judged
+    max_mean_kl: float | None = 0.1  # nats, fidelity rows: the mean of each row's KL capped at 10x this, shown below it
+    min_samples: int | None = None  # contexts; None: the fewest a lossless PASS needs (evalkit.decide.min_samples)
+    graded_flip_delta: float = GRADED_FLIP_DELTA  # a graded score counts as lost when it falls by more than this
+    min_compression: float = 0.99  # a compressing variant must hold less than this share of the baseline's bytes
+    capacity: dict[str, float] = field(default_factory=lambda: {"gpu_gib": 80, "context": 32768})  # report only
+
+
+def load_thresholds(name_or_path: str) -> Thresholds:
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = Path(str(files("evalkit.conf") / "gate" / f"{name_or_path}.yaml"))
+    if not path.is_file():
+        raise ConfigError(f"gate {name_or_path!r}: no such gate config (conf/gate/<name>.yaml or a YAML path)")
+    try:
+        node = OmegaConf.load(path)
+    except Exception as err:  # noqa: BLE001 - YAML or OmegaConf errors: a file the user wrote
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError(f"gate {name_or_path!r}: {path} is not valid YAML ({first}); fix the file") from None
+    return thresholds(node, repr(name_or_path))
+
+
+# Each threshold: the types it takes, its range as (low, high, low included, high included), and an example. None
+# (null in YAML) switches a check off where the field allows it (Thresholds).
+RANGES: dict[str, tuple[tuple[type, ...], tuple[float, float, bool, bool], str]] = {
+    "max_drop": ((int, float), (0, 1, True, True), "0.05"),
+    "confidence": ((float,), (0.5, 1, False, False), "0.95"),
+    "max_flip_rate": ((int, float), (0, 1, True, True), "0.10"),
+    "min_cell_accuracy": ((int, float), (0, 1, True, True), "0.5"),
+    "min_baseline_accuracy": ((int, float), (0, 1, True, True), "0.5"),
+    "max_mean_kl": ((int, float), (0, math.inf, True, False), "0.1"),
+    "min_samples": ((int,), (1, math.inf, True, False), "59"),
+    "min_compression": ((int, float), (0, 1, False, True), "0.99"),
+    "graded_flip_delta": ((int, float), (0, 1, True, False), "0.1"),  # a graded score falling by more is lost
+}
+
+
+NULLABLE = {"max_drop", "max_flip_rate", "min_cell_accuracy", "min_baseline_accuracy", "max_mean_kl", "min_samples"}
+
+
+def _in_range(value: float, lo: float, hi: float, lo_in: bool, hi_in: bool) -> bool:
+    return (lo <= value if lo_in else lo < value) and (value <= hi if hi_in else value < hi)
+
+
+def _interval(lo: float, hi: float, lo_in: bool, hi_in: bool) -> str:
+    return f"{'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}"
+
+
+def check_threshold(key: str, value: Any) -> None:
+    """ConfigError unless `value` has the type and lies in the range `key` takes (RANGES)."""
+    kinds, bounds, example = RANGES[key]
+    if value is None and key in NULLABLE:
+        return
+    off = ", or null to switch the check off" if key in NULLABLE else ""
+    number = isinstance(value, kinds) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or not _in_range(value, *bounds):
+        what = "a whole number" if kinds == (int,) else "a number"
+        raise ConfigError(f"gate.{key}={value!r}: give {what} in {_interval(*bounds)}, e.g. {example}{off}")
+
+
+def thresholds(node, where: str) -> Thresholds:
+    """Thresholds from a gate config (conf/gate/*.yaml, or the run's `gate` node); `where` names it in errors. Every
+    threshold is typed and ranged (RANGES); a gate left with no accuracy check is refused."""
+    if not isinstance(node, (dict, DictConfig)):
+        kind = "a list" if isinstance(node, (list, ListConfig)) else type(node).__name__
+        raise ConfigError(f"gate {where} is {kind}, not a mapping of thresholds (max_drop: 0.05, ...); fix its YAML")
+    cfg = {k: v for k, v in OmegaConf.to_container(OmegaConf.create(node), resolve=True).items() if k != "name"}
+    unknown = set(cfg) - set(Thresholds.__dataclass_fields__)
+    if unknown:
+        raise ConfigError(f"gate {where}: unknown thresholds {sorted(unknown)}")
+    t = Thresholds(**cfg)
+    for key in RANGES:
+        check_threshold(key, getattr(t, key))
+    if t.multiplicity not in MULTIPLICITY:
+        raise ConfigError(f"gate.multiplicity={t.multiplicity!r} is not one of {list(MULTIPLICITY)}")
+    cap = t.capacity
+    if (
+        not isinstance(cap, dict)
+        or set(cap) != {"gpu_gib", "context"}
+        or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in cap.values()
+        )
+    ):
+        raise ConfigError(f"gate.capacity={cap!r}: give {{gpu_gib: 80, context: 32768}}, both numbers > 0")
+    if t.max_drop is None and t.max_flip_rate is None:
+        raise ConfigError(
+            f"gate {where}: max_drop and max_flip_rate are both null, so no check could show the policy keeps the "
+            "baseline's accuracy and any variant would PASS; set at least one, e.g. max_drop: 0.05"
+        )
+    return t

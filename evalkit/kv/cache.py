@@ -1,0 +1,258 @@
+"""Caches that hold a chosen subset of tokens, built on transformers' public cache-layer classes.
+
+Invariant (docs/invariants.md, invariant 2; docs/architecture.md, section 4): a compacted layer reports the tokens
+*seen* from `get_seq_length()`, so transformers gives every new token its true absolute (RoPE) position, while
+`get_mask_sizes()` reports the tokens *held*, with an offset that keeps the causal mask right for several new tokens
+at once.
+
+Ragged layers (head-adaptive policies: AdaKV, DuoAttention) let each KV head hold its own number of tokens. They are
+stored padded to the longest head: a padding slot has position -1 and is marked invalid in `valid` (B, Hkv, T), and
+the keys a ragged layer returns carry that mask (`VALID`), so that `evalkit_sdpa` masks the padding out of the
+attention. `kv_bytes` counts what is allocated here (the padded tensors); `deployed_bytes` and `fp16_bytes` count
+the tokens really held, what a paged engine stores.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, DynamicLayer
+
+from evalkit.kv import contract
+from evalkit.kv.attention import VALID
+from evalkit.policies import PER_TOKEN, KVPolicy, LayerView, gather_tokens
+
+
+class EvictingLayer(DynamicLayer):
+    """A full-attention layer that holds, per KV head, a subset of the tokens it has seen."""
+
+    is_croppable = False
+
+    def __init__(
+        self,
+        keys: Tensor,
+        values: Tensor,
+        seen: int,
+        state: dict[str, Tensor] | None = None,
+        observations: dict[str, Tensor] | None = None,
+    ):
+        super().__init__()
+        b, h, t, _ = keys.shape
+        self.keys, self.values = keys, values  # (B, Hkv, T_held, D)
+        self.positions = torch.arange(seen - t, seen, device=keys.device).expand(b, h, t)  # (B, Hkv, T_held)
+        self.state = dict(state or {})  # per held token (B, Hkv, T_held), gathered along with the keys
+        self.observations = observations or {}  # per layer, from the prefill
+        self.seen = seen
+        self.valid: Tensor | None = None  # (B, Hkv, T_held) False on padding slots; None: every slot is a token
+        self.allowed: Tensor | None = None  # (B, Hkv) tokens the policy contract allowed at the last eviction
+        self.device = keys.device
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        self.advance(key_states.shape[2])
+        keys, values = super().update(key_states, value_states)
+        if self.valid is None:
+            return keys, values
+        keys = keys.view_as(keys)
+        setattr(keys, VALID, self.valid)  # evalkit_sdpa masks the padding out
+        return keys, values
+
+    def advance(self, q: int) -> None:
+        """Account for q new tokens: their absolute positions, zero per-token state, the tokens seen."""
+        b, h = self.positions.shape[:2]
+        new = torch.arange(self.seen, self.seen + q, device=self.positions.device).expand(b, h, q)
+        self.positions = torch.cat([self.positions, new], dim=-1)
+        self.state = {k: torch.cat([v, v.new_zeros(b, h, q)], dim=-1) for k, v in self.state.items()}
+        if self.valid is not None:
+            self.valid = torch.cat([self.valid, self.valid.new_ones(b, h, q)], dim=-1)
+        self.seen += q
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        held = self.held
+        # Held keys get mask indices seen-held .. seen-1: all before the new queries, which stay causal among
+        # themselves. With offset 0 a multi-token query would see its own future.
+        return held + query_length, self.seen - held
+
+    @property
+    def held(self) -> int:
+        """Slots per KV head: the tokens each head holds, or for a ragged layer the longest head's."""
+        return self.keys.shape[-2]
+
+    def tokens(self) -> Tensor:
+        """(B, Hkv) tokens each KV head really holds (padding not counted)."""
+        if self.valid is None:
+            return torch.full(self.keys.shape[:2], self.held, device=self.keys.device)
+        return self.valid.sum(-1)
+
+    def keep(self, idx: Tensor) -> None:
+        """Keep only the tokens at per-head indices idx (B, Hkv, k); an index of -1 is a padding slot (ragged
+        policies: heads keep different counts)."""
+        pad = idx < 0
+        ragged = bool(pad.any()) or self.valid is not None
+        idx = idx.clamp(min=0)
+        self.keys = gather_tokens(self.keys, idx)
+        self.values = gather_tokens(self.values, idx)
+        self.positions = gather_tokens(self.positions, idx)
+        self.state = {k: gather_tokens(v, idx) for k, v in self.state.items()}
+        if ragged:
+            valid = ~pad if self.valid is None else gather_tokens(self.valid, idx) & ~pad
+            self.positions = self.positions.masked_fill(~valid, -1)
+            self.state = {k: v.masked_fill(~valid, 0) for k, v in self.state.items()}
+            self.valid = None if bool(valid.all()) else valid
+
+    def view(self, layer_idx: int, n_layers: int) -> LayerView:
+        return LayerView(
+            layer_idx,
+            n_layers,
+            self.seen,
+            self.keys,
+            self.values,
+            self.positions,
+            self.state,
+            self.observations,
+            self.valid,
+        )
+
+
+def share(cache: Cache) -> Cache:
+    """A cache over the same tensors. Layers grow by concatenation, so the original is never modified."""
+    return Cache(layers=[copy.copy(layer) for layer in cache.layers])
+
+
+def full_attention_layers(cache: Cache) -> list[int]:
+    """Indices of the layers a policy may evict from; sliding-window layers bound themselves."""
+    return [i for i, layer in enumerate(cache.layers) if not getattr(layer, "is_sliding", False)]
+
+
+def compress(cache: Cache, policy: KVPolicy, observations: dict[int, dict[str, Tensor]] | None = None) -> Cache:
+    """A new cache holding what `policy` keeps of the prefilled full `cache`; `cache` itself is unchanged.
+
+    `observations` maps a layer index to what the prefill recorded there (see evalkit.attention).
+    """
+    layers = [copy.copy(layer) for layer in cache.layers]
+    for layer_idx in full_attention_layers(cache):
+        full, obs = cache.layers[layer_idx], (observations or {}).get(layer_idx, {})
+        state = {k: v for k, v in obs.items() if k in PER_TOKEN and k in policy.needs}
+        rest = {k: v for k, v in obs.items() if k not in PER_TOKEN}
+        layers[layer_idx] = EvictingLayer(full.keys, full.values, full.get_seq_length(), state, rest)
+    compressed = Cache(layers=layers)
+    enforce(compressed, policy)
+    return compressed
+
+
+def enforce(cache: Cache, policy: KVPolicy) -> None:
+    """Evict until every evictable layer holds the policy's target for the tokens seen, checking the policy's
+    contract as it goes (evalkit.contract): indices unique and in range, the tokens held within the budget plus the
+    tokens the policy declares protected. Each layer records what it was allowed (`allowed`, (B, Hkv))."""
+    evictable = [i for i, layer in enumerate(cache.layers) if isinstance(layer, EvictingLayer)]
+    n_layers = len(cache.layers)
+    seen = cache.layers[evictable[0]].seen
+    # Layer-dependent budgets (PyramidKV) are spread over the layers that evict: on hybrid models the sliding-window
+    # layers keep their own bound and take no share.
+    with contract.calling(policy, "keep_per_layer"):
+        budgets = policy.keep_per_layer(seen, len(evictable))
+    budgets = contract.check_budgets(policy, budgets, len(evictable))
+    held = {}
+    for layer_idx, k in zip(evictable, budgets, strict=True):
+        layer = cache.layers[layer_idx]
+        view = layer.view(layer_idx, n_layers)
+        layer.allowed = contract.allowance(policy, view, k, layer_idx)
+        with contract.calling(policy, "over", layer_idx):
+            over = policy.over(view, k)
+        if over:
+            with contract.calling(policy, "select", layer_idx):
+                idx = policy.select(view, k)
+            layer.keep(contract.check_indices(policy, idx, view, layer_idx))
+            contract.check_layer(policy, layer.tokens(), layer.allowed, k, layer_idx)
+        held[layer_idx] = (layer.tokens(), layer.allowed)
+    contract.check_held(policy, held, seen)
+
+
+def kv_bytes(cache: Cache) -> int:
+    """Bytes of the tensors held here (keys and values, a ragged layer's padding included; packed codes, scales and
+    minima), over all layers."""
+    total = 0
+    for layer in cache.layers:
+        if hasattr(layer, "nbytes"):
+            total += layer.nbytes()
+        elif getattr(layer, "keys", None) is not None and layer.keys.numel():
+            total += layer.keys.numel() * layer.keys.element_size()
+            total += layer.values.numel() * layer.values.element_size()
+    return total
+
+
+DEPLOYED_ELEMENT_BYTES = 2  # fp16 or bf16: what a GPU deployment holds dense keys and values in
+
+
+def deployed_bytes(cache: Cache) -> int:
+    """Bytes the cache would hold in a deployment: dense layers in fp16/bf16 whatever dtype this machine computes
+    in (float32 on the CPU), ragged layers only their real tokens (a paged engine stores no padding), quantized
+    layers as packed (their codes, fp16 scales and residual window)."""
+    return sum(layer.nbytes() if hasattr(layer, "nbytes") else fp16_layer_bytes(layer) for layer in cache.layers)
+
+
+def fp16_layer_bytes(layer) -> int:
+    """Bytes a layer's real tokens take as fp16 keys and values (padding of a ragged layer not counted)."""
+    if getattr(layer, "keys", None) is None or not layer.keys.numel():
+        return 0
+    dense = layer.keys.shape[:3].numel()  # (B, Hkv, T)
+    tokens = int(layer.tokens().sum()) if isinstance(layer, EvictingLayer) else dense
+    return 2 * DEPLOYED_ELEMENT_BYTES * tokens * layer.keys.shape[-1]
+
+
+def fp16_bytes(cache: Cache) -> int:
+    """Bytes the held tokens would take as fp16 keys and values: the reference for quantized storage."""
+    return sum(fp16_layer_bytes(layer) for layer in cache.layers)
+
+
+def held_per_layer(cache: Cache) -> list[int | float]:
+    """Tokens each layer holds per KV head: the same for every head of a dense layer; for a ragged layer the mean
+    over its heads (2 decimals), the padding not counted."""
+    out = []
+    for layer in cache.layers:
+        if isinstance(layer, EvictingLayer):
+            out.append(layer.held if layer.valid is None else round(layer.tokens().float().mean().item(), 2))
+        else:
+            out.append(layer.keys.shape[-2] if layer.keys is not None else 0)
+    return out
+
+
+def allowed_per_layer(cache: Cache) -> list[int | float]:
+    """Tokens each layer was allowed per KV head at its last eviction (evalkit.contract: the budget plus the tokens the
+    policy declares protected; the mean over heads, 2 decimals); a layer that does not evict: what it holds."""
+    held = held_per_layer(cache)
+    out = []
+    for layer, n in zip(cache.layers, held, strict=True):
+        allowed = getattr(layer, "allowed", None)
+        out.append(n if allowed is None else round(allowed.float().mean().item(), 2))
+    return out
+
+
+def allocated_per_layer(cache: Cache) -> list[int]:
+    """Slots each layer allocates per KV head here: the tokens held, or a ragged layer's longest head."""
+    return [layer.keys.shape[-2] if layer.keys is not None else 0 for layer in cache.layers]
+
+
+def held_positions(layer) -> Tensor:
+    """(B, Hkv, T_held) absolute positions a layer holds; plain layers hold their most recent tokens."""
+    if isinstance(layer, EvictingLayer):
+        return layer.positions
+    b, h, t, _ = layer.keys.shape
+    seen = layer.get_seq_length()
+    return torch.arange(seen - t, seen, device=layer.keys.device).expand(b, h, t)
+
+
+def retained_fraction(cache: Cache, positions: list[int]) -> list[float]:
+    """Per layer, the fraction of the given absolute positions still held, averaged over KV heads."""
+    out = []
+    for layer in cache.layers:
+        wanted = torch.tensor(positions, device=layer.keys.device)
+        # padding slots of a ragged layer are at position -1, never wanted
+        hit = torch.isin(held_positions(layer), wanted).sum(-1).float() / max(len(positions), 1)  # (B, Hkv)
+        out.append(round(hit.mean().item(), 4))
+    return out

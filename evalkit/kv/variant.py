@@ -1,0 +1,73 @@
+"""A variant: a policy at a budget, optionally stored quantized, optionally prefilled in chunks; what it refuses
+whatever the context, and its cache over a prefilled full cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+from transformers.cache_utils import Cache
+
+from evalkit.errors import ConfigError
+from evalkit.kv.cache import (
+    compress,
+)
+from evalkit.kv.quantized import QuantSpec, quantize_cache
+from evalkit.policies import KVPolicy
+
+
+@dataclass
+class Variant:
+    """A policy at a budget, optionally stored quantized, optionally prefilled in chunks; named as in records:
+    `snapkv@0.25`, `none@1.0+int4`, `h2o@1024:chunk512`."""
+
+    policy: KVPolicy
+    quant: QuantSpec | None = None
+    chunk: int | None = None  # prefill the context this many tokens at a time, compressing after each chunk
+
+    @property
+    def name(self) -> str:
+        quant = f"+{self.quant.name}" if self.quant else ""
+        return f"{self.policy.name}@{self.policy.budget}{quant}" + (f":chunk{self.chunk}" if self.chunk else "")
+
+    def validate(self) -> None:
+        """ConfigError for a combination that cannot run, whatever the context."""
+        if self.quant is not None and self.policy.ragged:
+            raise ConfigError(
+                f"{self.name}: {self.policy.name} keeps a different number of tokens in each KV head, which quantized "
+                "storage does not hold; use quant=none"
+            )
+        if self.quant is not None and self.policy.decode:
+            raise ConfigError(
+                f"{self.name}: evicting while decoding is not supported on quantized storage (tokens are "
+                "packed in groups); set policy.decode=false or use quant=none"
+            )
+        if self.chunk is None:
+            return
+        if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1:
+            raise ConfigError(f"prefill.chunk={self.chunk!r}: give a whole number of tokens such as 512")
+        if not self.policy.chunkable:
+            raise ConfigError(
+                f"{self.name}: {self.policy.name} does not support a chunked prefill (it compresses once, "
+                "after the whole prompt); use prefill=oneshot, or a policy that can evict chunk by chunk"
+            )
+        if self.quant is not None:
+            raise ConfigError(f"{self.name}: a chunked prefill stores keys in full precision; drop +{self.quant.name}")
+        window = self.policy.observation_window()
+        if self.chunk < window:
+            raise ConfigError(
+                f"{self.name}: the chunk ({self.chunk} tokens) is shorter than {self.policy.name}'s observation "
+                f"window ({window}); raise prefill.chunk or lower policy.window"
+            )
+
+    def check(self, n_context: int, where: str) -> None:
+        """ConfigError, naming `where`, when the budget cannot hold on a context of n_context tokens."""
+        try:
+            self.policy.validate(n_context)
+        except ConfigError as err:
+            raise ConfigError(f"{where} ({n_context} context tokens): {err}") from None
+
+    def apply(self, full: Cache, observations: dict[int, dict[str, Tensor]]) -> Cache:
+        """The variant's cache over a prefilled full cache: the policy's choice, stored as `quant` says."""
+        cache = compress(full, self.policy, observations)
+        return quantize_cache(cache, self.quant) if self.quant is not None else cache

@@ -1,0 +1,202 @@
+"""lm-eval's own command line with the evalkit model (`python -m evalkit.lmeval --model evalkit ...`): the paired
+records written beside lm-eval's output, under evalkit's exit codes."""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import sys
+import time
+import uuid
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.tasks import TaskManager
+from lm_eval.utils import simple_parse_args_string
+from omegaconf import DictConfig, OmegaConf
+
+from evalkit.cli.config import variants as parse_variants
+from evalkit.errors import ConfigError
+from evalkit.gate.evidence import flip
+from evalkit.gate.summary import format_summary, summarize
+from evalkit.lmeval.evaluate import load_tasks, model_tokenizer, paired_rows, refuse_reconstruction
+from evalkit.lmeval.metrics import plan_metrics
+from evalkit.lmeval.model import EvalkitLM
+from evalkit.lmeval.registry import task_dir
+from evalkit.records import RUN, SAMPLES, SUMMARY, RecordWriter, read_rows, write_json
+from evalkit.run import models
+from evalkit.run.resume import versions
+
+# What `--model_args` takes for the evalkit model (CommandLineLM's own arguments).
+MODEL_ARGS = ("model", "variant", "device", "max_gen_toks", "rolling_split", "metric", "records")
+
+
+def unknown_arg(key: str) -> str:
+    near = difflib.get_close_matches(key, MODEL_ARGS, n=1)
+    hint = f" (did you mean {near[0]}?)" if near else ""
+    return f"--model_args {key}=...: the evalkit model takes no {key!r}{hint}; its arguments: {', '.join(MODEL_ARGS)}"
+
+
+def model_config(name: str) -> DictConfig:
+    """conf/model/NAME.yaml, or a ConfigError listing the model names there."""
+    path = files("evalkit.conf") / "model" / f"{name}.yaml"
+    if not path.is_file():
+        names = sorted(p.name[:-5] for p in (files("evalkit.conf") / "model").iterdir() if p.name.endswith(".yaml"))
+        near = difflib.get_close_matches(str(name), names, n=1)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        raise ConfigError(f"--model_args model={name!r}: unknown model{hint}; valid names: {', '.join(names)}")
+    return OmegaConf.load(path)
+
+
+@register_model("evalkit")
+class CommandLineLM(EvalkitLM):
+    """`--model evalkit --model_args model=NAME,variant=SPEC,...`: the evalkit model built from lm-eval's strings (a
+    conf/model name, a variant as in `variants=[...]`); an argument it does not take is refused, not swallowed."""
+
+    def __init__(
+        self,
+        model: str = "smollm2-135m",
+        variant: str = "none@1.0",
+        device: str = "cpu",
+        max_gen_toks: int = 64,
+        rolling_split: float = 0.5,
+        metric: str | None = None,
+        records: str | None = None,
+        batch_size: Any = None,  # lm-eval passes these to every model; evalkit decodes one request at a time
+        max_batch_size: Any = None,
+        **unknown: Any,
+    ):
+        if unknown:
+            raise ConfigError(unknown_arg(sorted(unknown)[0]))
+        if str(device).startswith("cuda") and not torch.cuda.is_available():
+            print(f"evalkit: device={device} but CUDA is not available; running on the CPU", file=sys.stderr)
+            device = "cpu"
+        (parsed,) = parse_variants(OmegaConf.create({"seed": 0, "variants": [variant]}))
+        loaded = models.load(model_config(model), device)
+        super().__init__(loaded, parsed, max_gen_toks, rolling_split, metric, records)
+
+
+def write_records(out_dir: Path, rows: list[dict], run_info: dict, task_name: str) -> dict:
+    """samples.jsonl (rows with flips, as the Hydra route writes them), run.json and summary.json in out_dir; the
+    summary."""
+
+    if (out_dir / SAMPLES).exists():
+        raise ConfigError(f"{out_dir} already holds results; choose another folder with --model_args records=DIR")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(out_dir / RUN, run_info)
+    writer = RecordWriter(out_dir / SAMPLES)
+    try:
+        for row in rows:
+            flipped = flip(row["score"], row["baseline_score"])
+            writer.write(
+                {
+                    "run_id": run_info["run_id"],
+                    "task": task_name,
+                    "protocol": run_info["protocol"],
+                    "flip": flipped,
+                    **row,
+                }
+            )
+    finally:
+        writer.close()
+    summary = summarize(read_rows(out_dir / SAMPLES))
+    write_json(out_dir / SUMMARY, summary)
+    print(format_summary(summary), file=sys.stderr)
+    print(
+        f"evalkit: paired records (baseline and {rows[0]['variant'] if rows else 'variant'}): {out_dir}",
+        file=sys.stderr,
+    )
+    return summary
+
+
+def _paired_evaluate(real, *, model=None, model_args=None, **kwargs):
+    """lm-eval's simple_evaluate for its command line: `--model evalkit` runs the variant, replays its baseline
+    through lm-eval on the same task objects, and writes evalkit's paired records (write_records) beside lm-eval's
+    own output; the variant's results go back to lm-eval's command line. Any other model runs as lm-eval runs it."""
+    if model != "evalkit":
+        return real(model=model, model_args=model_args, **kwargs)
+    if kwargs.get("use_cache"):
+        raise ConfigError("--use_cache: a cached answer has no baseline beside it; run the evalkit model without it")
+    args = simple_parse_args_string(model_args) if isinstance(model_args, str) else dict(model_args or {})
+    extra = {k: kwargs.get(k) for k in ("batch_size", "max_batch_size", "device")}
+    lm = CommandLineLM.create_from_arg_obj(args, extra)
+    refuse_reconstruction([lm.variant])
+    manager = _manager(kwargs.pop("task_manager", None), {**args, **(kwargs.get("metadata") or {})}, lm)
+    names = kwargs.pop("tasks")
+    objects = load_tasks(
+        manager, list(names), {k: kwargs.get(k) for k in ("random_seed", "numpy_random_seed", "torch_random_seed")}
+    )
+    plan = plan_metrics(manager.load(objects)["tasks"], lm.metric, "--model_args metric")
+    asked_samples = bool(kwargs.pop("log_samples", False))
+    started = time.strftime("%Y-%m-%dT%H:%M:%S")
+    run = real(model=lm, tasks=objects, task_manager=manager, log_samples=True, **kwargs)
+    quiet = {**kwargs, "evaluation_tracker": None}
+    baseline = real(model=lm.baseline(), tasks=objects, task_manager=manager, log_samples=True, **quiet)
+    rows = paired_rows(lm.variant.name, lm, run, baseline, plan, with_baseline=True)
+    label = "".join(c if c.isalnum() or c in "@.+-_" else "_" for c in lm.variant.name)
+    out = Path(lm.records or Path("results") / "lm_eval_cli" / lm.loaded.name / label / started.replace(":", "-"))
+    write_records(out, rows, _run_info(lm, list(names), args, kwargs, started), "lm_eval")
+    write_json(out / "lm_eval_results.json", {"baseline": baseline["results"], lm.variant.name: run["results"]})
+    if not asked_samples:
+        run.pop("samples", None)
+    run.setdefault("config", {})["model"] = "evalkit"
+    return run
+
+
+def _manager(manager, metadata: dict, lm: CommandLineLM) -> TaskManager:
+    """lm-eval's task manager, with the model's own tokenizer where the command line names none (RULER would read
+    `model=`, evalkit's config name, as a tokenizer to size its haystacks)."""
+    include = manager.include_path if manager is not None else str(task_dir())
+    if not (metadata.get("tokenizer") or metadata.get("pretrained")):
+        metadata["tokenizer"] = model_tokenizer(lm.loaded)
+        manager = None
+    return manager or TaskManager(include_path=include, metadata=metadata)
+
+
+def _run_info(lm: CommandLineLM, names: list[str], args: dict, kwargs: dict, started: str) -> dict[str, Any]:
+    """run.json of a command-line run: what the gate needs (config, model fingerprint, versions) and the command."""
+    task = {"name": "lm_eval", "tasks": names, "metric": lm.metric}
+    task |= {k: kwargs.get(k) for k in ("limit", "num_fewshot", "metadata")}
+    config = {"model": {"name": lm.loaded.name}, "task": task, "variants": [lm.variant.name], "model_args": args}
+    return {
+        "run_id": uuid.uuid4().hex[:12],
+        "route": "lm_eval command line (python -m evalkit.lmeval)",
+        "config": {**config, "protocol": "query_agnostic", "seed": 0},
+        "versions": versions(),
+        "command": sys.argv,
+        "started": started,
+        "protocol": "query_agnostic",
+        "seed": 0,
+        "model": lm.loaded.info(),
+    }
+
+
+def main() -> int:
+    """lm-eval's own command line, with evalkit's model registered and its offline tasks on the include path,
+    under evalkit's exit codes (lm-eval reports bad arguments, such as an unknown task, as ValueError: exit 2).
+    With `--model evalkit`, the paired records are written too (_paired_evaluate)."""
+    import lm_eval
+    from lm_eval.__main__ import cli_evaluate
+
+    if "--include_path" not in sys.argv:
+        sys.argv += ["--include_path", str(task_dir())]
+    real = lm_eval.simple_evaluate
+    lm_eval.simple_evaluate = functools.partial(_paired_evaluate, real)
+    try:
+        cli_evaluate()
+    except ConfigError:
+        raise
+    except ValueError as err:
+        raise ConfigError(f"lm-eval: {str(err).splitlines()[0]}") from None
+    finally:
+        lm_eval.simple_evaluate = real
+    return 0
+
+
+if __name__ == "__main__":
+    from evalkit.exits import guarded
+
+    sys.exit(guarded(main))

@@ -1,0 +1,254 @@
+"""The `evalkit` model for lm-evaluation-harness: every request answered twice from one prefill, by the full cache
+(the baseline) and by the compressed one (the variant); the baseline's answers replayed through lm-eval."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lm_eval.api.model import LM
+from torch import Tensor
+from tqdm import tqdm
+from transformers.cache_utils import Cache
+
+from evalkit.errors import ConfigError
+from evalkit.kv.cache import kv_bytes, share
+from evalkit.kv.variant import Variant
+from evalkit.run import models
+from evalkit.run.engine import (
+    Held,
+    Outcome,
+    chunked_prefill,
+    evictor,
+    outcome,
+    prefill,
+    run_sample,
+    teacher_forced,
+)
+from evalkit.run.probes import NeedleProbes
+from evalkit.tasks.prompt import Prompt, context_digest
+
+
+def _key(kind: str, args: tuple) -> str:
+    return json.dumps([kind, *args], sort_keys=True, default=str)
+
+
+# Per-document record fields that take the largest value over the document's requests (its choices).
+MAXED = ("peak_kv_bytes", "prefill_peak_kv_bytes", "prefill_peak_tokens", "kv_bytes_final")
+
+
+@dataclass
+class _Context:
+    """A prefilled context: the full cache (the baseline's) and the variant's, with what each prefill held at most
+    (bytes, and tokens of an evicting layer per KV head)."""
+
+    full: Cache
+    cache: Cache
+    n: int
+    full_peak: tuple[int, int]
+    peak: tuple[int, int]
+
+
+def _scored(logits: list[Tensor], targets: Tensor) -> tuple[float, bool]:
+    """(sum of log-probabilities of targets (M,), whether each was the greedy choice) from logits[j] predicting
+    targets[j]."""
+    if not logits:
+        return 0.0, True
+    lp = torch.stack(logits).log_softmax(-1)
+    return float(lp.gather(1, targets[:, None]).sum()), bool((lp.argmax(-1) == targets).all())
+
+
+class EvalkitLM(LM):
+    """An lm-eval model running an evalkit variant beside the full-cache baseline, on a loaded model. lm-eval's
+    command line builds it from strings (evalkit.lmeval.cli.CommandLineLM); the run pipeline from objects."""
+
+    def __init__(
+        self,
+        loaded: models.LoadedModel,
+        variant: Variant,
+        max_gen_toks: int = 64,
+        rolling_split: float = 0.5,
+        metric: str | None = None,
+        records: str | None = None,
+    ):
+        super().__init__()
+        self.loaded, self.model, self.tok = loaded, loaded.model, loaded.tokenizer
+        self.variant = variant
+        variant.policy.prepare(loaded.model, NeedleProbes(loaded.tokenizer))  # once per policy (DuoAttention's roles)
+        self.max_gen_toks, self.rolling_split = int(max_gen_toks), float(rolling_split)
+        # lm-eval's command line (main): the per-document metric of the paired records, and where they are written
+        self.metric, self.records = metric, records
+        self.baseline_answers: dict[str, Any] = {}
+        # (task, doc) -> the KV bytes of its requests: the variant's (compressed context, final, peak), the baseline's
+        self.kv: dict[tuple[str, int], dict[str, Any]] = {}
+        self.kv_baseline: dict[tuple[str, int], dict[str, Any]] = {}
+
+    def baseline(self) -> LM:
+        """An lm-eval model that replays the baseline's answers to the requests this one has seen."""
+        return _Replay(self.baseline_answers)
+
+    # -- helpers ------------------------------------------------------------------------------------------
+    def _ids(self, text: str, special: bool = True) -> list[int]:
+        return self.tok(text, add_special_tokens=special).input_ids
+
+    def _context(self, ids: Tensor, where: str) -> _Context:
+        """Prefill ids (1, n) and compress them as the engine does: one full-cache prefill, which the baseline
+        keeps and a one-shot variant compresses; a chunked variant prefills the context itself, chunk by chunk."""
+        n, variant = ids.shape[1], self.variant
+        variant.check(n, where)
+        full, obs = prefill(self.model, ids, [variant.policy] if variant.chunk is None else [])
+        full_peak = (kv_bytes(full), n)
+        if variant.chunk is None:
+            return _Context(full, variant.apply(full, obs), n, full_peak, full_peak)
+        cache, peak_bytes, peak_tokens = chunked_prefill(self.model, ids, variant.policy, variant.chunk)
+        return _Context(full, cache, n, full_peak, (peak_bytes, peak_tokens))
+
+    def _forced(self, name: str, cache: Cache, tokens: Tensor, prefill_peak: tuple[int, int], evict: bool) -> Outcome:
+        """Teacher-force tokens (1, M) on a copy of cache, as `run_sample(forced=True)` does: one token a step, the
+        variant's policy evicting after every forward when it evicts while decoding; logits[j] predicts tokens[j+1].
+        """
+        held = Held.of(cache)
+        cache, policy = share(cache), self.variant.policy
+        after = evictor(cache, policy) if evict else None
+        return outcome(name, held, cache, teacher_forced(self.model, cache, tokens, after), prefill_peak)
+
+    def _both(self, ctx: _Context, tokens: Tensor) -> tuple[Outcome, Outcome]:
+        """(variant, baseline) teacher-forced on tokens after the prefilled context."""
+        return (
+            self._forced(self.variant.name, ctx.cache, tokens, ctx.peak, evict=True),
+            self._forced("baseline", ctx.full, tokens, ctx.full_peak, evict=False),
+        )
+
+    def _note(self, request, variant: Outcome, baseline: Outcome, context: Tensor) -> None:
+        """The KV bytes of a request's variant and baseline, recorded for its document (fields as in the engine's
+        records; the peaks and final bytes are the largest over the document's requests); `context` (1, n): the ids
+        prefilled and compressed, which name the document's context (its first request's)."""
+        chunk, n_context = self.variant.chunk, context.shape[1]
+        fields = {
+            "context_id": context_digest(context[0].cpu().numpy().tobytes()),
+            "kv_bytes_baseline": baseline.kv_bytes,
+            "kv_bytes_baseline_deployed": baseline.kv_bytes_deployed,
+            "prefill": {"mode": "chunked", "chunk": chunk} if chunk else {"mode": "oneshot"},
+            "prefill_bound_tokens": self.variant.policy.target(n_context) + chunk if chunk else None,
+            "context_tokens": n_context,
+        }
+        key = (request.task_name, request.doc_id)
+        for store, o, extra in (
+            (self.kv, variant, {}),
+            (self.kv_baseline, baseline, {"prefill": {"mode": "oneshot"}, "prefill_bound_tokens": None}),
+        ):
+            new = {
+                **fields,
+                "kv_bytes": o.kv_bytes,
+                "kv_bytes_fp16_same_tokens": o.kv_bytes_fp16,
+                "kv_bytes_deployed": o.kv_bytes_deployed,
+                "attention_path": o.attention_path,
+                "kv_bytes_final": o.kv_bytes_final,
+                "peak_kv_bytes": o.peak_kv_bytes,
+                "prefill_peak_kv_bytes": o.prefill_peak_kv_bytes,
+                "prefill_peak_tokens": o.prefill_peak_tokens,
+                "tokens_held_per_layer": o.tokens_held,
+                "tokens_allocated_per_layer": o.tokens_allocated,
+                "tokens_allowed_per_layer": o.tokens_allowed,
+                **extra,
+            }
+            old = store.get(key, {})
+            store[key] = {**new, **{k: max(new[k], old[k]) for k in MAXED if k in old}}
+            if "context_id" in old:
+                store[key]["context_id"] = old["context_id"]
+
+    # -- lm-eval's request types --------------------------------------------------------------------------
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        by_context: dict[str, list[int]] = defaultdict(list)
+        for i, req in enumerate(requests):
+            by_context[req.args[0]].append(i)
+        out: list[tuple[float, bool] | None] = [None] * len(requests)
+        for context, indices in tqdm(by_context.items(), disable=disable_tqdm, desc="loglikelihood"):
+            # As lm-eval's HF model: trailing spaces of the context belong to the continuation.
+            ctx = context.rstrip()
+            ctx_ids = self._ids(ctx) or [self.tok.eos_token_id]
+            ids = torch.tensor([ctx_ids], device=self.model.device)
+            # As generate_until's prompt: the context but its last token is prefilled; that token is fed first.
+            prefilled = self._context(ids[:, :-1], f"context of request {indices[0]}")
+            for i in indices:
+                cont = context[len(ctx) :] + requests[i].args[1]
+                cont_ids = self._ids(ctx + cont)[len(ctx_ids) :] or self._ids(cont, special=False)
+                targets = torch.tensor(cont_ids, dtype=torch.long, device=ids.device)
+                variant, baseline = self._both(prefilled, torch.cat([ids[0, -1:], targets])[None])
+                out[i] = _scored(variant.logits, targets)
+                self.baseline_answers[_key("loglikelihood", requests[i].args)] = _scored(baseline.logits, targets)
+                self._note(requests[i], variant, baseline, ids[:, :-1])
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        out = []
+        for req in tqdm(requests, disable=disable_tqdm, desc="loglikelihood_rolling"):
+            ids = [self.tok.bos_token_id or self.tok.eos_token_id] + self._ids(req.args[0], special=False)
+            limit = self.model.config.max_position_embeddings
+            if len(ids) > limit:
+                raise ConfigError(f"a rolling-loglikelihood document of {len(ids)} tokens exceeds {limit}")
+            ids_t = torch.tensor([ids], device=self.model.device)
+            split = max(2, int(len(ids) * self.rolling_split))
+            with torch.inference_mode():  # the first part: the full model, the same for baseline and variant
+                head = self.model(input_ids=ids_t[:, :split], use_cache=False).logits[0].float().log_softmax(-1)
+            head_lp = float(head[:-1].gather(1, ids_t[0, 1:split, None]).sum())
+            # the rest: a context of split - 1 tokens prefilled and compressed, then teacher-forced from its last
+            prefilled = self._context(ids_t[:, : split - 1], "rolling document")
+            tail = ids_t[:, split - 1 :]
+            variant, baseline = self._both(prefilled, tail)
+            out.append(head_lp + _scored(variant.logits, tail[0, 1:])[0])
+            base = head_lp + _scored(baseline.logits, tail[0, 1:])[0]
+            self.baseline_answers[_key("loglikelihood_rolling", req.args)] = base
+            self._note(req, variant, baseline, ids_t[:, : split - 1])
+        return out
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        out = []
+        stop = {self.tok.eos_token_id}
+        for req in tqdm(requests, disable=disable_tqdm, desc="generate_until"):
+            context, gen_kwargs = req.args
+            until = gen_kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            ids = torch.tensor([self._ids(context)])
+            prompt = Prompt(ids, ids.shape[1] - 1, [], "query_agnostic")
+            self.variant.check(prompt.n_context, "generate_until context")
+            max_new = int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
+            base, (var,) = run_sample(self.model, prompt, [self.variant], max_new, stop)
+            self._note(req, var, base, ids[:, : prompt.n_context])
+            texts = [self._cut(self.tok.decode(o.tokens, skip_special_tokens=True), until) for o in (var, base)]
+            out.append(texts[0])
+            self.baseline_answers[_key("generate_until", req.args)] = texts[1]
+        return out
+
+    @staticmethod
+    def _cut(text: str, until: list[str]) -> str:
+        for s in until:
+            if s and s in text:
+                text = text[: text.index(s)]
+        return text
+
+
+class _Replay(LM):
+    """Answers requests with stored answers (the baseline computed beside a variant); computes nothing."""
+
+    def __init__(self, answers: dict[str, Any]):
+        super().__init__()
+        self.answers = answers
+
+    def _get(self, kind: str, requests) -> list:
+        missing = [r.args for r in requests if _key(kind, r.args) not in self.answers]
+        if missing:
+            raise RuntimeError(f"{len(missing)} {kind} requests were not answered by the variant run first")
+        return [self.answers[_key(kind, r.args)] for r in requests]
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        return self._get("loglikelihood", requests)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        return self._get("loglikelihood_rolling", requests)
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        return self._get("generate_until", requests)

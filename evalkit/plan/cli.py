@@ -1,0 +1,78 @@
+"""The planner's command line: `python -m evalkit.plan model=NAME [plan.KEY=VALUE ...]` (conf/plan.yaml)."""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from importlib.resources import files
+from pathlib import Path
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_module
+from hydra.errors import HydraException
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from evalkit.cli.overrides import check_resolved, composition_error, parse
+from evalkit.errors import ConfigError
+from evalkit.exits import guarded
+from evalkit.plan.guide import make_plan
+from evalkit.plan.outputs import _safe, log_wandb, print_console, write
+from evalkit.plan.settings import settings
+
+
+def _check_choices(argv: list[str]) -> None:
+    """`model=NAME` and `logger=NAME` name a conf/ file (as evalkit.config.check_choices, without importing torch)."""
+
+    for arg in argv:
+        key, _, value = arg.lstrip("+").partition("=")
+        if key not in ("model", "logger"):
+            continue
+        valid = sorted(p.name[:-5] for p in files("evalkit.conf").joinpath(key).iterdir() if p.name.endswith(".yaml"))
+        if value not in valid:
+            near = difflib.get_close_matches(value, valid, n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            raise ConfigError(f"unknown {key} {value!r}{hint}; valid names: {', '.join(valid)}")
+
+
+def compose(argv: list[str]) -> DictConfig:
+    """conf/plan.yaml with the command line's overrides, composed as Hydra does; errors as one-line ConfigErrors."""
+
+    flags = [a for a in argv if a.startswith("-")]
+    if flags:
+        raise ConfigError(f"{flags[0]}: evalkit.plan takes key=value overrides only (see conf/plan.yaml)")
+    _check_choices(argv)
+    parse(argv)
+    with initialize_config_module(config_module="evalkit.conf", version_base="1.3"):
+        try:
+            cfg = hydra_compose(config_name="plan", overrides=argv)
+        except (HydraException, OmegaConfBaseException) as err:
+            groups = [a for a in argv if a.split("=", 1)[0] in ("model", "logger")]
+            try:
+                base = hydra_compose(config_name="plan", overrides=groups)
+            except (HydraException, OmegaConfBaseException):
+                base = None
+            raise composition_error(err, argv, base) from None
+    check_resolved(cfg)
+    return cfg
+
+
+def run(argv: list[str]) -> int:
+    cfg = compose(argv)
+    s = settings(cfg.plan)
+    p = make_plan(cfg.model, s)
+    out = Path(s.out) if s.out else Path(str(cfg.results_root)) / "plan" / _safe(p["model"])
+    print_console(p)
+    for path in write(p, out):
+        print(f"evalkit: wrote {path}")
+    if cfg.logger.name == "wandb":
+        print(f"evalkit: W&B run written to {log_wandb(cfg, p, out)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return guarded(lambda: run(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

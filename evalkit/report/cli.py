@@ -1,0 +1,216 @@
+"""Reports: one self-contained HTML page (report.html), Markdown and PNG plots, from one or more runs (a Hydra
+multirun folder merges its runs).
+
+    python -m evalkit.report results/RUN [results/RUN2 ...] [--out DIR] [--gate default]
+
+report.html (evalkit.report_page): the gate's verdict first (verdict.json when the gate judged exactly these runs
+since their last row, otherwise judged now with the default thresholds or --gate), the trade-off of accuracy against
+KV bytes saved, accuracy per cell for every variant, every lost sample with its row in samples.jsonl, and each run's
+own panel. report.md and the PNGs (heatmaps, trade-off, easy vs hard, flips by cause) are the static copy W&B logs.
+Records the gate cannot judge (repeated, torn or corrupt rows, several runs in one file, no baseline or no policy
+rows, a weak baseline, ...) are still drawn, under a list of warnings at the top, also printed on stderr; exit code 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+from evalkit.errors import ConfigError  # noqa: E402
+from evalkit.exits import guarded
+from evalkit.gate.judge import baseline_problems
+from evalkit.gate.outputs import chunked_table, output_folder
+from evalkit.gate.reading import read_runs
+from evalkit.gate.summary import chunked_vs_oneshot, is_baseline, label_order, summarize
+from evalkit.gate.thresholds import Thresholds, load_thresholds
+from evalkit.report.data import verdict_view
+from evalkit.report.page import pareto
+from evalkit.report.page import write as write_page
+from evalkit.units import fmt_bytes  # noqa: E402
+
+
+def _axes(rows: list[dict]) -> tuple[str, str] | None:
+    """The two cell keys a heatmap spans: context length by depth (needle) or by position (middoc)."""
+    keys = set().union(*(r["cell"] for r in rows))
+    for y in ("depth", "position"):
+        if {"context_length", y} <= keys:
+            return "context_length", y
+    return None
+
+
+def heatmaps(rows: list[dict], out: Path) -> Path | None:
+    """Accuracy per (context length, depth or position) for every variant whose rows have both keys: runs of other
+    tasks merged into the report (lm-eval's RULER cells, a dataset's subtasks) are left to report.html's panels."""
+    axes = _axes(rows)
+    if axes is None:
+        return None
+    xk, yk = axes
+    rows = [r for r in rows if xk in r["cell"] and yk in r["cell"]]
+    variants = sorted({r["variant"] for r in rows}, key=label_order)
+    xs = sorted({r["cell"][xk] for r in rows})
+    ys = sorted({r["cell"][yk] for r in rows})
+    fig, axs = plt.subplots(1, len(variants), figsize=(3.2 * len(variants), 3.2), squeeze=False)
+    for ax, v in zip(axs[0], variants, strict=True):
+        grid = [[float("nan")] * len(xs) for _ in ys]
+        for i, y in enumerate(ys):
+            for j, x in enumerate(xs):
+                scores = [r["score"] for r in rows if r["variant"] == v and r["cell"][xk] == x and r["cell"][yk] == y]
+                if scores:
+                    grid[i][j] = sum(scores) / len(scores)
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
+        ax.set_xticks(range(len(xs)), [str(x) for x in xs], rotation=45)
+        ax.set_yticks(range(len(ys)), [f"{y:g}" for y in ys])
+        ax.set_xlabel(xk)
+        ax.set_ylabel(yk)
+        ax.set_title(v, fontsize=9)
+    fig.colorbar(im, ax=axs[0].tolist(), shrink=0.8, label="accuracy")
+    path = out / "heatmaps.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def tradeoff(summary: dict[str, Any], out: Path) -> Path:
+    """Accuracy (and KL where measured) against the share of KV bytes saved, with the Pareto front. Variants are
+    named in the legend, not beside their markers: variants at one point would print their names over each other."""
+    points = [(1 - s["kv_ratio"], s["accuracy"], name) for name, s in summary.items()]
+    has_kl = any("kl_mean" in s for s in summary.values())
+    fig, axs = plt.subplots(1, 2 if has_kl else 1, figsize=(12 if has_kl else 8, 4.5), squeeze=False)
+    ax = axs[0][0]
+    markers = "osD^vP*Xph<>"
+    for i, (x, y, name) in enumerate(points):
+        ax.scatter([x], [y], marker=markers[i % len(markers)], s=60, alpha=0.8, label=name)
+    front = pareto(points)
+    ax.plot([p[0] for p in front], [p[1] for p in front], "--", color="gray", label="Pareto front")
+    ax.set_xlabel("KV bytes saved (share of the full fp16 cache)")
+    ax.set_ylabel("accuracy")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    if has_kl:
+        for i, (n, s) in enumerate((n, s) for n, s in summary.items() if "kl_mean" in s):
+            axs[0][1].scatter([1 - s["kv_ratio"]], [s["kl_mean"]], marker=markers[i % len(markers)], label=n)
+        axs[0][1].set_xlabel("KV bytes saved")
+        axs[0][1].set_ylabel("mean KL (nats)")
+    path = out / "tradeoff.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def bars(summary: dict[str, Any], out: Path) -> list[Path]:
+    """Easy vs hard accuracy, and lost samples split by cause (evicted or ignored evidence)."""
+    paths = []
+    names = [n for n in summary if not is_baseline(n)]
+    if any(summary[n]["splits"] for n in names):
+        fig, ax = plt.subplots(figsize=(1.6 * len(names) + 3, 4))
+        for k, split in enumerate(("easy", "hard")):
+            vals = [summary[n]["splits"].get(split, {}).get("policy", float("nan")) for n in names]
+            ax.bar([i + 0.4 * k for i in range(len(names))], vals, width=0.4, label=split)
+        ax.set_xticks([i + 0.2 for i in range(len(names))], names, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("accuracy")
+        ax.legend()
+        paths.append(out / "easy_hard.png")
+        fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+        plt.close(fig)
+    if any(summary[n]["flip_causes"] for n in names):
+        fig, ax = plt.subplots(figsize=(1.6 * len(names) + 3, 4))
+        bottom = [0] * len(names)
+        for cause in ("evicted", "ignored"):
+            vals = [summary[n]["flip_causes"].get(cause, 0) for n in names]
+            ax.bar(names, vals, bottom=bottom, label=f"evidence {cause}")
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        ax.set_ylabel("lost samples")
+        ax.tick_params(axis="x", rotation=30, labelsize=8)
+        ax.legend()
+        paths.append(out / "flips.png")
+        fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+        plt.close(fig)
+    return paths
+
+
+def markdown(
+    summary: dict[str, Any], images: list[Path], runs: list[Path], chunked: list[dict] = (), warnings: list[str] = ()
+) -> str:
+    lines = ["# evalkit report", ""]
+    if warnings:
+        lines += ["## Warnings", "", "The gate cannot judge these records; the tables and plots below may mislead.", ""]
+        lines += [f"- {w}" for w in warnings] + [""]
+    lines += [
+        "Runs: " + ", ".join(f"`{r}`" for r in runs),
+        "",
+        "KV ratio: KV bytes over the full cache's, both as a deployment holds them (fp16/bf16 dense, quantized "
+        "packed); KV measured: held here, in the model's own dtype. Drop bounds: one-sided 95% each.",
+        "",
+        "| variant | n | baseline | policy | drop [95% bounds] | McNemar p | lost (evicted/ignored) | KV ratio (fp16) "
+        "| KV measured |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, s in summary.items():
+        p, c = s["paired"], s["flip_causes"]
+        lines.append(
+            f"| {name} | {s['n']} | {p['baseline']:.2f} | {p['policy']:.2f} | {p['drop']:+.3f} "
+            f"[{p['drop_bounds'][0]:+.3f}, {p['drop_bounds'][1]:+.3f}] | {p['mcnemar_p']:.3g} | {s['lost']} "
+            f"({c.get('evicted', 0)}/{c.get('ignored', 0)}) | {s['kv_ratio']:.3f}x | "
+            f"{fmt_bytes(s['kv_bytes'], 'MiB')} |"
+        )
+    lines += chunked_table(list(chunked))
+    lines.append("")
+    lines += [f"![{img.stem}]({img.name})" for img in images]
+    return "\n".join(lines) + "\n"
+
+
+def report(runs: list[Path], out: Path, thresholds: Thresholds | None = None) -> list[Path]:
+    """Write report.html, report.md and the PNG plots into `out`; return the files written. `thresholds` (default
+    conf/gate/default.yaml) judge the runs when no verdict.json of the gate speaks for them, and always when given.
+    What would keep the gate from judging the records is listed as warnings at the top and printed on stderr."""
+    records = read_runs(runs)
+    if not records.rows:
+        why = f": {records.problems[0]}" if records.problems else ""
+        raise ConfigError(f"no records in {', '.join(map(str, runs))}{why}")
+    out = output_folder(out)
+    t = thresholds or load_thresholds("default")
+    summary = summarize(records.rows)
+    warnings = [*records.problems, *baseline_problems(summary, t)[0]]
+    for w in warnings:
+        print(f"evalkit report: warning: {w}", file=sys.stderr)
+    verdict = verdict_view(runs, records, t, explicit=thresholds is not None)
+    page = write_page(runs, records, t, verdict, out)
+    try:
+        images = [
+            p for p in [heatmaps(records.rows, out), tradeoff(summary, out), *bars(summary, out)] if p is not None
+        ]
+        md = markdown(summary, images, runs, chunked_vs_oneshot(records.rows), warnings)
+        (out / "report.md").write_text(md)
+    except OSError as err:
+        raise ConfigError(
+            f"could not write the report into {out} ({err.strerror or err}); give --out another folder"
+        ) from None
+    return [page, out / "report.md", *images]
+
+
+def main(argv: list[str] | None = None) -> int:
+    def run() -> int:
+        ap = argparse.ArgumentParser(prog="python -m evalkit.report", description=__doc__.splitlines()[0])
+        ap.add_argument("runs", nargs="+", type=Path)
+        ap.add_argument("--out", type=Path, default=None, help="output folder (default: RUN/report)")
+        ap.add_argument(
+            "--gate", default=None, help="judge with these thresholds (a conf/gate name or a YAML file) instead of the "
+            "runs' verdict.json"
+        )  # fmt: skip
+        args = ap.parse_args(argv)
+        out = args.out or args.runs[0] / "report"
+        written = report(args.runs, out, load_thresholds(args.gate)) if args.gate else report(args.runs, out)
+        print("\n".join(str(p) for p in written))
+        return 0
+
+    return guarded(run)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

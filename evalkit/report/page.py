@@ -1,0 +1,398 @@
+"""The report as one self-contained page: the verdict first, the trade-off, where each variant fails, every lost
+sample, and each run's own panel (templates/report.html.j2, drawn with Plotly; see evalkit.page).
+
+Runs of different tasks, models or backends are merged as the gate merges them (analysis.merge prefixes their
+labels with `task/` or `model/`): columns every run has sit side by side, and each group of runs gets its own cells
+panel, laid out from the cell keys its rows have (context length x depth, RULER's length, a dataset's subtask).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import defaultdict
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import plotly.graph_objects as go
+from plotly.colors import qualitative
+
+from evalkit.gate.decide import SHOWN_TO_FAIL
+from evalkit.gate.judge import baseline_problems
+from evalkit.gate.reading import Records
+from evalkit.gate.stats import flip_cause
+from evalkit.gate.summary import BASELINE, cell_key, is_baseline, label_order, summarize
+from evalkit.gate.thresholds import Thresholds
+from evalkit.report.data import Line, VerdictView, group_of, line_of, own_variant, row_lines, run_folders, run_panel
+from evalkit.report.html import accuracy_colour, figure, write_page
+from evalkit.units import fmt_bytes
+
+SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "star", "cross", "pentagon", "hexagon", "triangle-down")
+COLOURS = qualitative.Plotly + qualitative.Dark24  # ten well-separated colours first
+LENGTH_KEYS = ("context_length", "max_length", "needle_context_length")  # a cell grid's columns, when rows have one
+ROW_KEYS = ("depth", "position")  # and its rows
+NOT_MEASURED = "not measured"
+DODGE = 0.015  # share of KV saved between markers that would sit on one point (about a marker apart)
+
+
+def pareto(points: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
+    """Points (saved, accuracy, name) not beaten on both axes by another point, by increasing saving."""
+    front = [p for p in points if not any(q[0] >= p[0] and q[1] >= p[1] and q[:2] != p[:2] for q in points)]
+    return sorted(front)
+
+
+def short_label(label: str) -> str:
+    """A label without its group prefix (the legend and the cells name the group once)."""
+    group = group_of(label)
+    return label[len(group) + 1 :] if group else label
+
+
+def group_title(group: str, rows: list[dict]) -> str:
+    if group:
+        return group
+    tasks = sorted({str(r.get("task")) for r in rows if r.get("task")})
+    return ", ".join(tasks) or "all runs"
+
+
+def accuracy_bounds(s: dict[str, Any]) -> tuple[float, float]:
+    """The variant's accuracy bounds from the paired drop's (one-sided each): baseline minus the drop's bounds."""
+    p = s["paired"]
+    lo, hi = p["drop_bounds"]
+    if math.isnan(lo) or math.isnan(hi):  # too few samples for a bound (a graded score's bootstrap): none drawn
+        return math.nan, math.nan
+    return max(0.0, p["baseline"] - hi), min(1.0, p["baseline"] - lo)
+
+
+# --- the trade-off -----------------------------------------------------------------------------------------------
+
+
+def _hover(name: str, s: dict[str, Any], status: str, same: list[str]) -> str:
+    p = s["paired"]
+    lo, hi = accuracy_bounds(s)
+    lines = [
+        f"<b>{name}</b>" + (f" ({status})" if status else ""),
+        f"accuracy {s['accuracy']:.3f}" + ("" if is_baseline(name) else f"  bounds [{lo:.3f}, {hi:.3f}]"),
+        f"baseline {p['baseline']:.3f} on the same {s['n']} samples",
+        f"drop {p['drop']:+.3f} [{p['drop_bounds'][0]:+.3f}, {p['drop_bounds'][1]:+.3f}], lost {s['lost']}, "
+        f"gained {s['gained']}",
+        f"KV {s['kv_ratio']:.3f}x of the full cache ({fmt_bytes(s['kv_bytes_deployed'], 'MiB')} deployed)",
+    ]
+    if s.get("kl_mean") is not None:
+        lines.append(f"mean KL {s['kl_mean']:.4f} nats")
+    if same:
+        lines.append("same point: " + ", ".join(same))
+    return "<br>".join(lines)
+
+
+def tradeoff_figure(summary: dict[str, Any], verdict: VerdictView) -> go.Figure:
+    """Accuracy with its bounds against the share of KV bytes saved: one marker per variant (its numbers on hover, its
+    name in the legend, never printed over another), a symbol per group of runs, the Pareto front of each group, and
+    the gate's accuracy floor (baseline minus max_drop)."""
+    fig = go.Figure()
+    groups = sorted({group_of(n) for n in summary})
+    names = sorted({own_variant(n) for n in summary})
+    at: dict[tuple, list[str]] = defaultdict(list)
+    for name, s in summary.items():
+        at[round(1 - s["kv_ratio"], 3), round(s["accuracy"], 3)].append(name)
+    for name, s in summary.items():
+        group, x, y = group_of(name), 1 - s["kv_ratio"], s["accuracy"]
+        lo, hi = accuracy_bounds(s)
+        here = at[round(x, 3), round(y, 3)]
+        same = [o for o in here if o != name]
+        dodge = DODGE * (here.index(name) - (len(here) - 1) / 2)  # markers at one point side by side, centred on it
+        fig.add_trace(
+            go.Scatter(
+                x=[x + dodge],
+                y=[y],
+                mode="markers",
+                name=short_label(name),
+                legendgroup=group or "runs",
+                legendgrouptitle_text=group or None,
+                marker={
+                    "symbol": SYMBOLS[groups.index(group) % len(SYMBOLS)],
+                    "size": 13,
+                    "color": COLOURS[names.index(own_variant(name)) % len(COLOURS)],
+                    "line": {"width": 1, "color": "#111"},
+                },
+                error_y=None
+                if is_baseline(name) or math.isnan(lo)
+                else {"type": "data", "symmetric": False, "array": [hi - y], "arrayminus": [y - lo], "thickness": 1.2},
+                hovertext=[_hover(name, s, verdict.variant_status.get(name, ""), same)],
+                hovertemplate="%{hovertext}<extra></extra>",
+            )
+        )
+    for group in groups:
+        members = {n: s for n, s in summary.items() if group_of(n) == group}
+        front = pareto([(1 - s["kv_ratio"], s["accuracy"], n) for n, s in members.items()])
+        if len(front) > 1:
+            fig.add_trace(
+                go.Scatter(
+                    x=[p[0] for p in front], y=[p[1] for p in front], mode="lines", name="Pareto front",
+                    legendgroup=group or "runs", line={"dash": "dash", "color": "#6b7280"}, hoverinfo="skip",
+                )
+            )  # fmt: skip
+    for y, names in _floors(summary, verdict.thresholds).items():
+        label = "baseline − max_drop" + (f" ({', '.join(names)})" if any(names) else "")
+        fig.add_hline(y=y, line={"dash": "dot", "color": "#b91c1c", "width": 1}, annotation_text=label,
+                      annotation_font_size=11)  # fmt: skip
+    fig.update_xaxes(title="KV bytes saved (share of the full fp16/bf16 cache)", range=[-0.05, 1.05], tickformat=".0%")
+    fig.update_yaxes(title="accuracy (paired bounds, one-sided each)", range=[-0.05, 1.08])
+    fig.update_layout(legend={"groupclick": "toggleitem", "itemsizing": "constant"}, hovermode="closest")
+    return fig
+
+
+def _floors(summary: dict[str, Any], thresholds: dict[str, Any]) -> dict[float, list[str]]:
+    """The gate's accuracy floor of each group (its baseline minus max_drop) -> the groups at it, one line and one
+    label per height; none for a baseline the gate would not judge (below min_baseline_accuracy)."""
+    max_drop, weak = thresholds.get("max_drop"), thresholds.get("min_baseline_accuracy")
+    if not isinstance(max_drop, (int, float)):
+        return {}
+    out: dict[float, list[str]] = defaultdict(list)
+    for name, s in summary.items():
+        if is_baseline(name) and not (isinstance(weak, (int, float)) and s["accuracy"] < weak):
+            out[round(s["accuracy"] - max_drop, 4)].append(group_of(name))
+    return dict(out)
+
+
+def kl_figure(summary: dict[str, Any]) -> go.Figure | None:
+    """Mean KL against KV bytes saved, for fidelity rows (None when no variant measured it)."""
+    points = [(n, s) for n, s in summary.items() if s.get("kl_mean") is not None and not is_baseline(n)]
+    if not points:
+        return None
+    fig = go.Figure()
+    for name, s in points:
+        fig.add_trace(
+            go.Scatter(
+                x=[1 - s["kv_ratio"]], y=[s["kl_mean"]], mode="markers", name=name, marker={"size": 12},
+                hovertemplate=f"<b>{name}</b><br>mean KL %{{y:.4f}} nats<br>saved %{{x:.1%}}<extra></extra>",
+            )
+        )  # fmt: skip
+    fig.update_xaxes(title="KV bytes saved", tickformat=".0%", range=[-0.05, 1.05])
+    fig.update_yaxes(title="mean KL (nats)", rangemode="tozero")
+    return fig
+
+
+# --- the variants side by side -----------------------------------------------------------------------------------
+
+
+def variant_table(summary: dict[str, Any], verdict: VerdictView, rows: list[dict]) -> list[dict[str, Any]]:
+    """The columns every run has, one line per variant, grouped by run group."""
+    by_group: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        by_group[group_of(r["variant"])].append(r)
+    out = []
+    for name, s in summary.items():
+        p = s["paired"]
+        out.append(
+            {
+                "group": group_title(group_of(name), by_group[group_of(name)]),
+                "variant": short_label(name),
+                "label": name,
+                "baseline": is_baseline(name),
+                "status": BASELINE if is_baseline(name) else verdict.variant_status.get(name, "-"),
+                "n": s["n"],
+                "baseline_accuracy": p["baseline"],
+                "accuracy": s["accuracy"],
+                "drop": p["drop"],
+                "bounds": p["drop_bounds"],
+                "lost": s["lost"],
+                "gained": s["gained"],
+                "kv_ratio": s["kv_ratio"],
+                "kv_measured": fmt_bytes(s["kv_bytes"], "MiB"),
+                "kl": s.get("kl_mean"),
+            }
+        )
+    return out
+
+
+# --- where it fails ----------------------------------------------------------------------------------------------
+
+
+def _order(value: Any) -> tuple:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return (not number, value if number else str(value))
+
+
+def _axes(cells: list[dict]) -> tuple[str | None, str | None, list[str]]:
+    """(column key, row key, facet keys) for the cells of one group: lengths across, depths down, the rest faceted."""
+    common = set.intersection(*(set(c) for c in cells)) if cells else set()
+    col = next((k for k in LENGTH_KEYS if k in common), None)
+    row = next((k for k in ROW_KEYS if k in common), None)
+    varying = sorted(k for k in set().union(*cells) if k not in (col, row) and len({str(c.get(k)) for c in cells}) > 1)
+    return col, row, varying
+
+
+def _cell(stats: dict | None, status: str, min_base: float | None, baseline_panel: bool) -> dict | None:
+    if stats is None:
+        return None
+    cannot = min_base is not None and stats["baseline"] < min_base
+    value = stats["baseline"] if baseline_panel else stats["policy"]
+    title = f"accuracy {value:.2f}, n={stats['n']}"
+    if not baseline_panel:
+        title += f"; baseline {stats['baseline']:.2f}, lost {stats['lost']}, gained {stats['gained']}"
+    if cannot:
+        title += f"; the baseline scores {stats['baseline']:.2f} here, below min_baseline_accuracy={min_base}"
+    elif status:
+        title += f"; gate: {status}"
+    return {
+        "value": value,
+        "n": stats["n"],
+        "cannot": cannot,
+        "failed": status == SHOWN_TO_FAIL,
+        "colour": "#e5e7eb" if cannot and not baseline_panel else accuracy_colour(value),
+        "title": title,
+    }
+
+
+def cell_panels(rows: list[dict], summary: dict[str, Any], verdict: VerdictView) -> list[dict[str, Any]]:
+    """Per group of runs, per variant (the baseline first): accuracy per cell with n, as small grids that wrap."""
+    min_base = verdict.thresholds.get("min_baseline_accuracy")
+    status = {(c.get("variant"), c.get("cell")): str(c.get("status", "")) for c in verdict.cells}
+    cells_of: dict[str, dict[str, dict]] = defaultdict(dict)
+    for r in rows:
+        cells_of[group_of(r["variant"])].setdefault(cell_key(r["cell"]), r["cell"])
+    out = []
+    for group, cells in sorted(cells_of.items()):
+        col, row, facets = _axes(list(cells.values()))
+        layout = _grids(cells, col, row, facets)
+        panels = []
+        for name in sorted((n for n in summary if group_of(n) == group), key=label_order):
+            stats, base = summary[name]["cells"], is_baseline(name)
+            grids = [
+                {**g, "rows": [
+                    {"label": r["label"], "cells": [
+                        None if k is None else _cell(stats.get(k), status.get((name, k), ""), min_base, base)
+                        for k in r["cells"]
+                    ]}
+                    for r in g["rows"]
+                ]}
+                for g in layout
+            ]  # fmt: skip
+            panels.append({"variant": short_label(name), "baseline": base, "grids": grids})
+        group_rows = [r for r in rows if group_of(r["variant"]) == group]
+        out.append({"title": group_title(group, group_rows), "col": col, "row": row, "panels": panels})
+    return out
+
+
+def _grids(cells: dict[str, dict], col: str | None, row: str | None, facets: list[str]) -> list[dict]:
+    """The layout of one group's cells (their keys in place): one small grid per facet, columns by `col`, rows by
+    `row`, or a plain list of cells when neither applies."""
+    by_facet: dict[str, dict[str, dict]] = defaultdict(dict)
+    for key, c in cells.items():
+        by_facet[" ".join(f"{k}={c.get(k)}" for k in facets)][key] = c
+    grids = []
+    for facet, members in sorted(by_facet.items()):
+        if col is None and row is None:
+            body = [{"label": k, "cells": [k]} for k in sorted(members)]
+            grids.append({"facet": facet, "cols": [""], "rows": body})
+            continue
+        cols = sorted({c.get(col) for c in members.values()}, key=_order) if col else [None]
+        ys = sorted({c.get(row) for c in members.values()}, key=_order) if row else [None]
+        where = {(c.get(row) if row else None, c.get(col) if col else None): k for k, c in members.items()}
+        body = [{"label": _label(y), "cells": [where.get((y, x)) for x in cols]} for y in ys]
+        grids.append({"facet": facet, "cols": [_label(x) for x in cols], "rows": body})
+    return grids
+
+
+def _label(value: Any) -> str:
+    if value is None:
+        return ""
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+# --- every lost sample -------------------------------------------------------------------------------------------
+
+
+def lost_samples(rows: list[dict], lines: dict[tuple, Line], out: Path) -> list[dict[str, Any]]:
+    """Every sample a variant lost (it scores below the baseline's row for the same sample), with what it answered,
+    what the answer was, the evidence each layer kept, and the line of samples.jsonl that records it."""
+    base: dict[tuple, dict] = {}
+    for r in rows:
+        if is_baseline(r["variant"]):
+            base.setdefault((group_of(r["variant"]), r["sample_id"]), r)
+    lost = []
+    for r in sorted(rows, key=lambda r: (label_order(r["variant"]), cell_key(r["cell"]), str(r["sample_id"]))):
+        if is_baseline(r["variant"]):
+            continue
+        b = base.get((group_of(r["variant"]), r["sample_id"]))
+        if not r["score"] < (b["score"] if b else r["baseline_score"]):
+            continue
+        lost.append(_lost_row(r, b, line_of(r, lines), out))
+    return lost
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return " | ".join(value)
+    return json.dumps(value, ensure_ascii=False, default=str)
+
+
+def _lost_row(r: dict, b: dict | None, line: Line | None, out: Path) -> dict[str, Any]:
+    retained = r.get("evidence_retained_per_layer")
+    retained = retained if isinstance(retained, list) and retained else None
+    cause = flip_cause({**r, "flip": "lost"}) or NOT_MEASURED
+    source = None
+    if line is not None:
+        pretty = json.dumps(json.loads(line.text), indent=1, ensure_ascii=False, sort_keys=True)
+        href = Path(os.path.relpath(line.path.resolve(), out.resolve())).as_posix()
+        source = {"href": href, "label": f"{line.path.parent.name}/{line.path.name}:{line.number}",
+                  "path": str(line.path), "line": line.number, "row": pretty}  # fmt: skip
+    return {
+        "variant": r["variant"],
+        "cell": cell_key(r["cell"]),
+        "cause": cause,
+        "sample_id": str(r["sample_id"]),
+        "context_id": r.get("context_id"),
+        "question": _text(r.get("question")),
+        "prediction": _text(r["prediction"] if "prediction" in r else r.get("response")),
+        "answers": _text(r.get("answers")),
+        "baseline_prediction": _text(b.get("prediction", b.get("response"))) if b else "",
+        "score": r["score"],
+        "baseline_score": b["score"] if b else r["baseline_score"],
+        "evidence": [{"layer": i, "value": v, "colour": accuracy_colour(v)} for i, v in enumerate(retained or [])],
+        "source": source,
+    }
+
+
+# --- the page ----------------------------------------------------------------------------------------------------
+
+
+def build(
+    run_dirs: list[Path], records: Records, thresholds: Thresholds, verdict: VerdictView, out: Path
+) -> dict[str, Any]:
+    """Everything report.html.j2 shows, from merged records and the verdict."""
+    rows = records.rows
+    summary = summarize(rows)
+    # what keeps the gate from judging, unless the verdict already gives it as a reason
+    warnings = [w for w in [*records.problems, *baseline_problems(summary, thresholds)[0]] if w not in verdict.reasons]
+    lost = lost_samples(rows, row_lines(run_folders(run_dirs)), out)
+    kl = kl_figure(summary)
+    return {
+        "title": "evalkit report: " + ", ".join(d.name for d in run_dirs),
+        "generated": datetime.now().isoformat(timespec="seconds"),
+        "runs": [str(d) for d in run_dirs],
+        "verdict": verdict,
+        "warnings": warnings,
+        "tradeoff": figure(tradeoff_figure(summary, verdict), "tradeoff-plot", 500),
+        "kl": figure(kl, "kl-plot", 380) if kl is not None else None,
+        "variants": variant_table(summary, verdict, rows),
+        "cells": cell_panels(rows, summary, verdict),
+        "lost": lost,
+        "filters": {
+            "variant": sorted({x["variant"] for x in lost}, key=label_order),
+            "cell": sorted({x["cell"] for x in lost}),
+            "cause": sorted({x["cause"] for x in lost}),
+        },
+        "panels": [run_panel(f) for f in run_folders(run_dirs)],
+    }
+
+
+def write(run_dirs: list[Path], records: Records, thresholds: Thresholds, verdict: VerdictView, out: Path) -> Path:
+    """Write report.html into `out`."""
+    return write_page(out / "report.html", "report.html.j2", **build(run_dirs, records, thresholds, verdict, out))
