@@ -27,6 +27,14 @@ count as an integer budget. Pairs compared (kvpress press <-> evalkit policy):
                                                  int(0.2 k) best first; kvpress masks, evalkit stores ragged heads)
     ExpectedAttentionPress (defaults)        <-> expected_attention (512 future positions, 4 sinks, covariance,
                                                  value norm, epsilon 0)
+    KVzipPress (4 sinks, chunks of 2048)     <-> kvzip (the reconstruction pass; all layers and heads ranked
+                                                 together, kvpress's default layerwise=False)
+    KVzipPress(layerwise=True)               <-> kvzip (layerwise: true; each layer's heads ranked together)
+    KVzipPress(kvzip_plus_normalization)     <-> kvzip (plus: true)
+
+kvpress keeps, for KVzip, n - int(n x ratio) tokens over all layers and heads (per layer: Hkv T - int(Hkv T ratio));
+evalkit is given kvpress's per-head count int(T (1 - ratio)) and keeps that times Hkv x layers, so at some lengths
+kvpress keeps a few dozen tokens more in all (45 of 81,945 at 1821 tokens and half): a Jaccard just below 1 there.
 
 Printed per pair, budget and prompt: the mean Jaccard index of the kept sets over layers x KV heads, and how many
 heads keep exactly the same set; `--presses tova keydiff` compares only those. --write-fixture also writes
@@ -37,6 +45,7 @@ agreement without kvpress installed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -50,18 +59,19 @@ from omegaconf import OmegaConf
 
 from evalkit import models
 from evalkit.cache import compress, held_positions
-from evalkit.engine import prefill
+from evalkit.engine import prefill, reconstruction
 from evalkit.policies import KVPolicy
 from evalkit.policies.adakv import AdaKV
 from evalkit.policies.expected_attention import ExpectedAttention
 from evalkit.policies.h2o import H2O
 from evalkit.policies.keydiff import KeyDiff
 from evalkit.policies.knorm import KNorm
+from evalkit.policies.kvzip import KVzip
 from evalkit.policies.pyramidkv import PyramidKV
 from evalkit.policies.snapkv import SnapKV
 from evalkit.policies.streaming_llm import StreamingLLM
 from evalkit.policies.tova import TOVA
-from evalkit.prompt import build_prompt
+from evalkit.prompt import Repeat, build_prompt
 from evalkit.tasks.needle import NeedleTask
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,6 +92,9 @@ PAIRS = {
     "keydiff": "keydiff",
     "expected_attention": "expected_attention",
     "adakv_snapkv": "adakv(snapkv)",
+    "kvzip": "kvzip",
+    "kvzip_layerwise": "kvzip(layerwise)",
+    "kvzip_plus": "kvzip+",
 }
 
 
@@ -114,6 +127,9 @@ def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) ->
         "keydiff": KeyDiff(budget=k, decode=False),
         "expected_attention": ExpectedAttention(budget=k),  # kvpress's defaults are its defaults
         "adakv(snapkv)": AdaKV(inner=SnapKV(budget=k, **snap), budget=k, alpha=0.2),  # kvpress alpha_safeguard
+        "kvzip": KVzip(budget=k),  # kvpress's defaults: 4 sinks, chunks of 2048, all layers ranked together
+        "kvzip(layerwise)": KVzip(budget=k, layerwise=True),
+        "kvzip+": KVzip(budget=k, plus=True),
     }
     for pol in pols.values():
         pol.validate(n_tokens)
@@ -127,7 +143,8 @@ def build_prompts(tokenizer) -> list[dict]:
     for sample in task.samples(tokenizer):
         prompt = build_prompt(tokenizer, sample)
         ids = prompt.ids[0, : prompt.n_context].tolist()
-        out.append({"name": f"prose-{sample.cell['context_length']}", "ids": ids, "sample": sample.id})
+        rep = dataclasses.asdict(prompt.repeat)  # KVzip's repeat prompt for these ids
+        out.append({"name": f"prose-{sample.cell['context_length']}", "ids": ids, "sample": sample.id, "repeat": rep})
     return out
 
 
@@ -143,9 +160,12 @@ def run_kvpress(python: str, model_dir: Path, prompts: list[dict], only: list[st
 
 
 @torch.inference_mode()
-def evalkit_kept(model, ids: list[int], pols: dict[str, KVPolicy]) -> dict[str, list[list[list[int]]]]:
-    """Per policy, per layer, per KV head: the sorted positions evalkit keeps after one shared prefill."""
-    full, obs = prefill(model, torch.tensor([ids], device=model.device), list(pols.values()))
+def evalkit_kept(model, prompt: dict, pols: dict[str, KVPolicy]) -> dict[str, list[list[list[int]]]]:
+    """Per policy, per layer, per KV head: the sorted positions evalkit keeps after one shared prefill (and KVzip's
+    reconstruction pass over it)."""
+    ids = torch.tensor([prompt["ids"]], device=model.device)
+    full, obs = prefill(model, ids, list(pols.values()))
+    reconstruction(model, full, ids, Repeat(**prompt["repeat"]), list(pols.values()), obs)
     out = {}
     for name, pol in pols.items():
         cache = compress(full, pol, obs)
@@ -195,6 +215,7 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
         },
         "settings": meta["settings"],
         "n_kept": {f"{r}": n_kept(n, r) for r in RATIOS},
+        "repeat": prompt["repeat"],  # KVzip's repeat prompt (evalkit.prompt.Repeat) for these ids
         "n_kept_rule": "kvpress keeps int(n_tokens * (1 - compression_ratio)) per head (PyramidKV: its per-layer "
         "budgets, see held_per_layer); evalkit must be given this count as an integer budget",
         "evalkit_equivalent": {
@@ -206,6 +227,9 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
             "tova": {"policy": "tova"},
             "keydiff": {"policy": "keydiff"},
             "adakv_snapkv": {"policy": "adakv", "inner": "snapkv", "alpha": 0.2, "window": WINDOW, "kernel": KERNEL},
+            "kvzip": {"policy": "kvzip", "n_sink": 4, "chunk_size": 2048, "layerwise": False},
+            "kvzip_layerwise": {"policy": "kvzip", "n_sink": 4, "chunk_size": 2048, "layerwise": True},
+            "kvzip_plus": {"policy": "kvzip", "n_sink": 4, "chunk_size": 2048, "plus": True},
             "expected_attention": {
                 "policy": "expected_attention",
                 "n_future_positions": 512,
@@ -217,7 +241,7 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
         },
         "encoding": "kept[press@compression_ratio][layer][kv_head] is a hex bitmask: position p is kept when "
         "(int(s, 16) >> p) & 1; keys are compression ratios (fraction removed), 0.5 and 0.75; held_per_layer is "
-        "head 0's count (AdaKV's heads hold different counts)",
+        "head 0's count (AdaKV's and KVzip's heads hold different counts)",
     }
     kept = {key: [[to_hex(h) for h in layer] for layer in layers] for key, layers in kv_prompt["kept"].items()}
     held = {key: [len(layer[0]) for layer in layers] for key, layers in kv_prompt["kept"].items()}
@@ -271,7 +295,7 @@ def main() -> None:
             pyramid_budgets = [len(layer[0]) for layer in theirs["pyramidkv"]] if "pyramidkv" in theirs else []
             labels = [PAIRS[press] for press in args.presses] + (["pyramidkv*"] if "pyramidkv" in theirs else [])
             pols = {label: pol for label, pol in evalkit_policies(n, ratio, pyramid_budgets).items() if label in labels}
-            ours = evalkit_kept(loaded.model, prompt["ids"], pols)
+            ours = evalkit_kept(loaded.model, prompt, pols)
             pairs = [(press, PAIRS[press]) for press in args.presses]
             pairs += [("pyramidkv", "pyramidkv*")] if "pyramidkv" in theirs else []
             for press, label in pairs:

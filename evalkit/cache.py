@@ -151,11 +151,9 @@ def enforce(cache: Cache, policy: KVPolicy) -> None:
     # layers keep their own bound and take no share.
     budgets = policy.keep_per_layer(cache.layers[evictable[0]].seen, len(evictable))
     targets = dict(zip(evictable, budgets, strict=True))
-    for layer_idx in evictable:
-        layer = cache.layers[layer_idx]
-        view = layer.view(layer_idx, n_layers)
-        if policy.over(view, targets[layer_idx]):
-            layer.keep(policy.select(view, targets[layer_idx]))
+    views = {i: cache.layers[i].view(i, n_layers) for i in evictable}
+    for layer_idx, idx in policy.select_layers(views, targets).items():
+        cache.layers[layer_idx].keep(idx)
 
 
 def kv_bytes(cache: Cache) -> int:

@@ -39,6 +39,7 @@ class AdaKV(Wrapper):
     decodable: ClassVar[bool] = False
     chunkable: ClassVar[bool] = False
     ragged: ClassVar[bool] = True
+    wrappable: ClassVar[bool] = False  # its choice is its selection, not a score a wrapper could use
 
     def over(self, view: LayerView, k: int) -> bool:
         return int(view.real.sum(dim=(1, 2)).max()) > k * view.keys.shape[1]

@@ -51,6 +51,7 @@ class DuoAttention(KVPolicy):
     calibration_context: int = 1024
     decode: bool = True  # streaming heads slide while decoding, as in the paper
     ragged: ClassVar[bool] = True
+    wrappable: ClassVar[bool] = False  # its choice is its selection, not a score a wrapper could use
     chunkable: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
