@@ -52,68 +52,110 @@ def block_attention(
     gets from any query and any query head of its group, each query's softmax taken over the first `sinks` past keys,
     the keys [lo, hi) and the own keys it sees. `weights` (KVzip+): the norm of each query's hidden state (B, m), which
     divides those probabilities, and of each scored key's value through the output projection of each query head
-    (B, Hkv, G, hi - lo), which multiplies them. `window`: a sliding-window layer's, a query sees only
-    the keys less than `window` positions before it (the past keys are the last P before the block). Returns the
-    output (B, m, Hq, D) in the query's dtype, as transformers' attention functions do, and the scores or None."""
+    (B, Hkv, G, hi - lo), which multiplies them. `window`: a sliding-window layer's, a query sees only the keys less
+    than `window` positions before it (the past keys are the last P before the block). Returns the output
+    (B, m, Hq, D) in the query's dtype, as transformers' attention functions do, and the scores or None."""
     (past_k, past_v), (own_k, own_v) = past, own
-    b, hq, m, d = query.shape
+    b, hq, m, _ = query.shape
     hkv, p = past_k.shape[1], past_k.shape[2]
     group = hq // hkv
-    chunk = query_chunk(b, hq, p + m)
-    q = query.view(b, hkv, group, m, d)
-    keys_t = [past_k.float().transpose(-1, -2), own_k.float().transpose(-1, -2)]
-    values = [past_v.float(), own_v.float()]
-    out = torch.empty(b, hkv, group, m, values[0].shape[-1], dtype=torch.float32, device=query.device)
+    chunk = query_chunk(1, group, p + m)
+    out = torch.empty(b, hkv, group, m, past_v.shape[-1], dtype=torch.float32, device=query.device)
     best = None if scored is None else torch.zeros(b, hkv, scored[2] - scored[1], device=query.device)
-    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=query.device).triu(1)
-    buffers = [torch.empty(b * hq * chunk * (p + m), device=query.device) for _ in range(2)]
+    scratch = torch.empty(group * chunk * (p + m), device=query.device)  # one chunk's logits, reused
+    queries = query.view(b, hkv, group, m, -1)
+    for i in range(b):
+        for h in range(hkv):
+            head = [queries[i, h].float() * scaling] + [x[i, h].float() for x in (past_k, past_v, own_k, own_v)]
+            w = None if weights is None else (weights[0][i], weights[1][i, h])
+            kept = None if best is None else best[i, h]
+            block_head(head, scratch, chunk, out[i, h], kept, scored, window, w)
+    return out.view(b, hq, m, -1).transpose(1, 2).to(query.dtype).contiguous(), best
+
+
+def block_head(
+    head: list[Tensor],
+    scratch: Tensor,
+    chunk: int,
+    out: Tensor,
+    best: Tensor | None,
+    scored: tuple[int, int, int] | None,
+    window: int | None,
+    weights: tuple[Tensor, Tensor] | None,
+) -> None:
+    """`block_attention` for one KV head: queries (G, m, D), already scaled, past and own keys and values (P or m, D);
+    writes the output (G, m, D) into `out` and raises `best` (hi - lo,) to the scores, chunk by chunk of queries:
+    one set of logits and one softmax per chunk serve both."""
+    queries, past_k, past_v, own_k, own_v = head
+    group, m, d = queries.shape
+    p = past_k.shape[0]
+    past_t, own_t = past_k.t(), own_k.t()
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=queries.device).triu(1)
     for start in range(0, m, chunk):
         end = min(start + chunk, m)
         n = end - start
-        rows = (q[:, :, :, start:end].float() * scaling).reshape(b, hkv, group * n, d)
-        shape = (b, hkv, group * n, p + end)
-        logits = buffers[0][: shape[0] * shape[1] * shape[2] * shape[3]].view(shape)
-        torch.matmul(rows, keys_t[0], out=logits[..., :p])
-        torch.matmul(rows, keys_t[1][..., :end], out=logits[..., p:])
-        # causal among the block's own keys: only the chunk's diagonal block has keys after a query
-        logits.view(b, hkv, group, n, p + end)[..., p + start :].masked_fill_(upper[:n, :n], float("-inf"))
-        if window is not None:
-            logits.masked_fill_(~in_window(start, end, p, group, window, query.device), float("-inf"))
-        probs = buffers[1][: logits.numel()].view(shape)
-        torch.softmax(logits, dim=-1, out=probs)
-        got = probs[..., :p] @ values[0] + probs[..., p:] @ values[1][..., :end, :]
-        out[:, :, :, start:end] = got.view(b, hkv, group, n, -1)
-        if scored is not None:
-            norms = None if weights is None else (weights[0][:, start:end], weights[1])
-            best = torch.maximum(best, most_received(logits, p, scored, group, norms))
-    output = out.view(b, hq, m, -1).transpose(1, 2).to(query.dtype).contiguous()
-    return output, best
+        rows = queries[:, start:end].reshape(group * n, d)
+        probs = scratch[: group * n * (p + end)].view(group * n, p + end)
+        chunk_logits(rows, (past_t, own_t), (start, end), upper, window, probs)
+        torch.softmax(probs, dim=-1, out=probs)  # in place: the output's probabilities, over every key it sees
+        out[:, start:end] = (probs[:, :p] @ past_v + probs[:, p:] @ own_v[:end]).view(group, n, -1)
+        if best is None:
+            continue
+
+        def exact(low: Tensor, rows=rows, start=start, end=end) -> Tensor:
+            logits = torch.empty(rows.shape[0], p + end, device=rows.device)
+            return chunk_logits(rows, (past_t, own_t), (start, end), upper, window, logits)[low]
+
+        norms = None if weights is None else (weights[0][start:end], weights[1])
+        got = subset_probs(probs, p, scored, exact).view(group, n, -1)  # (G, n, hi - lo)
+        if norms is not None:  # KVzip+
+            got = got / norms[0][None, :, None] * norms[1][:, None, :]
+        torch.maximum(best, got.amax(dim=(0, 1)), out=best)
 
 
-def in_window(start: int, end: int, past: int, group: int, window: int, device: torch.device) -> Tensor:
-    """(G * n, past + end) bool, rows per query head then query: for the block's queries [start, end) (query j at
-    position past + j, counting from the first past key), the keys less than `window` positions back."""
+def chunk_logits(
+    rows: Tensor, keys_t: tuple[Tensor, Tensor], span: tuple[int, int], upper: Tensor, window: int | None, out: Tensor
+) -> Tensor:
+    """Into `out` (G * n, P + end): the scaled queries `rows` (G * n, D), queries [start, end) of a block, against
+    the past keys and the block's own keys up to `end` (both transposed, (D, P) and (D, m)); -inf where a query
+    cannot see the key (an own key after it; beyond a sliding window)."""
+    (past_t, own_t), (start, end) = keys_t, span
+    p, n = past_t.shape[1], end - start
+    torch.matmul(rows, past_t, out=out[:, :p])
+    torch.matmul(rows, own_t[:, :end], out=out[:, p:])
+    grouped = out.view(-1, n, p + end)
+    grouped[..., p + start :].masked_fill_(upper[:n, :n], float("-inf"))  # only the diagonal block has later keys
+    if window is not None:
+        grouped.masked_fill_(~in_window(start, end, p, window, rows.device), float("-inf"))
+    return out
+
+
+def in_window(start: int, end: int, past: int, window: int, device: torch.device) -> Tensor:
+    """(n, past + end) bool: for the block's queries [start, end) (query j at position past + j, counting from the
+    first past key), the keys less than `window` positions back."""
     q_pos = torch.arange(start, end, device=device)[:, None] + past
     k_pos = torch.arange(past + end, device=device)[None, :]
-    return (k_pos > q_pos - window).repeat(group, 1)
+    return k_pos > q_pos - window
 
 
-def most_received(
-    logits: Tensor, past: int, scored: tuple[int, int, int], group: int, weights: tuple[Tensor, Tensor] | None
-) -> Tensor:
-    """(B, Hkv, hi - lo): per past key in [lo, hi), its largest probability over the rows of `logits` (B, Hkv, G * n,
-    past + own), each row's softmax taken over the first `sinks` keys, [lo, hi) and the own keys (the columns from
-    `past` on); `weights` (KVzip+: a norm per row (B, n) that divides, a norm per key and query head (B, Hkv, G,
-    hi - lo) that multiplies) scale them first."""
+TINY = 1e-30  # below this share of a query's probability, the subset's is recomputed from logits (float32's floor)
+
+
+def subset_probs(probs: Tensor, past: int, scored: tuple[int, int, int], exact) -> Tensor:
+    """(rows, hi - lo): each row's probabilities of the keys [lo, hi) renormalised over the subset KVzip scores with
+    (the first `sinks` keys, [lo, hi), and the own keys, the columns from `past` on): the softmax over the subset
+    alone, taken from the full softmax `probs` (rows, past + own) without a second exponential. A row whose subset
+    holds less than TINY of its probability (where float32 would lose the ratio) is recomputed from its logits,
+    `exact(rows)` (the rows' logits over every key)."""
     sinks, lo, hi = scored
-    subset = torch.cat([logits[..., :sinks], logits[..., lo:hi], logits[..., past:]], dim=-1).softmax(dim=-1)
-    probs = subset[..., sinks : sinks + hi - lo]  # (B, Hkv, G * n, hi - lo)
-    b, hkv, rows, k = probs.shape
-    probs = probs.view(b, hkv, group, rows // group, k)
-    if weights is not None:
-        per_row, per_key = weights
-        probs = probs / per_row[:, None, None, :, None] * per_key[:, :, :, None, :]
-    return probs.amax(dim=(2, 3))
+    share = probs[:, :sinks].sum(dim=-1) + probs[:, lo:hi].sum(dim=-1) + probs[:, past:].sum(dim=-1)
+    got = probs[:, lo:hi] / share[:, None]
+    low = (share < TINY).nonzero().flatten()
+    if low.numel():
+        logits = exact(low)
+        subset = torch.cat([logits[:, :sinks], logits[:, lo:hi], logits[:, past:]], dim=-1).softmax(dim=-1)
+        got[low] = subset[:, sinks : sinks + hi - lo]
+    return got
 
 
 class ReconstructionLayer(DynamicLayer):
