@@ -35,6 +35,8 @@ count as an integer budget. Pairs compared (kvpress press <-> evalkit policy):
 kvpress keeps, for KVzip, n - int(n x ratio) tokens over all layers and heads (per layer: Hkv T - int(Hkv T ratio));
 evalkit is given kvpress's per-head count int(T (1 - ratio)) and keeps that times Hkv x layers, so at some lengths
 kvpress keeps a few dozen tokens more in all (45 of 81,945 at 1821 tokens and half): a Jaccard just below 1 there.
+kvzip* (and kvzip(layerwise)*, kvzip+*) is evalkit's KVzip held to kvpress's exact count: the choice apart from the
+budget's rounding, as pyramidkv* for PyramidKV.
 
 Printed per pair, budget and prompt: the mean Jaccard index of the kept sets over layers x KV heads, and how many
 heads keep exactly the same set; `--presses tova keydiff` compares only those. --write-fixture also writes
@@ -108,6 +110,20 @@ class PyramidAt(PyramidKV):
         return list(self.layer_budgets)
 
 
+@dataclass(kw_only=True)
+class KVzipAt(KVzip):
+    """evalkit's KVzip keeping exactly kvpress's count of the slots it ranks together, slots - int(slots x ratio),
+    instead of k x Hkv per layer: the choice apart from the rounding of the budget."""
+
+    ratio: float = 0.5
+
+    def total(self, slots: int, targets: list[tuple[int, int]]) -> int:
+        return slots - int(slots * self.ratio)
+
+
+STARRED = ("pyramidkv", "kvzip", "kvzip_layerwise", "kvzip_plus")  # also compared at kvpress's exact counts
+
+
 def n_kept(n_tokens: int, ratio: float) -> int:
     """Tokens kvpress keeps per head for a compression ratio (kvpress.utils.compute_n_kept: a floor)."""
     return max(1, int(n_tokens * (1 - ratio)))
@@ -130,6 +146,9 @@ def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) ->
         "kvzip": KVzip(budget=k),  # kvpress's defaults: 4 sinks, chunks of 2048, all layers ranked together
         "kvzip(layerwise)": KVzip(budget=k, layerwise=True),
         "kvzip+": KVzip(budget=k, plus=True),
+        "kvzip*": KVzipAt(budget=k, ratio=ratio),
+        "kvzip(layerwise)*": KVzipAt(budget=k, ratio=ratio, layerwise=True),
+        "kvzip+*": KVzipAt(budget=k, ratio=ratio, plus=True),
     }
     for pol in pols.values():
         pol.validate(n_tokens)
@@ -293,11 +312,12 @@ def main() -> None:
         for ratio in RATIOS:
             theirs = {press: kv_prompt["kept"][f"{press}@{ratio}"] for press in args.presses}
             pyramid_budgets = [len(layer[0]) for layer in theirs["pyramidkv"]] if "pyramidkv" in theirs else []
-            labels = [PAIRS[press] for press in args.presses] + (["pyramidkv*"] if "pyramidkv" in theirs else [])
+            stars = [(press, f"{PAIRS[press]}*") for press in args.presses if press in STARRED]
+            labels = [PAIRS[press] for press in args.presses] + [label for _, label in stars]
             pols = {label: pol for label, pol in evalkit_policies(n, ratio, pyramid_budgets).items() if label in labels}
             ours = evalkit_kept(loaded.model, prompt, pols)
             pairs = [(press, PAIRS[press]) for press in args.presses]
-            pairs += [("pyramidkv", "pyramidkv*")] if "pyramidkv" in theirs else []
+            pairs += stars
             for press, label in pairs:
                 mean, low, same, total = compare(ours[label], theirs[press])
                 rows.append((f"{label} ~ {press}", 1 - ratio, prompt["name"], n_kept(n, ratio), mean, low, same, total))

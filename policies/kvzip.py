@@ -78,17 +78,24 @@ class KVzip(SinkPolicy):
     def over(self, view: LayerView, k: int) -> bool:
         return int(view.real.sum(dim=(1, 2)).max()) > k * view.keys.shape[1]
 
+    def total(self, slots: int, targets: list[tuple[int, int]]) -> int:
+        """Tokens kept among `slots` ranked together (one layer's, or all layers'), each layer's share of the budget
+        given as (k per head, KV heads): the sum of k x Hkv."""
+        return sum(k * heads for k, heads in targets)
+
     def select(self, view: LayerView, k: int) -> Tensor:
         """(B, Hkv, kmax) ascending indices each head keeps, padded with -1: the layer's k x Hkv best across its
         heads (the layerwise setting)."""
-        return padded_indices(top(self.ranked(view).flatten(1), k * view.keys.shape[1]).view(view.real.shape))
+        ranked = self.ranked(view)
+        kept = top(ranked.flatten(1), self.total(ranked[0].numel(), [(k, view.keys.shape[1])]))
+        return padded_indices(kept.view(ranked.shape))
 
     def select_layers(self, views: dict[int, LayerView], targets: dict[int, int]) -> dict[int, Tensor]:
         if self.layerwise:
             return super().select_layers(views, targets)
         ranked = {i: self.ranked(view) for i, view in views.items()}
         flat = torch.cat([r.flatten(1) for r in ranked.values()], dim=1)  # (B, all layers' slots)
-        kept = top(flat, sum(targets[i] * view.keys.shape[1] for i, view in views.items()))
+        kept = top(flat, self.total(flat.shape[1], [(targets[i], view.keys.shape[1]) for i, view in views.items()]))
         out, offset = {}, 0
         for i, r in ranked.items():
             out[i] = padded_indices(kept[:, offset : offset + r[0].numel()].view(r.shape))
