@@ -1,6 +1,6 @@
 """What score-based eviction costs on SmolLM2: time, peak memory, and the sweep's saving.
 
-    python benchmarks/eviction_cost.py time     [--lengths 2048 8192] [--reps 2] [--threads 1 --clock cpu]
+    python benchmarks/eviction_cost.py time     [--lengths 2048 8192] [--reps 2] [--policies h2o] [--clock cpu]
     python benchmarks/eviction_cost.py memory   [--length 8192]
     python benchmarks/eviction_cost.py sweep    [--length 2048] [--samples 8]
     python benchmarks/eviction_cost.py variants [--length 2048] [--samples 5] [--threads 1 --clock cpu]
@@ -46,9 +46,12 @@ def policies(specs: list[str]):
 
 
 def load(attn: str = "sdpa"):
-    cfg = OmegaConf.load(CONF)
-    cfg.attn_implementation = attn
-    return models.load(cfg, "cpu")
+    """SmolLM2 under evalkit's SDPA, or under transformers' eager attention (for contrast: evalkit itself does not
+    run eager attention, so the weights load as usual and the model is switched after)."""
+    loaded = models.load(OmegaConf.load(CONF), "cpu")
+    if attn == "eager":
+        loaded.model.set_attn_implementation("eager")
+    return loaded
 
 
 def context_ids(loaded, length: int) -> torch.Tensor:
@@ -69,12 +72,12 @@ def bench_time(args) -> None:
     for length in args.lengths:
         ids = context_ids(loaded, length)
         prefill(loaded.model, ids)  # warm-up: the first forward at a new length is slower
-        plain, scored = [], {p: [] for p in POLICIES}
+        plain, scored = [], {p: [] for p in args.policies}
         for _ in range(args.reps):
             t = tick()
             prefill(loaded.model, ids)
             plain.append(tick() - t)
-            for pol in policies([f"{p}@0.25" for p in POLICIES]):
+            for pol in policies([f"{p}@0.25" for p in args.policies]):
                 t = tick()
                 full, obs = prefill(loaded.model, ids, [pol])
                 compress(full, pol, obs)
@@ -195,6 +198,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--protocol", default="query_aware", choices=["query_agnostic", "query_aware"])
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--policies", nargs="+", default=POLICIES, help="time: the scorers to time (default: all)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     args = ap.parse_args()
     if args.threads:
