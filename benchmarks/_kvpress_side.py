@@ -40,6 +40,11 @@ def presses(ratio: float) -> dict[str, tuple[object, str]]:
         "keydiff": (kvpress.KeyDiffPress(compression_ratio=ratio), "sdpa"),
         # kvpress's defaults: 512 future positions, 4 sinks, covariance and value norm used, epsilon 0
         "expected_attention": (kvpress.ExpectedAttentionPress(compression_ratio=ratio), "sdpa"),
+        # KVzip (chunked context reconstruction, 4 sinks, chunks of 2048): all layers and heads ranked together
+        # (kvpress's default), per layer (layerwise), and with KVzip+ normalisation; kvpress masks the evicted keys
+        "kvzip": (kvpress.KVzipPress(compression_ratio=ratio), "sdpa"),
+        "kvzip_layerwise": (kvpress.KVzipPress(compression_ratio=ratio, layerwise=True), "sdpa"),
+        "kvzip_plus": (kvpress.KVzipPress(compression_ratio=ratio, kvzip_plus_normalization=True), "sdpa"),
         # head-adaptive: kvpress keeps every key and masks the evicted ones (module.masked_key_indices)
         "adakv_snapkv": (
             kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=ratio, window_size=WINDOW, kernel_size=KERNEL)),
@@ -162,6 +167,9 @@ def main() -> None:
             "observed_attention": {"attn_implementation": "eager"},
             "tova": {"attn_implementation": "sdpa"},
             "keydiff": {"attn_implementation": "sdpa"},
+            "kvzip": {"layerwise": False, "n_sink": 4, "chunk_size": 2048, "attn_implementation": "sdpa"},
+            "kvzip_layerwise": {"layerwise": True, "n_sink": 4, "chunk_size": 2048, "attn_implementation": "sdpa"},
+            "kvzip_plus": {"kvzip_plus_normalization": True, "n_sink": 4, "chunk_size": 2048},
             "expected_attention": {
                 "n_future_positions": 512,
                 "n_sink": 4,

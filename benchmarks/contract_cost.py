@@ -1,4 +1,4 @@
-"""What the run-time policy contract (evalkit.contract) costs: the seconds spent in its checks, as a share of the
+"""What the run-time policy contract (evalkit.kv.contract) costs: the seconds spent in its checks, as a share of the
 seconds of the runs they guard, on SmolLM2.
 
     python benchmarks/contract_cost.py [--lengths 1024 4096] [--samples 2]
@@ -50,7 +50,7 @@ def timed(fn):
 
 
 def instrument() -> None:
-    """Wrap every check where it is looked up: evalkit.contract's functions, and checked_scores in the modules that
+    """Wrap every check where it is looked up: evalkit.kv.contract's functions, and checked_scores in the modules that
     call it (the base select, AdaKV, ChunkKV)."""
     for name in CHECKS:
         setattr(contract, name, timed(getattr(contract, name)))

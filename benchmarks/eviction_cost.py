@@ -1,14 +1,19 @@
 """What score-based eviction costs on SmolLM2: time, peak memory, and the sweep's saving.
 
-    python benchmarks/eviction_cost.py time   [--lengths 2048 8192] [--reps 2]
-    python benchmarks/eviction_cost.py memory [--length 8192]
-    python benchmarks/eviction_cost.py sweep  [--length 2048] [--samples 8]
+    python benchmarks/eviction_cost.py time     [--lengths 2048 8192] [--reps 2] [--policies h2o] [--clock cpu]
+    python benchmarks/eviction_cost.py memory   [--length 8192]
+    python benchmarks/eviction_cost.py sweep    [--length 2048] [--samples 8]
+    python benchmarks/eviction_cost.py variants [--length 2048] [--samples 5] [--threads 1 --clock cpu]
 
 time:   prefill + scoring + compression vs a plain SDPA prefill, per policy (interleaved, median of reps).
 memory: peak process memory (VmHWM, reset after the model loads) of a prefill that scores for H2O or SnapKV vs a
         plain SDPA prefill, and a plain eager-attention prefill for contrast; each mode in its own fresh process.
 sweep:  4 policies x 3 budgets on the same needle samples in one sweep (one prefill per sample) vs the same
         12 variants run one by one (each run: prefill, baseline and its variant, as a single-policy run does).
+variants: the same 12 variants against one (snapkv@0.25), per sample, interleaved: run_sample with the baseline and
+        12 variants vs run_sample with the baseline and one, on the same samples in one run.
+--clock cpu times the process's CPU seconds (with --threads 1, other jobs on a shared machine barely move them);
+--clock wall (the default) wall seconds.
 """
 
 from __future__ import annotations
@@ -42,9 +47,12 @@ def policies(specs: list[str]):
 
 
 def load(attn: str = "sdpa"):
-    cfg = OmegaConf.load(CONF)
-    cfg.attn_implementation = attn
-    return models.load(cfg, "cpu")
+    """SmolLM2 under evalkit's SDPA, or under transformers' eager attention (for contrast: evalkit itself does not
+    run eager attention, so the weights load as usual and the model is switched after)."""
+    loaded = models.load(OmegaConf.load(CONF), "cpu")
+    if attn == "eager":
+        loaded.model.set_attn_implementation("eager")
+    return loaded
 
 
 def context_ids(loaded, length: int) -> torch.Tensor:
@@ -53,22 +61,28 @@ def context_ids(loaded, length: int) -> torch.Tensor:
     return p.ids[:, : p.n_context]
 
 
+def clock(args):
+    """The timer the run asked for: CPU seconds of this process, or wall seconds."""
+    return time.process_time if args.clock == "cpu" else time.perf_counter
+
+
 def bench_time(args) -> None:
     loaded = load()
+    tick = clock(args)
     print(f"{'context':>8} {'policy':<16} {'plain prefill s':>16} {'prefill+score+compress s':>25} {'ratio':>7}")
     for length in args.lengths:
         ids = context_ids(loaded, length)
         prefill(loaded.model, ids)  # warm-up: the first forward at a new length is slower
-        plain, scored = [], {p: [] for p in POLICIES}
+        plain, scored = [], {p: [] for p in args.policies}
         for _ in range(args.reps):
-            t = time.perf_counter()
+            t = tick()
             prefill(loaded.model, ids)
-            plain.append(time.perf_counter() - t)
-            for pol in policies([f"{p}@0.25" for p in POLICIES]):
-                t = time.perf_counter()
+            plain.append(tick() - t)
+            for pol in policies([f"{p}@0.25" for p in args.policies]):
+                t = tick()
                 full, obs = prefill(loaded.model, ids, [pol])
                 compress(full, pol, obs)
-                scored[pol.name].append(time.perf_counter() - t)
+                scored[pol.name].append(tick() - t)
         base = statistics.median(plain)
         for name, times in scored.items():
             s = statistics.median(times)
@@ -146,26 +160,61 @@ def bench_sweep(args) -> None:
     print("needle accuracy in the sweep: " + ", ".join(f"{k} {v:g}/{len(prompts)}" for k, v in correct.items()))
 
 
+def bench_variants(args) -> None:
+    loaded = load()
+    tick = clock(args)
+    specs = [f"{p}@{b}" for p in ("snapkv", "h2o", "pyramidkv", "streaming_llm") for b in (0.1, 0.25, 0.5)]
+    twelve = [Variant(p) for p in policies(specs)]
+    one = [Variant(p) for p in policies(["snapkv@0.25"])]
+    depths = [i / max(1, args.samples - 1) for i in range(args.samples)]
+    task = NeedleTask(context_lengths=[args.length], depths=depths)
+    stop = {loaded.tokenizer.eos_token_id}
+    prompts = [build_prompt(loaded.tokenizer, s, args.protocol) for s in task.samples(loaded.tokenizer)]
+    run_sample(loaded.model, prompts[0], one, task.max_new_tokens, stop)  # warm-up: a first forward is slower
+    print(f"12 variants ({', '.join(specs)}) vs 1 ({one[0].name}); protocol {args.protocol}; {args.clock} seconds")
+    print(f"{'sample':>14} {'tokens':>6} {'1 variant s':>11} {'12 variants s':>13} {'ratio':>6} {'shared':>6}")
+    totals = [0.0, 0.0]
+    for prompt, sample in zip(prompts, task.samples(loaded.tokenizer), strict=True):
+        t = tick()
+        run_sample(loaded.model, prompt, one, task.max_new_tokens, stop)
+        a = tick() - t
+        t = tick()
+        _, outs = run_sample(loaded.model, prompt, twelve, task.max_new_tokens, stop)
+        b = tick() - t
+        totals = [totals[0] + a, totals[1] + b]
+        shared = sum(o.decoded_like is not None for o in outs)  # variants whose decode was another's
+        print(f"{sample.id:>14} {prompt.n_context:>6} {a:>11.2f} {b:>13.2f} {b / a:>5.2f}x {shared:>6}", flush=True)
+    print(f"total: 1 variant {totals[0]:.1f} s, 12 variants {totals[1]:.1f} s, ratio {totals[1] / totals[0]:.2f}x")
+
+
 def main() -> None:
     if sys.argv[1:2] == ["memory-child"]:
         memory_child(sys.argv[2], int(sys.argv[3]))
         return
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["time", "memory", "sweep"])
+    ap.add_argument("what", choices=["time", "memory", "sweep", "variants"])
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--length", type=int, default=None)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--protocol", default="query_aware", choices=["query_agnostic", "query_aware"])
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--policies", nargs="+", default=POLICIES, help="time: the scorers to time (default: all)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.what == "time":
         bench_time(args)
     elif args.what == "memory":
         args.length = args.length or 8192
         bench_memory(args)
-    else:
+    elif args.what == "sweep":
         args.length = args.length or 2048
         bench_sweep(args)
+    else:
+        args.length = args.length or 2048
+        bench_variants(args)
 
 
 if __name__ == "__main__":

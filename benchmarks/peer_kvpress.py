@@ -27,6 +27,16 @@ count as an integer budget. Pairs compared (kvpress press <-> evalkit policy):
                                                  int(0.2 k) best first; kvpress masks, evalkit stores ragged heads)
     ExpectedAttentionPress (defaults)        <-> expected_attention (512 future positions, 4 sinks, covariance,
                                                  value norm, epsilon 0)
+    KVzipPress (4 sinks, chunks of 2048)     <-> kvzip (the reconstruction pass; all layers and heads ranked
+                                                 together, kvpress's default layerwise=False)
+    KVzipPress(layerwise=True)               <-> kvzip (layerwise: true; each layer's heads ranked together)
+    KVzipPress(kvzip_plus_normalization)     <-> kvzip (plus: true)
+
+kvpress keeps, for KVzip, n - int(n x ratio) tokens over all layers and heads (per layer: Hkv T - int(Hkv T ratio));
+evalkit is given kvpress's per-head count int(T (1 - ratio)) and keeps that times Hkv x layers, so at some lengths
+kvpress keeps a few dozen tokens more in all (45 of 81,945 at 1821 tokens and half): a Jaccard just below 1 there.
+kvzip* (and kvzip(layerwise)*, kvzip+*) is evalkit's KVzip held to kvpress's exact count: the choice apart from the
+budget's rounding, as pyramidkv* for PyramidKV.
 
 Printed per pair, budget and prompt: the mean Jaccard index of the kept sets over layers x KV heads, and how many
 heads keep exactly the same set; `--presses tova keydiff` compares only those. --write-fixture also writes
@@ -37,6 +47,7 @@ agreement without kvpress installed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -56,14 +67,15 @@ from evalkit.policies.expected_attention import ExpectedAttention
 from evalkit.policies.h2o import H2O
 from evalkit.policies.keydiff import KeyDiff
 from evalkit.policies.knorm import KNorm
+from evalkit.policies.kvzip import KVzip
 from evalkit.policies.pyramidkv import PyramidKV
 from evalkit.policies.snapkv import SnapKV
 from evalkit.policies.streaming_llm import StreamingLLM
 from evalkit.policies.tova import TOVA
 from evalkit.run import models
-from evalkit.run.engine import prefill
+from evalkit.run.engine import prefill, reconstruction
 from evalkit.tasks.needle import NeedleTask
-from evalkit.tasks.prompt import build_prompt
+from evalkit.tasks.prompt import Repeat, build_prompt
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf" / "model" / "smollm2-135m.yaml"
@@ -83,6 +95,9 @@ PAIRS = {
     "keydiff": "keydiff",
     "expected_attention": "expected_attention",
     "adakv_snapkv": "adakv(snapkv)",
+    "kvzip": "kvzip",
+    "kvzip_layerwise": "kvzip(layerwise)",
+    "kvzip_plus": "kvzip+",
 }
 
 
@@ -94,6 +109,20 @@ class PyramidAt(PyramidKV):
 
     def keep_per_layer(self, seen: int, n_layers: int) -> list[int]:
         return list(self.layer_budgets)
+
+
+@dataclass(kw_only=True)
+class KVzipAt(KVzip):
+    """evalkit's KVzip keeping exactly kvpress's count of the slots it ranks together, slots - int(slots x ratio),
+    instead of k x Hkv per layer: the choice apart from the rounding of the budget."""
+
+    ratio: float = 0.5
+
+    def total(self, slots: int, targets: list[tuple[int, int]]) -> int:
+        return slots - int(slots * self.ratio)
+
+
+STARRED = ("pyramidkv", "kvzip", "kvzip_layerwise", "kvzip_plus")  # also compared at kvpress's exact counts
 
 
 def n_kept(n_tokens: int, ratio: float) -> int:
@@ -115,6 +144,12 @@ def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) ->
         "keydiff": KeyDiff(budget=k, decode=False),
         "expected_attention": ExpectedAttention(budget=k),  # kvpress's defaults are its defaults
         "adakv(snapkv)": AdaKV(inner=SnapKV(budget=k, **snap), budget=k, alpha=0.2),  # kvpress alpha_safeguard
+        "kvzip": KVzip(budget=k),  # kvpress's defaults: 4 sinks, chunks of 2048, all layers ranked together
+        "kvzip(layerwise)": KVzip(budget=k, layerwise=True),
+        "kvzip+": KVzip(budget=k, plus=True),
+        "kvzip*": KVzipAt(budget=k, ratio=ratio),
+        "kvzip(layerwise)*": KVzipAt(budget=k, ratio=ratio, layerwise=True),
+        "kvzip+*": KVzipAt(budget=k, ratio=ratio, plus=True),
     }
     for pol in pols.values():
         pol.validate(n_tokens)
@@ -128,7 +163,8 @@ def build_prompts(tokenizer) -> list[dict]:
     for sample in task.samples(tokenizer):
         prompt = build_prompt(tokenizer, sample)
         ids = prompt.ids[0, : prompt.n_context].tolist()
-        out.append({"name": f"prose-{sample.cell['context_length']}", "ids": ids, "sample": sample.id})
+        rep = dataclasses.asdict(prompt.repeat)  # KVzip's repeat prompt for these ids
+        out.append({"name": f"prose-{sample.cell['context_length']}", "ids": ids, "sample": sample.id, "repeat": rep})
     return out
 
 
@@ -144,9 +180,12 @@ def run_kvpress(python: str, model_dir: Path, prompts: list[dict], only: list[st
 
 
 @torch.inference_mode()
-def evalkit_kept(model, ids: list[int], pols: dict[str, KVPolicy]) -> dict[str, list[list[list[int]]]]:
-    """Per policy, per layer, per KV head: the sorted positions evalkit keeps after one shared prefill."""
-    full, obs = prefill(model, torch.tensor([ids], device=model.device), list(pols.values()))
+def evalkit_kept(model, prompt: dict, pols: dict[str, KVPolicy]) -> dict[str, list[list[list[int]]]]:
+    """Per policy, per layer, per KV head: the sorted positions evalkit keeps after one shared prefill (and KVzip's
+    reconstruction pass over it)."""
+    ids = torch.tensor([prompt["ids"]], device=model.device)
+    full, obs = prefill(model, ids, list(pols.values()))
+    reconstruction(model, full, ids, Repeat(**prompt["repeat"]), list(pols.values()), obs)
     out = {}
     for name, pol in pols.items():
         cache = compress(full, pol, obs)
@@ -190,12 +229,13 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
         "prompt": {
             "task": f"NeedleTask(context_lengths=[{LENGTHS[0]}], depths=[0.5], haystack='prose', seed=0)",
             "sample": prompt["sample"],
-            "part": "context ids of evalkit.prompt.build_prompt (chat template included), question excluded",
+            "part": "context ids of evalkit.tasks.prompt.build_prompt (chat template included), question excluded",
             "tokenizer": tokenizer_name,
             "n_tokens": n,
         },
         "settings": meta["settings"],
         "n_kept": {f"{r}": n_kept(n, r) for r in RATIOS},
+        "repeat": prompt["repeat"],  # KVzip's repeat prompt (evalkit.tasks.prompt.Repeat) for these ids
         "n_kept_rule": "kvpress keeps int(n_tokens * (1 - compression_ratio)) per head (PyramidKV: its per-layer "
         "budgets, see held_per_layer); evalkit must be given this count as an integer budget",
         "evalkit_equivalent": {
@@ -207,6 +247,9 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
             "tova": {"policy": "tova"},
             "keydiff": {"policy": "keydiff"},
             "adakv_snapkv": {"policy": "adakv", "inner": "snapkv", "alpha": 0.2, "window": WINDOW, "kernel": KERNEL},
+            "kvzip": {"policy": "kvzip", "n_sink": 4, "chunk_size": 2048, "layerwise": False},
+            "kvzip_layerwise": {"policy": "kvzip", "n_sink": 4, "chunk_size": 2048, "layerwise": True},
+            "kvzip_plus": {"policy": "kvzip", "n_sink": 4, "chunk_size": 2048, "plus": True},
             "expected_attention": {
                 "policy": "expected_attention",
                 "n_future_positions": 512,
@@ -218,7 +261,7 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
         },
         "encoding": "kept[press@compression_ratio][layer][kv_head] is a hex bitmask: position p is kept when "
         "(int(s, 16) >> p) & 1; keys are compression ratios (fraction removed), 0.5 and 0.75; held_per_layer is "
-        "head 0's count (AdaKV's heads hold different counts)",
+        "head 0's count (AdaKV's and KVzip's heads hold different counts)",
     }
     kept = {key: [[to_hex(h) for h in layer] for layer in layers] for key, layers in kv_prompt["kept"].items()}
     held = {key: [len(layer[0]) for layer in layers] for key, layers in kv_prompt["kept"].items()}
@@ -270,11 +313,12 @@ def main() -> None:
         for ratio in RATIOS:
             theirs = {press: kv_prompt["kept"][f"{press}@{ratio}"] for press in args.presses}
             pyramid_budgets = [len(layer[0]) for layer in theirs["pyramidkv"]] if "pyramidkv" in theirs else []
-            labels = [PAIRS[press] for press in args.presses] + (["pyramidkv*"] if "pyramidkv" in theirs else [])
+            stars = [(press, f"{PAIRS[press]}*") for press in args.presses if press in STARRED]
+            labels = [PAIRS[press] for press in args.presses] + [label for _, label in stars]
             pols = {label: pol for label, pol in evalkit_policies(n, ratio, pyramid_budgets).items() if label in labels}
-            ours = evalkit_kept(loaded.model, prompt["ids"], pols)
+            ours = evalkit_kept(loaded.model, prompt, pols)
             pairs = [(press, PAIRS[press]) for press in args.presses]
-            pairs += [("pyramidkv", "pyramidkv*")] if "pyramidkv" in theirs else []
+            pairs += stars
             for press, label in pairs:
                 mean, low, same, total = compare(ours[label], theirs[press])
                 rows.append((f"{label} ~ {press}", 1 - ratio, prompt["name"], n_kept(n, ratio), mean, low, same, total))

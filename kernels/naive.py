@@ -86,3 +86,18 @@ def decode_attention(
     values = torch.cat([values, value_residual.float()], dim=2).repeat_interleave(hq // hkv, dim=1)
     probs = (torch.einsum("bhd,bhtd->bht", query.float(), keys) * scaling).softmax(dim=-1)
     return torch.einsum("bht,bhtd->bhd", probs, values)
+
+
+def attention_with_mass(query: Tensor, key: Tensor, value: Tensor, scaling: float) -> tuple[Tensor, Tensor]:
+    """The plain reference of `attention_mass.attention_with_mass`: the whole (Tq x Tk) softmax materialised, each
+    query head over its KV head's keys (queries are the last Tq keys, causal); returns the output (B, Tq, Hq, D) in
+    the query's dtype and the mass (B, Hkv, Tk) float32, the probabilities summed over queries and each group."""
+    b, hq, tq, _ = query.shape
+    hkv, tk = key.shape[1], key.shape[2]
+    group = hq // hkv
+    k, v = key.float().repeat_interleave(group, dim=1), value.float().repeat_interleave(group, dim=1)
+    scores = (query.float() @ k.transpose(-1, -2)) * scaling
+    seen = torch.arange(tk, device=key.device)[None, :] <= torch.arange(tq, device=key.device)[:, None] + tk - tq
+    probs = scores.masked_fill(~seen, float("-inf")).softmax(dim=-1)
+    mass = probs.sum(dim=2).view(b, hkv, group, tk).sum(dim=2)
+    return (probs @ v).transpose(1, 2).to(query.dtype), mass

@@ -1,7 +1,7 @@
 """KV-cache policies: each decides which cached tokens every KV head keeps.
 
 A policy scores tokens; the base class turns scores into kept indices once, for every policy. The engine
-(`evalkit.cache`), not the policy, owns caches, gathers and positions.
+(`evalkit.kv.cache`), not the policy, owns caches, gathers and positions.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from evalkit.fields import check_fields
 
 
 class Need(str, Enum):
-    """What a policy needs observed in attention, besides the keys and values it holds (evalkit.attention)."""
+    """What a policy needs observed in attention, besides the keys and values it holds (evalkit.kv.attention)."""
 
     ATTN_MASS = "attn_mass"  # per token: the attention it has received, summed over queries (H2O)
     WINDOW_QUERIES = "window_queries"  # per layer: the last `observation_window()` queries it has seen (SnapKV, TOVA)
@@ -93,6 +93,7 @@ class KVPolicy:
     chunkable: ClassVar[bool] = True  # can evict chunk by chunk in a chunked prefill (prefill=chunked)
     decodable: ClassVar[bool] = True  # can keep its budget while decoding (decode=true)
     ragged: ClassVar[bool] = False  # KV heads of a layer may keep different counts (select pads with -1)
+    wrappable: ClassVar[bool] = True  # a wrapper (chunkkv, adakv) may score with it, choosing by its own rule
 
     def observation_window(self) -> int:
         """Context queries the policy scores with (Need.WINDOW_QUERIES); 0 when it needs none."""
@@ -133,6 +134,11 @@ class KVPolicy:
     def keep_per_layer(self, seen: int, n_layers: int) -> list[int]:
         """Tokens held per layer; uniform here, layer-dependent policies override it."""
         return [self.target(seen)] * n_layers
+
+    def select_layers(self, views: dict[int, LayerView], targets: dict[int, int]) -> dict[int, Tensor]:
+        """Per evicting layer (index -> its view), the indices it keeps (as `select` returns them) when it holds more
+        than its target. Layer by layer here; a policy that ranks across layers (KVzip) overrides it."""
+        return {i: self.select(view, targets[i]) for i, view in views.items() if self.over(view, targets[i])}
 
     def select(self, view: LayerView, k: int) -> Tensor:
         """(B, Hkv, k) ascending indices of the tokens each KV head keeps."""
@@ -257,7 +263,7 @@ class Wrapper(KVPolicy):
 
     def check_params(self) -> None:
         check_fields(self.inner, "policy.inner")
-        if self.inner.ragged:
+        if not self.inner.wrappable:
             raise ConfigError(f"{self.name}: {self.inner.name} keeps ragged heads and cannot be wrapped; wrap a scorer")
         try:
             self.inner.check_params()

@@ -8,7 +8,7 @@ safeguard (its `alpha`, kvpress's AdaKVPress `alpha_safeguard=0.2`): each head f
 `max(1, int(alpha x k))` best tokens whatever the other heads score. The inner policy's protected tokens (SnapKV's
 window, sinks) are kept in every head and counted in that head's share.
 
-Heads then hold different counts: the layer is stored ragged (evalkit.cache), padded to its longest head, the
+Heads then hold different counts: the layer is stored ragged (evalkit.kv.cache), padded to its longest head, the
 padding masked out of the attention. Records give both the tokens really held (`kv_bytes_deployed`,
 `tokens_held_per_layer`: the mean per head, what a paged engine stores) and what is allocated here (`kv_bytes`,
 `tokens_allocated_per_layer`). Like kvpress's AdaKVPress, it compresses once, after the prompt. Scores are compared
@@ -39,6 +39,7 @@ class AdaKV(Wrapper):
     decodable: ClassVar[bool] = False
     chunkable: ClassVar[bool] = False
     ragged: ClassVar[bool] = True
+    wrappable: ClassVar[bool] = False  # its choice is its selection, not a score a wrapper could use
 
     def over(self, view: LayerView, k: int) -> bool:
         return int(view.real.sum(dim=(1, 2)).max()) > k * view.keys.shape[1]

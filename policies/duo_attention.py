@@ -20,7 +20,7 @@ Head roles come from scores, one per (layer, KV head), higher = more a retrieval
   values by distillation on passkey retrieval with its premise measured directly: a retrieval head is one that
   attends to distant evidence. The scores and roles are recorded in run.json (`prepared`).
 
-Heads then hold different counts: the layer is stored ragged (evalkit.cache), as for AdaKV.
+Heads then hold different counts: the layer is stored ragged (evalkit.kv.cache), as for AdaKV.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ class DuoAttention(KVPolicy):
     calibration_context: int = 1024
     decode: bool = True  # streaming heads slide while decoding, as in the paper
     ragged: ClassVar[bool] = True
+    wrappable: ClassVar[bool] = False  # its choice is its selection, not a score a wrapper could use
     chunkable: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
@@ -112,7 +113,7 @@ class DuoAttention(KVPolicy):
 
     def protected(self, view: LayerView, k: int) -> Tensor:
         """What it keeps by its roles, whatever any score says: a retrieval head's every token, a streaming head's
-        sinks and recent tokens (the policy contract counts them, evalkit.contract)."""
+        sinks and recent tokens (the policy contract counts them, evalkit.kv.contract)."""
         return view.real & (self.window(view) | ~self.heads(view)[None, :, None])
 
     def over(self, view: LayerView, k: int) -> bool:

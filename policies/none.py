@@ -20,4 +20,4 @@ class FullCache(KVPolicy):
         return seen
 
     def protected(self, view: LayerView, k: int) -> Tensor:
-        return view.real  # every token, whatever the budget says: the policy contract counts them (evalkit.contract)
+        return view.real  # every token, whatever the budget says: the policy contract counts them (evalkit.kv.contract)

@@ -8,6 +8,11 @@ import random
 
 # Triton reads this when it is first imported: run its kernels on the CPU (the interpreter) throughout the tests.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# `make test` runs the tests in one worker process per core (pytest-xdist): each worker, and every process it starts,
+# computes on one thread, so that the workers do not fight over the cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["MKL_NUM_THREADS"] = "1"
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +27,9 @@ from evalkit.cli.config import build
 from evalkit.kv.cache import compress
 from evalkit.run import models
 from evalkit.run.engine import prefill, reconstruction
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parent.parent
 

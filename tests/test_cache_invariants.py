@@ -17,6 +17,9 @@ from tests.conftest import CTX, QUESTION, STEPS, compressed, policy
 POLICIES = options("policy")
 # compress once: decode=true is a config error for them (tested in test_policies, test_kvzip, test_expected_attention)
 ONCE = ("pyramidkv", "kvzip", "expected_attention", "adakv")
+# rank the tokens of all layers and heads together (KVzip as published): the budget holds over the whole cache, each
+# layer's and head's share follows the scores (by hand in test_kvzip)
+GLOBAL = ("kvzip",)
 
 
 def run(model, ids, pol=None, steps=STEPS, after=None):
@@ -88,6 +91,10 @@ def test_budget_exact_per_layer_and_head_after_prefill_and_every_decode_step(tin
     after, per_step = expected_held(name, budget, decode)
     seen_held = []
     full, cache = compressed(tiny.model, ids, pol)
+    if name in GLOBAL:  # the total is the budget's; each layer grows by the tokens each forward adds
+        held = held_per_layer(cache)
+        assert sum(held) == pytest.approx(sum(after), abs=0.01 * len(held)) and held != after
+        after, per_step = held, [[h + s - CTX for h in held] for s in SEEN]
     assert held_per_layer(cache) == after
 
     def after_forward():
@@ -182,8 +189,11 @@ def test_every_sample_is_compressed_and_runs_are_deterministic(tiny, name):
     n_layers = tiny.model.config.num_hidden_layers
     for p, out in zip(prompts, first, strict=True):
         # ceil(0.25 * n) = 16, 20, 24 in every layer (pyramidkv's default beta 20 falls back to uniform budgets:
-        # low = k/20 < its window)
-        assert out.tokens_held == [p.n_context // 4] * n_layers
+        # low = k/20 < its window); over all layers for a policy that ranks them together
+        if name in GLOBAL:
+            assert sum(out.tokens_held) == pytest.approx(p.n_context // 4 * n_layers, abs=0.01 * n_layers)
+        else:
+            assert out.tokens_held == [p.n_context // 4] * n_layers
         assert out.kv_bytes < run_sample(tiny.model, p, [], 1, set())[0].kv_bytes
     assert [(o.tokens, o.tokens_held) for o in first] == [(o.tokens, o.tokens_held) for o in second]
 

@@ -38,6 +38,7 @@ LAYER_OF = [
     ("evalkit.backends", "run"),
     ("evalkit.tasks", "tasks"),
     ("evalkit.kv.attention", "attention"),
+    ("evalkit.kv.fused", "attention"),
     ("evalkit.kv", "kv"),
     ("evalkit.policies", "policies"),
     ("evalkit.kernels", "attention"),

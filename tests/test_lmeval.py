@@ -44,7 +44,7 @@ def lm_for(tiny, variant):
     return lm_model.EvalkitLM(tiny, parsed)
 
 
-# The tiny model (conf/model/tiny-random.yaml): its KV bytes are counted here by hand, not by evalkit.cache.
+# The tiny model (conf/model/tiny-random.yaml): its KV bytes are counted here by hand, not by evalkit.kv.cache.
 LAYERS, KV_HEADS, HEAD_DIM, FLOAT32 = 3, 2, 16, 4
 
 

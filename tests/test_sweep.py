@@ -13,7 +13,7 @@ VARIANTS = ["snapkv@0.25", "snapkv@0.5", "h2o@0.5", "pyramidkv@0.25", "random@0.
 
 def test_variants_run_on_the_same_samples_with_one_prefill_each(tmp_path, monkeypatch, capsys):
     """Counted, not inferred: every forward of the model is recorded with the tokens its cache already held and the
-    tokens it was given, and every call of evalkit.engine.prefill is counted. A forward from an empty cache is a
+    tokens it was given, and every call of evalkit.run.engine.prefill is counted. A forward from an empty cache is a
     prefill of the context: there is exactly one per sample, over exactly that sample's context, whatever the number
     of variants; every other forward continues a cache that already holds the context (the question, then one token
     per decode step). Were each variant to prefill on its own, there would be 1 + 7 context forwards per sample."""

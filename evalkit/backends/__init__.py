@@ -1,6 +1,6 @@
 """Backends: the engine that produces a run's paired rows.
 
-`backend=hf` is evalkit's own engine (evalkit.engine, every policy and storage). `backend=llamacpp` runs llama.cpp
+`backend=hf` is evalkit's own engine (evalkit.run.engine, every policy and storage). `backend=llamacpp` runs llama.cpp
 in-process on the model's GGUF file, its KV cache types as variants; `backend=openai` sends the rendered prompt to
 one OpenAI-compatible server per variant (vLLM, SGLang, llama.cpp's server). The run loop (evalkit.run) builds the
 samples and prompts, hands each backend the `Job`s still to do, scores what comes back with the task, and writes the
@@ -35,8 +35,8 @@ class Job:
     and the variants whose rows are still missing (the baseline always runs: every variant is paired with it)."""
 
     sample_id: str
-    ids: list[int]  # the whole prompt (evalkit.prompt.build_prompt)
-    text: str  # the same prompt rendered as text (evalkit.prompt.prompt_text): what a server is sent
+    ids: list[int]  # the whole prompt (evalkit.tasks.prompt.build_prompt)
+    text: str  # the same prompt rendered as text (evalkit.tasks.prompt.prompt_text): what a server is sent
     max_new_tokens: int
     variants: list[str]
 

@@ -37,7 +37,7 @@ def run_backend(
     rows_path: Path,
 ) -> None:
     """Let `engine` answer each sample (the baseline, and the variants whose rows are missing) and write the rows;
-    `prompts` are evalkit.prompt.Prompt objects, `texts` the same prompts rendered as text, by sample id."""
+    `prompts` are evalkit.tasks.prompt.Prompt objects, `texts` the same prompts rendered as text, by sample id."""
     names = [BASELINE, *engine.variant_names()]
     recorded = {(r["sample_id"], r["variant"]): r for r in read_rows(rows_path, repair=True)}
     jobs = [

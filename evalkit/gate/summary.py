@@ -213,7 +213,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def deployed(row: dict[str, Any]) -> tuple[int, int]:
     """(variant, full-cache baseline) KV bytes as a deployment holds them: dense keys and values in fp16/bf16, quantized
-    ones packed (evalkit.cache.deployed_bytes). Rows written before these were recorded: the measured bytes."""
+    ones packed (evalkit.kv.cache.deployed_bytes). Rows written before these were recorded: the measured bytes."""
     if row.get("kv_bytes_deployed") and row.get("kv_bytes_baseline_deployed"):
         return row["kv_bytes_deployed"], row["kv_bytes_baseline_deployed"]
     return row["kv_bytes"], row["kv_bytes_baseline"]

@@ -25,7 +25,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-VALID = "evalkit_valid"  # on keys from a ragged cache layer (evalkit.cache): its (B, Hkv, T) mask of real slots
+from evalkit.kv.fused import attend_with_mass
+
+VALID = "evalkit_valid"  # on keys from a ragged cache layer (evalkit.kv.cache): its (B, Hkv, T) mask of real slots
 
 NAME = "evalkit_sdpa"
 CHUNK_ELEMENTS = 1 << 24  # score elements per query chunk: bounds the observation's extra memory (64 MiB fp32)
@@ -75,12 +77,19 @@ class PrefillObserver:
     query_stats: tuple[int, ...] = ()
     rotary: torch.nn.Module | None = None
 
-    def record(self, layer_idx: int, layer, query: Tensor, key: Tensor, scaling: float) -> None:
+    def wants_mass(self, layer) -> bool:
+        """Whether this forward's attention mass is recorded for `layer` (then evalkit_sdpa computes it with the
+        output, evalkit.fused, and hands it to `record`)."""
+        return self.mass and not getattr(layer, "is_sliding", False)
+
+    def record(
+        self, layer_idx: int, layer, query: Tensor, key: Tensor, scaling: float, mass: Tensor | None = None
+    ) -> None:
         if getattr(layer, "is_sliding", False):
             return
         obs = self.observations.setdefault(layer_idx, {})
         if self.mass:
-            obs["attn_mass"] = attention_mass(query, key, scaling)
+            obs["attn_mass"] = mass if mass is not None else attention_mass(query, key, scaling)
         if self.window:
             obs["window_queries"] = query[:, :, -self.window :].float() * scaling  # (B, Hq, W, D)
             tk = key.shape[-2]
@@ -143,12 +152,19 @@ class StepObserver:
 
     window: int = 0
 
-    def record(self, layer_idx: int, layer, query: Tensor, key: Tensor, scaling: float) -> None:
+    def wants_mass(self, layer) -> bool:
+        """Whether `layer` keeps a running attention mass (H2O), which this forward's attention adds to."""
+        return "attn_mass" in (getattr(layer, "state", None) or {})
+
+    def record(
+        self, layer_idx: int, layer, query: Tensor, key: Tensor, scaling: float, mass: Tensor | None = None
+    ) -> None:
         state = getattr(layer, "state", None)
         if state is None:  # a plain (sliding-window) layer
             return
         if "attn_mass" in state:
-            state["attn_mass"] = state["attn_mass"] + attention_mass(query, key, scaling)
+            added = mass if mass is not None else attention_mass(query, key, scaling)
+            state["attn_mass"] = state["attn_mass"] + added
         held = layer.observations.get("window_queries")
         w = self.window or (held.shape[-2] if held is not None else 0)
         if not w:
@@ -163,59 +179,9 @@ class StepObserver:
         layer.observations = {**layer.observations, "window_queries": queries, "window_positions": positions}
 
 
-def reconstruction_key(sinks: int, chunk: int) -> str:
-    """The observation that holds the scores of a reconstruction pass with these settings (KVzip)."""
-    return f"reconstruction:{sinks}:{chunk}"
-
-
-def max_attention_received(
-    query: Tensor, key: Tensor, scaling: float, scored: tuple[int, int], chunk_elements: int = CHUNK_ELEMENTS
-) -> Tensor:
-    """(B, Hkv, hi - lo) for scored = (lo, hi): the most attention each key in [lo, hi) receives from any query and
-    any query head of its KV group. The queries are the last Tq keys (causal among themselves) and every earlier key
-    is visible to all of them; the softmax runs over all the keys given. Chunked over queries like
-    `attention_mass`: memory O(chunk x Tk)."""
-    b, hq, tq, d = query.shape
-    hkv, tk = key.shape[1], key.shape[2]
-    group, past = hq // hkv, tk - tq
-    lo, hi = scored
-    chunk = max(1, min(MAX_CHUNK, chunk_elements // (b * hq * tk)))
-    q = query.view(b, hkv, group, tq, d)
-    keys_t = key.float().transpose(-1, -2)  # (B, Hkv, D, Tk)
-    best = torch.zeros(b, hkv, hi - lo, dtype=torch.float32, device=key.device)
-    for start in range(0, tq, chunk):
-        end = min(start + chunk, tq)
-        seen = past + end
-        rows = (q[:, :, :, start:end].float() * scaling).reshape(b, hkv, group * (end - start), d)
-        scores = rows @ keys_t[..., :seen]  # (B, Hkv, G*c, seen)
-        visible = torch.arange(seen, device=key.device) <= past + torch.arange(start, end, device=key.device)[:, None]
-        scores.masked_fill_(~visible.repeat(group, 1), float("-inf"))
-        best = torch.maximum(best, scores.softmax(dim=-1)[..., lo:hi].amax(dim=2))
-    return best
-
-
-@dataclass
-class ReconstructionObserver:
-    """KVzip's second pass (policies/kvzip.py): while the model reads a repeat prompt and one chunk of the context
-    over the prefilled cache, records per full-attention layer the most attention each cached key of the chunk,
-    [start, end), receives from any of the pass's queries and query heads of its KV group. As in the reference code
-    (kvpress's KVzipPress, after snu-mllab/KVzip) each query's softmax runs over the first `sinks` cached keys, the
-    chunk's cached keys and the pass's own keys; other cached keys take no share. `scores` (per layer, (B, Hkv,
-    cached)) keeps the running max over the chunks' passes."""
-
-    sinks: int
-    start: int
-    end: int
-    scores: dict[int, Tensor]
-
-    def record(self, layer_idx: int, layer, query: Tensor, key: Tensor, scaling: float) -> None:
-        if getattr(layer, "is_sliding", False):
-            return
-        tq, s = query.shape[-2], self.sinks
-        keys = torch.cat([key[:, :, :s], key[:, :, self.start : self.end], key[:, :, -tq:]], dim=2)
-        got = max_attention_received(query, keys, scaling, (s, s + self.end - self.start))
-        held = self.scores[layer_idx][..., self.start : self.end]
-        self.scores[layer_idx][..., self.start : self.end] = torch.maximum(held, got)
+def reconstruction_key(sinks: int, chunk: int, plus: bool = False) -> str:
+    """The observation that holds the scores of a reconstruction pass with these settings (KVzip; `plus`: KVzip+)."""
+    return f"reconstruction:{sinks}:{chunk}" + (":plus" if plus else "")
 
 
 @contextmanager
@@ -252,9 +218,21 @@ def evalkit_sdpa(module, query, key, value, attention_mask, **kwargs):
     if valid is not None:  # a ragged layer: each KV head masks its own padding slots
         attention_mask = mask_padding(attention_mask, valid, query)
     if active is not None:
-        scaling = kwargs.get("scaling") or module.scaling
-        active[0].record(module.layer_idx, active[1].layers[module.layer_idx], query, key, scaling)
+        observer, cache = active
+        layer, scaling = cache.layers[module.layer_idx], kwargs.get("scaling") or module.scaling
+        if getattr(observer, "wants_mass", None) and observer.wants_mass(layer) and plain_softmax(kwargs):
+            # H2O: the output and the mass from the same probabilities, one pass (evalkit.fused)
+            output, mass = attend_with_mass(query, key, value, scaling, attention_mask)
+            observer.record(module.layer_idx, layer, query, key, scaling, mass=mass)
+            return output, None
+        observer.record(module.layer_idx, layer, query, key, scaling)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def plain_softmax(kwargs: dict) -> bool:
+    """Whether the attention is a plain scaled softmax that `attend_with_mass` computes as SDPA would: no logit
+    soft-capping, sliding window, attention sinks or dropout (models that use them take SDPA plus a second pass)."""
+    return not any(kwargs.get(k) for k in ("softcap", "sliding_window", "s_aux", "dropout"))
 
 
 def fit_mask(attention_mask: Tensor | None, query: Tensor, key: Tensor) -> Tensor | None:

@@ -132,7 +132,7 @@ def full_attention_layers(cache: Cache) -> list[int]:
 def compress(cache: Cache, policy: KVPolicy, observations: dict[int, dict[str, Tensor]] | None = None) -> Cache:
     """A new cache holding what `policy` keeps of the prefilled full `cache`; `cache` itself is unchanged.
 
-    `observations` maps a layer index to what the prefill recorded there (see evalkit.attention).
+    `observations` maps a layer index to what the prefill recorded there (see evalkit.kv.attention).
     """
     layers = [copy.copy(layer) for layer in cache.layers]
     for layer_idx in full_attention_layers(cache):
@@ -147,7 +147,7 @@ def compress(cache: Cache, policy: KVPolicy, observations: dict[int, dict[str, T
 
 def enforce(cache: Cache, policy: KVPolicy) -> None:
     """Evict until every evictable layer holds the policy's target for the tokens seen, checking the policy's
-    contract as it goes (evalkit.contract): indices unique and in range, the tokens held within the budget plus the
+    contract as it goes (evalkit.kv.contract): indices unique and in range, the tokens held within the budget plus the
     tokens the policy declares protected. Each layer records what it was allowed (`allowed`, (B, Hkv))."""
     evictable = [i for i, layer in enumerate(cache.layers) if isinstance(layer, EvictingLayer)]
     n_layers = len(cache.layers)
@@ -156,21 +156,37 @@ def enforce(cache: Cache, policy: KVPolicy) -> None:
     # layers keep their own bound and take no share.
     with contract.calling(policy, "keep_per_layer"):
         budgets = policy.keep_per_layer(seen, len(evictable))
-    budgets = contract.check_budgets(policy, budgets, len(evictable))
-    held = {}
-    for layer_idx, k in zip(evictable, budgets, strict=True):
+    targets = dict(zip(evictable, contract.check_budgets(policy, budgets, len(evictable)), strict=True))
+    views = {i: cache.layers[i].view(i, n_layers) for i in evictable}
+    for i, view in views.items():
+        cache.layers[i].allowed = contract.allowance(policy, view, targets[i], i)
+    for layer_idx, idx in select(policy, views, targets).items():
         layer = cache.layers[layer_idx]
-        view = layer.view(layer_idx, n_layers)
-        layer.allowed = contract.allowance(policy, view, k, layer_idx)
+        layer.keep(contract.check_indices(policy, idx, views[layer_idx], layer_idx))
+        if not ranks_across_layers(policy):  # one held to each layer's budget; one ranking across layers, to the sum
+            contract.check_layer(policy, layer.tokens(), layer.allowed, targets[layer_idx], layer_idx)
+    contract.check_held(policy, {i: (cache.layers[i].tokens(), cache.layers[i].allowed) for i in evictable}, seen)
+
+
+def ranks_across_layers(policy: KVPolicy) -> bool:
+    """Whether a policy chooses for all layers at once (KVzip's global ranking), overriding `select_layers`."""
+    return type(policy).select_layers is not KVPolicy.select_layers
+
+
+def select(policy: KVPolicy, views: dict[int, LayerView], targets: dict[int, int]) -> dict[int, Tensor]:
+    """Per evicting layer over its target, the indices the policy keeps: from `select_layers` when it ranks across
+    layers, else layer by layer (`over`, then `select`), each call named with its layer if it raises."""
+    if ranks_across_layers(policy):
+        with contract.calling(policy, "select_layers"):
+            return policy.select_layers(views, targets)
+    chosen = {}
+    for layer_idx, view in views.items():
         with contract.calling(policy, "over", layer_idx):
-            over = policy.over(view, k)
+            over = policy.over(view, targets[layer_idx])
         if over:
             with contract.calling(policy, "select", layer_idx):
-                idx = policy.select(view, k)
-            layer.keep(contract.check_indices(policy, idx, view, layer_idx))
-            contract.check_layer(policy, layer.tokens(), layer.allowed, k, layer_idx)
-        held[layer_idx] = (layer.tokens(), layer.allowed)
-    contract.check_held(policy, held, seen)
+                chosen[layer_idx] = policy.select(view, targets[layer_idx])
+    return chosen
 
 
 def kv_bytes(cache: Cache) -> int:
@@ -223,8 +239,8 @@ def held_per_layer(cache: Cache) -> list[int | float]:
 
 
 def allowed_per_layer(cache: Cache) -> list[int | float]:
-    """Tokens each layer was allowed per KV head at its last eviction (evalkit.contract: the budget plus the tokens the
-    policy declares protected; the mean over heads, 2 decimals); a layer that does not evict: what it holds."""
+    """Tokens each layer was allowed per KV head at its last eviction (evalkit.kv.contract: the budget plus the tokens
+    the policy declares protected; the mean over heads, 2 decimals); a layer that does not evict: what it holds."""
     held = held_per_layer(cache)
     out = []
     for layer, n in zip(cache.layers, held, strict=True):

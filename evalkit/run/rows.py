@@ -75,6 +75,10 @@ def _row(
         **hf_engine(),
         "generated_tokens": len(outcome.tokens),
         "seconds": {k: round(v, 4) for k, v in outcome.seconds.items()},
+        # decoded in one batch with this many caches (its seconds.decode a share of the batch's); or not decoded at
+        # all: the variant named kept the same tokens, stored alike, and its decode is this row's (evalkit.run.outcome)
+        "decode_batch": outcome.decode_batch,
+        "decoded_like": outcome.decoded_like,
         **task.row_fields(sample),  # what a task records of each sample beyond these (task=hf: its truncation)
     }
 

@@ -1,0 +1,163 @@
+"""Greedy decoding of several caches at once: the baseline and every variant of a sample in one batch.
+
+All of a sample's variants decode the same question after the same context, so every forward of the decode can run
+them as one batch: the model's projections and MLPs read their weights once for all rows, which is most of a decode
+step's cost on a small model. Attention is the one part that differs per row: each row keeps its own cache (dense,
+ragged, quantized, evicting while decoding), and `BatchedLayer` lets each row attend over its own layer, observed as a
+lone decode would be, so H2O's running mass, window queries, eviction after every forward, bytes and peaks are
+exactly those of decoding the row alone (`greedy`), which tests check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, DynamicLayer
+
+from evalkit.kv.attention import StepObserver, causal_tail_mask, evalkit_sdpa, observe, owned
+from evalkit.kv.cache import kv_bytes
+
+
+@dataclass
+class Decoded:
+    tokens: list[int]
+    logits: list[Tensor]  # (vocab,) float32 logits that chose each generated token
+    peak_bytes: int  # largest KV bytes held at any point of the decode
+
+
+@torch.inference_mode()
+def greedy(
+    model: torch.nn.Module,
+    cache: Cache,
+    ids: Tensor,
+    max_new_tokens: int,
+    stop_ids: set[int],
+    after_forward: Callable[[], None] | None = None,
+) -> Decoded:
+    """Feed `ids` (the question) then decode greedily; `after_forward` runs after every forward (eviction).
+
+    Evicting layers that keep a running attention mass (H2O) have it updated by every forward.
+    """
+    tokens, logits, peak = [], [], 0
+    for _ in range(max_new_tokens):
+        with observe(StepObserver(), cache):
+            out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        peak = max(peak, kv_bytes(cache))  # before eviction: what the step really held
+        if after_forward is not None:
+            after_forward()
+        step = out.logits[0, -1].float()
+        token = int(step.argmax())
+        tokens.append(token)
+        logits.append(step)
+        if token in stop_ids:
+            break
+        ids = torch.tensor([[token]], device=ids.device)
+    return Decoded(tokens, logits, peak)
+
+
+@torch.inference_mode()
+def teacher_forced(
+    model: torch.nn.Module, cache: Cache, tokens: Tensor, after_forward: Callable[[], None] | None = None
+) -> Decoded:
+    """Feed `tokens` (1, M) one at a time, whatever the model would have said; logits[j] predicts tokens[j + 1].
+
+    One token a step, so policies that evict while decoding do so exactly as they would while generating.
+    """
+    logits, peak = [], 0
+    for j in range(tokens.shape[1] - 1):
+        with observe(StepObserver(), cache):
+            out = model(input_ids=tokens[:, j : j + 1], cache=cache, use_cache=True, logits_to_keep=1)
+        peak = max(peak, kv_bytes(cache))
+        if after_forward is not None:
+            after_forward()
+        logits.append(out.logits[0, -1].float())
+    return Decoded([], logits, peak)
+
+
+@dataclass
+class Row:
+    """One cache to decode in a batch, and what runs after each of its forwards (eviction), as `greedy` takes them."""
+
+    cache: Cache
+    after_forward: Callable[[], None] | None = None
+
+
+class BatchedLayer(DynamicLayer):
+    """Layer `idx` of several caches seen as one batch: each row's new keys and values go to its own layer, and the
+    attention is computed row by row over that layer (through `evalkit_sdpa`, observed as in `greedy`)."""
+
+    is_compileable = False
+
+    def __init__(self, caches: list[Cache], idx: int):
+        super().__init__()
+        self.caches, self.idx = caches, idx
+        self.rows: list[tuple[Tensor, Tensor]] = []
+        first = caches[0].layers[idx]
+        self.is_sliding = getattr(first, "is_sliding", False)
+        self.device, self.is_initialized = first.keys.device, True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        self.rows = [
+            cache.layers[self.idx].update(key_states[r : r + 1], value_states[r : r + 1], *args, **kwargs)
+            for r, cache in enumerate(self.caches)
+        ]
+        return owned(key_states, self), value_states
+
+    def get_seq_length(self) -> int:
+        return self.caches[0].layers[self.idx].get_seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0  # every row builds its own mask in `attend`; none is built for the batch
+
+    def attend(self, module, query: Tensor, attention_mask: Tensor | None, **kwargs) -> tuple[Tensor, None]:
+        """Each row's attention over its own layer: the new queries are the last of its keys, causal among
+        themselves (a ragged or quantized row adds its own handling in evalkit_sdpa)."""
+        q = query.shape[2]
+        out = []
+        for r, (cache, (keys, values)) in enumerate(zip(self.caches, self.rows, strict=True)):
+            mask = causal_tail_mask(q, keys.shape[-2], query.device) if q > 1 else None
+            with observe(StepObserver(), cache):
+                out.append(evalkit_sdpa(module, query[r : r + 1], keys, values, mask, **kwargs)[0])
+        self.rows = []
+        return torch.cat(out, dim=0), None
+
+
+def batchable(cache: Cache) -> bool:
+    """Whether a cache can decode in a batch: no sliding-window layer (its mask over a question of several tokens
+    depends on the window, which the per-row causal mask does not apply); those decode alone."""
+    return not any(getattr(layer, "is_sliding", False) for layer in cache.layers)
+
+
+@torch.inference_mode()
+def decode_batch(
+    model: torch.nn.Module, rows: list[Row], ids: Tensor, max_new_tokens: int, stop_ids: set[int]
+) -> list[Decoded]:
+    """Feed `ids` (1, q), the question, to every row's cache, then decode greedily, all rows in one batch per
+    forward; a row leaves the batch at its stop token or after `max_new_tokens`. Each row's result is that of
+    `greedy` on its cache alone (the same tokens, logits equal within float tolerance, the same peak)."""
+    results = [Decoded([], [], 0) for _ in rows]
+    active = list(range(len(rows)))
+    step_ids = ids.expand(len(rows), -1)
+    for _ in range(max_new_tokens):
+        caches = [rows[r].cache for r in active]
+        batch = Cache(layers=[BatchedLayer(caches, i) for i in range(len(caches[0].layers))])
+        out = model(input_ids=step_ids, cache=batch, use_cache=True, logits_to_keep=1)
+        still, next_ids = [], []
+        for j, r in enumerate(active):
+            res = results[r]
+            res.peak_bytes = max(res.peak_bytes, kv_bytes(rows[r].cache))  # before eviction: what the step held
+            if rows[r].after_forward is not None:
+                rows[r].after_forward()
+            step = out.logits[j, -1].float()
+            res.tokens.append(int(step.argmax()))
+            res.logits.append(step)
+            if res.tokens[-1] not in stop_ids:
+                still.append(r)
+                next_ids.append(res.tokens[-1])
+        if not still:
+            break
+        active, step_ids = still, torch.tensor(next_ids, device=ids.device)[:, None]
+    return results
