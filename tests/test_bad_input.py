@@ -18,7 +18,7 @@ from evalkit.cli.main import main as evalkit_main
 from evalkit.errors import ConfigError
 from evalkit.gate.judge import extend_command
 from evalkit.lmeval.cli import CommandLineLM, model_config
-from evalkit.lmeval.metrics import plan_metrics
+from evalkit.lmeval.metrics import choose_metrics
 from evalkit.plan.arch import arch_from_config
 from evalkit.plan.settings import settings as plan_settings
 from evalkit.tasks.hf import HfTask
@@ -171,7 +171,7 @@ def test_unknown_model_args_and_models_are_refused(tiny):
     manager = TaskManager(include_path=str(task_dir()))
     tasks = manager.load(load_tasks(manager, ["evalkit_recall"]))["tasks"]
     with pytest.raises(ConfigError, match=r"^--model_args metric='bogus': lm-eval task 'evalkit_recall' logs"):
-        plan_metrics(tasks, "bogus", "--model_args metric")
+        choose_metrics(tasks, "bogus", "--model_args metric")
 
 
 def test_the_lm_eval_command_line_refuses_a_misspelt_argument_with_2():

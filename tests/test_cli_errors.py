@@ -31,7 +31,7 @@ UNLOADABLE = ["model=hf", "model.name_or_path=/nonexistent/model", "model.max_co
         (["task=haystack"], "unknown task 'haystack'"),
         (["model=llama"], "unknown model 'llama'"),
         ([*UNLOADABLE, "policy.budget=1.5"], "policy.budget=1.5 is outside (0, 1]"),
-        # Hydra's own errors, raised before Hydra runs (evalkit.hydra_errors.precheck)
+        # Hydra's own errors, raised before Hydra runs (evalkit.cli.precheck)
         (
             [*UNLOADABLE, "policy.budgt=0.5"],
             "unknown key policy.budgt (did you mean policy.budget?); valid keys: budget, decode, decode_interval,",

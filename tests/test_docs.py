@@ -2,7 +2,7 @@
 
 - every `python -m evalkit ...` command in its fenced blocks composes as `--cfg job` would (Hydra's composition of
   conf/config.yaml with the overrides, interpolations resolved), and then passes evalkit's own pre-run checks
-  (`evalkit.hydra_errors.precheck`: keys, types, values, policies, tasks, variants), in-process; a `-m` sweep is
+  (`evalkit.cli.precheck`: keys, types, values, policies, tasks, variants), in-process; a `-m` sweep is
   expanded into every combination of its values and each combination is checked the same way;
 - `python -m evalkit.gate`, `.report`, `.plan` and `.lmeval` commands: their options parse, and what they name
   exists (a gate config, a model config, an lm-eval task, a variant), without running the work (see each test);

@@ -13,7 +13,7 @@ from datasets import Dataset
 
 from evalkit.errors import ConfigError
 from evalkit.kv.variant import Variant
-from evalkit.run.engine import run_sample
+from evalkit.run.engine import compress_context, decode, run_sample
 from evalkit.tasks import infinitebench, longbench, loogle, needle_in_haystack, ruler, zero_scrolls
 from evalkit.tasks.hf import HfTask
 from evalkit.tasks.prompt import build_prompt
@@ -127,10 +127,11 @@ def test_a_larger_limit_keeps_every_row_of_a_smaller_one(tmp_path):
 
 
 def test_questions_on_one_context_share_a_prefill_and_answer_as_if_run_alone(tiny, tmp_path):
-    """The second question on a context decodes from copies of the first call's caches (no prefill, no compression):
-    its tokens are exactly those of a fresh run_sample, for the baseline and a SnapKV variant that evicts while
-    decoding, even for a third question after two decodes from the stored caches. Catches a stored cache mutated by
-    a decode (a later answer would then attend to an earlier one's tokens)."""
+    """Compress once, decode several questions: the second question on a context decodes from copies of the caches
+    compress_context made (no prefill, no compression): its tokens are exactly those of a fresh run_sample, for the
+    baseline and a SnapKV variant that evicts while decoding, even for a third question after two decodes from the
+    stored caches. Catches a stored cache mutated by a decode (a later answer would then attend to an earlier one's
+    tokens)."""
     Dataset.from_dict(KVPRESS).save_to_disk(tmp_path / "d")
     t = task(tmp_path / "d", context_window=4096)
     samples = t.samples(tiny.tokenizer)
@@ -138,14 +139,19 @@ def test_questions_on_one_context_share_a_prefill_and_answer_as_if_run_alone(tin
     assert torch.equal(prompts[0].ids[:, : prompts[0].n_context], prompts[1].ids[:, : prompts[1].n_context])
     pol = policy("snapkv", 0.5, decode=True)
     variants = [Variant(pol)]
-    shared: dict = {}
-    run_sample(tiny.model, prompts[0], variants, 6, set(), shared=shared)
-    run_sample(tiny.model, prompts[1], variants, 6, set(), shared=shared)
-    base, outs = run_sample(tiny.model, prompts[1], variants, 6, set(), shared=shared)  # a third question
+    compressed = compress_context(tiny.model, prompts[0].ids[:, : prompts[0].n_context], variants)
+
+    def ask(prompt):
+        return decode(tiny.model, compressed, prompt.ids[:, prompt.n_context :], 6, set(), evidence=prompt.evidence)
+
+    first_base, _ = ask(prompts[0])
+    ask(prompts[1])
+    base, outs = ask(prompts[1])  # a third question
     fresh_base, fresh_outs = run_sample(tiny.model, prompts[1], variants, 6, set())
     assert base.tokens == fresh_base.tokens and outs[0].tokens == fresh_outs[0].tokens
     assert outs[0].tokens_held == fresh_outs[0].tokens_held
     assert base.seconds["prefill"] == 0.0 and outs[0].seconds["compress"] == 0.0
+    assert first_base.seconds["prefill"] > 0.0  # the first decode's rows carry the prefill's seconds
 
 
 # --- truncation -------------------------------------------------------------------------------------------------------

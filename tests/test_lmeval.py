@@ -24,6 +24,8 @@ from evalkit.lmeval import metrics as lm_metrics  # noqa: E402
 from evalkit.lmeval import model as lm_model  # noqa: E402
 from evalkit.lmeval.registry import task_manager  # noqa: E402
 from evalkit.records import read_rows  # noqa: E402
+from evalkit.run import engine as engine_module  # noqa: E402
+from evalkit.run import outcome as outcome_module  # noqa: E402
 from evalkit.run.engine import run_sample  # noqa: E402
 from evalkit.tasks.prompt import Prompt  # noqa: E402
 from tests.conftest import ROOT, run_cli  # noqa: E402
@@ -94,11 +96,14 @@ def streaming_by_mask(tiny, context: str, continuation: str, sinks: int, budget:
 
 
 def capture_caches(monkeypatch) -> list:
-    """The caches the adapter teacher-forces on, in order (variant, then baseline, per request)."""
+    """The caches the adapter teacher-forces on, in order (baseline, then variant, per request), as the engine's one
+    decode path (evalkit.run.outcome) hands them to teacher_forced."""
     caches = []
-    real = lm_model.teacher_forced
+    real = outcome_module.teacher_forced
     monkeypatch.setattr(
-        lm_model, "teacher_forced", lambda model, cache, *a, **k: caches.append(cache) or real(model, cache, *a, **k)
+        outcome_module,
+        "teacher_forced",
+        lambda model, cache, *a, **k: caches.append(cache) or real(model, cache, *a, **k),
     )
     return caches
 
@@ -126,7 +131,7 @@ def test_loglikelihood_evicts_while_scoring_as_the_engine_does(tiny, monkeypatch
     )
     # after scoring, every layer of the variant holds its budget; the baseline holds every token it was fed
     n_fed = len(tiny.tokenizer(CONTEXT + CONTINUATION).input_ids) - 1
-    variant_cache, baseline_cache = caches
+    baseline_cache, variant_cache = caches[:2]  # the adapter's (the engine's own runs below add theirs)
     assert held_per_layer(variant_cache) == [budget] * LAYERS
     assert held_per_layer(baseline_cache) == [n_fed] * LAYERS
     record = lm.kv[("t", 0)]
@@ -167,12 +172,12 @@ def test_the_peak_counts_every_step_before_its_eviction(tiny):
 
 def test_loglikelihood_prefills_a_chunked_variant_in_chunks(tiny, monkeypatch):
     calls = []
-    real = lm_model.prefill
-    monkeypatch.setattr(lm_model, "prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = engine_module.prefill
+    monkeypatch.setattr(engine_module, "prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
     lm = lm_for(tiny, "streaming_llm@16:chunk8")
     ((got, _),) = lm.loglikelihood([request((CONTEXT, CONTINUATION))])
-    assert got == pytest.approx(engine_loglikelihoods(tiny, lm.variant, CONTEXT, CONTINUATION)[0], abs=1e-4)
     assert len(calls) == 1  # the baseline's full prefill; the variant never holds the full cache
+    assert got == pytest.approx(engine_loglikelihoods(tiny, lm.variant, CONTEXT, CONTINUATION)[0], abs=1e-4)
     record = lm.kv[("t", 0)]
     # chunks of 8 onto a cache evicted to 16: at most 24 tokens, while the continuation holds 17 at most
     assert record["prefill"] == {"mode": "chunked", "chunk": 8} and record["prefill_peak_tokens"] == 24
@@ -190,7 +195,7 @@ def test_rolling_and_generate_until_record_the_true_peak(tiny, monkeypatch):
     record = lm.kv[("t", 0)]
     assert record["context_tokens"] == split - 1
     assert record["peak_kv_bytes"] == kv_by_hand(split - 1) and record["kv_bytes_final"] == kv_by_hand(16)
-    assert held_per_layer(caches[0]) == [16] * LAYERS and held_per_layer(caches[1]) == [len(ids) - 1] * LAYERS
+    assert held_per_layer(caches[1]) == [16] * LAYERS and held_per_layer(caches[0]) == [len(ids) - 1] * LAYERS
     assert lm.kv_baseline[("t", 0)]["peak_kv_bytes"] == kv_by_hand(len(ids) - 1)
 
     lm.generate_until([request(("word " * 40, {"until": ["\n"], "max_gen_toks": 5}), doc_id=1)])
@@ -217,8 +222,8 @@ def test_loglikelihood_equals_the_full_model_at_full_budget(tiny):
 
 def test_one_compressed_context_serves_every_choice(tiny, monkeypatch):
     calls = []
-    real = lm_model.prefill
-    monkeypatch.setattr(lm_model, "prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = engine_module.prefill
+    monkeypatch.setattr(engine_module, "prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
     lm = lm_for(tiny, "knorm@0.5")
     context = "word " * 60
     out = lm.loglikelihood([request((context, f" choice {c}")) for c in "abcd"])
@@ -408,7 +413,7 @@ def paired_by_hand(manager, objects, variant_answers, baseline_answers, limit, m
     kwargs = {"tasks": objects, "task_manager": manager, "limit": limit, "log_samples": True, "bootstrap_iters": 0}
     run = simple_evaluate(model=Scripted(variant_answers), **kwargs)
     base = simple_evaluate(model=Scripted(baseline_answers), **kwargs)
-    plan = lm_metrics.plan_metrics(manager.load(objects)["tasks"], metric)
+    plan = lm_metrics.choose_metrics(manager.load(objects)["tasks"], metric)
     lm = SimpleNamespace(kv={}, kv_baseline={})
     return lm_evaluate.paired_rows("v", lm, run, base, plan, with_baseline=True)
 
@@ -436,8 +441,8 @@ def test_ruler_refuses_a_metric_that_is_a_placeholder(ruler_512):
     manager, objects = ruler_512
     tasks = manager.load(objects)["tasks"]
     with pytest.raises(ConfigError, match="RULER scores each document under its own length.*-1"):
-        lm_metrics.plan_metrics(tasks, "4096")
-    assert lm_metrics.plan_metrics(tasks, "512") == lm_metrics.plan_metrics(tasks, None) == {"niah_single_1": None}
+        lm_metrics.choose_metrics(tasks, "4096")
+    assert lm_metrics.choose_metrics(tasks, "512") == lm_metrics.choose_metrics(tasks, None) == {"niah_single_1": None}
 
 
 TWO_METRICS = """
@@ -466,13 +471,13 @@ def test_a_task_with_several_metrics_is_refused_unless_one_is_chosen(tmp_path):
     manager = TaskManager(include_defaults=False, include_path=str(tmp_path))
     tasks = manager.load(lm_evaluate.load_tasks(manager, ["two_metrics"]))["tasks"]
     with pytest.raises(ConfigError, match=r"several per-document metrics \(acc, acc_norm\).*task.metric=acc"):
-        lm_metrics.plan_metrics(tasks, None)
-    assert lm_metrics.plan_metrics(tasks, "acc_norm") == {"two_metrics": "acc_norm"}
-    assert lm_metrics.plan_metrics(tasks, {"two_metrics": "acc"}) == {"two_metrics": "acc"}
+        lm_metrics.choose_metrics(tasks, None)
+    assert lm_metrics.choose_metrics(tasks, "acc_norm") == {"two_metrics": "acc_norm"}
+    assert lm_metrics.choose_metrics(tasks, {"two_metrics": "acc"}) == {"two_metrics": "acc"}
     with pytest.raises(ConfigError, match="logs acc, acc_norm per document"):
-        lm_metrics.plan_metrics(tasks, "f1")
+        lm_metrics.choose_metrics(tasks, "f1")
     with pytest.raises(ConfigError, match="not among the tasks run"):
-        lm_metrics.plan_metrics(tasks, {"hellaswag": "acc"})
+        lm_metrics.choose_metrics(tasks, {"hellaswag": "acc"})
     result = subprocess.run(
         [
             sys.executable,
@@ -543,7 +548,7 @@ def test_a_longbench_group_scores_each_task_by_its_unified_score(tmp_path):
     variant = {"longbench_local_hotpotqa": "in Paris France", "longbench_local_passage_count": "2 or 3"}
     baseline = {"longbench_local_hotpotqa": "Paris", "longbench_local_passage_count": "3"}
     tasks = manager.load(objects)["tasks"]
-    assert lm_metrics.plan_metrics(tasks, None) == {t: "score" for t in variant}
+    assert lm_metrics.choose_metrics(tasks, None) == {t: "score" for t in variant}
     rows = paired_by_hand(manager, objects, lambda r: variant[r.task_name], lambda r: baseline[r.task_name], 2)
     got = {(r["cell"]["lm_eval_task"], r["sample_id"].rsplit("/")[1], r["variant"]): r["score"] for r in rows}
     assert got[("longbench_local_hotpotqa", "0", "v")] == pytest.approx(0.5)

@@ -19,7 +19,7 @@ def test_variants_run_on_the_same_samples_with_one_prefill_each(tmp_path, monkey
     per decode step). Were each variant to prefill on its own, there would be 1 + 7 context forwards per sample."""
     from evalkit.cli.job import run
 
-    forwards: list[tuple[int, int]] = []  # (tokens already cached, tokens given) for every forward of the model
+    forwards: list[tuple[int, int, int]] = []  # (tokens already cached, tokens given, rows) for every forward
     prefills: list[int] = []  # context length of every call of engine.prefill
 
     load = models.load
@@ -29,7 +29,8 @@ def test_variants_run_on_the_same_samples_with_one_prefill_each(tmp_path, monkey
 
         def count(module, args, kwargs):
             cache = kwargs.get("cache", kwargs.get("past_key_values"))
-            forwards.append((cache.get_seq_length(), kwargs["input_ids"].shape[-1]))
+            rows, given = kwargs["input_ids"].shape
+            forwards.append((cache.get_seq_length(), given, rows))
 
         loaded.model.register_forward_pre_hook(count, with_kwargs=True)
         return loaded
@@ -58,14 +59,19 @@ def test_variants_run_on_the_same_samples_with_one_prefill_each(tmp_path, monkey
     contexts = [next(iter(s.values()))["context_tokens"] for s in by_sample.values()]
     # one prefill per sample, over exactly that sample's context
     assert sorted(prefills) == sorted(contexts)
-    from_empty = [given for held, given in forwards if held == 0]
+    from_empty = [given for held, given, rows in forwards if held == 0 for _ in range(rows)]
     assert Counter(from_empty) == Counter(contexts), forwards
     # every other forward continues a prefilled context: the question of the baseline and of each variant (one
-    # each per sample), then decode steps of one token
-    rest = [(held, given) for held, given in forwards if held > 0]
-    assert all(held >= min(contexts) for held, _ in rest)
-    questions = [given for _, given in rest if given > 1]
-    assert len(questions) == 3 * (1 + len(VARIANTS))
+    # each per sample; decoded together, one row each, evalkit.run.decode), then decode steps of one token
+    rest = [(held, given, rows) for held, given, rows in forwards if held > 0]
+    assert all(held >= min(contexts) for held, _, _ in rest)
+    questions = sum(rows for _, given, rows in rest if given > 1)
+    # a variant that kept the same tokens as another reuses its decode (evalkit.run.outcome) and feeds nothing
+    reused = [r for r in rows if r["decoded_like"] is not None]
+    assert questions == 3 * (1 + len(VARIANTS)) - len(reused)
+    for r in reused:
+        like = by_sample[r["sample_id"]][r["decoded_like"]]
+        assert r["prediction"] == like["prediction"] and r["tokens_held_per_layer"] == like["tokens_held_per_layer"]
 
     for sample_rows in by_sample.values():
         assert set(sample_rows) == {"baseline", *VARIANTS}

@@ -11,8 +11,8 @@ from hydra.utils import instantiate
 
 from evalkit.errors import ConfigError
 from evalkit.kv.variant import Variant
+from evalkit.run.divergence import logit_divergence
 from evalkit.run.engine import run_sample
-from evalkit.run.fidelity import fidelity
 from evalkit.tasks import contains_all, contains_any
 from evalkit.tasks.fidelity import FidelityTask
 from evalkit.tasks.jsonl import read_jsonl
@@ -143,10 +143,10 @@ def test_jsonl_reports_every_bad_row_and_stops_before_the_model_loads(tmp_path):
 
 def test_fidelity_metrics_on_hand_made_logits():
     same = [torch.tensor([2.0, 0.0, 0.0]), torch.tensor([0.0, 3.0, 0.0])]
-    m = fidelity(same, same, [0, 1])
+    m = logit_divergence(same, same, [0, 1])
     assert m["kl_mean"] == 0.0 and m["top1_agreement"] == 1.0 and m["ppl_ratio"] == 1.0
     other = [torch.tensor([0.0, 1.0, 0.0]), torch.tensor([0.0, 3.0, 0.0])]
-    m = fidelity(same, other, [0, 1])
+    m = logit_divergence(same, other, [0, 1])
     p, q = torch.tensor([2.0, 0.0, 0.0]).log_softmax(0), torch.tensor([0.0, 1.0, 0.0]).log_softmax(0)
     assert m["kl_mean"] == pytest.approx(float((p.exp() * (p - q)).sum()) / 2, rel=1e-5)  # 2nd position: KL 0
     assert m["top1_agreement"] == 0.5
@@ -162,8 +162,8 @@ def test_fidelity_at_full_budget_is_exact_and_compression_moves_it(tiny):
     variants = [Variant(policy("snapkv", 1.0)), Variant(policy("streaming_llm", 16))]
     base, (full, small) = run_sample(tiny.model, p, variants, 0, set(), forced=True)
     targets = p.ids[0, p.n_context + 1 :].tolist()
-    assert len(base.logits) == 11 and fidelity(base.logits, full.logits, targets)["kl_mean"] == 0.0
-    assert fidelity(base.logits, small.logits, targets)["kl_mean"] > 0.0
+    assert len(base.logits) == 11 and logit_divergence(base.logits, full.logits, targets)["kl_mean"] == 0.0
+    assert logit_divergence(base.logits, small.logits, targets)["kl_mean"] > 0.0
 
 
 def test_fidelity_over_jsonl_contexts(tiny, tmp_path):

@@ -278,7 +278,7 @@ def check_settings(cfg: DictConfig) -> None:
 
 def check(cfg: DictConfig) -> None:
     """Every check that needs no model, on a composed config: what `run` checks before it loads one, run up front
-    for every job of a command (evalkit.hydra_errors.precheck)."""
+    for every job of a command (evalkit.cli.precheck)."""
     task = build(cfg.task, "task")
     validate(cfg, task, [v.policy for v in variants(cfg)] if backend(cfg, task) is None else [])
 

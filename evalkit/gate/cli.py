@@ -25,7 +25,7 @@ from evalkit.gate.decide import (
 )
 from evalkit.gate.judge import Verdict, judge
 from evalkit.gate.outputs import print_verdict, write_outputs
-from evalkit.gate.power import plan
+from evalkit.gate.power import samples_advice
 from evalkit.gate.reading import read_runs
 from evalkit.gate.thresholds import Thresholds, load_thresholds
 
@@ -70,7 +70,7 @@ def _plan(args) -> list[str]:
             raise ConfigError(f"--loss {args.loss} --gain {args.gain}: give rates in [0, 1] that sum to at most 1")
         rates = [(args.loss, args.gain)]
     t = load_thresholds(args.gate)
-    return plan(t, floor(t), args.variants, args.cells, rates, args.questions_per_context, args.icc)
+    return samples_advice(t, floor(t), args.variants, args.cells, rates, args.questions_per_context, args.icc)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -187,7 +187,9 @@ def _pair(found: tuple[int | None, int | None], per: int, m: int, cells: int) ->
     return text
 
 
-def plan(t, floor: int, variants: int = 1, cells: int = 1, rates=None, m: int = 1, icc: float = 0.5) -> list[str]:
+def samples_advice(
+    t, floor: int, variants: int = 1, cells: int = 1, rates=None, m: int = 1, icc: float = 0.5
+) -> list[str]:
     """What a PASS needs at these thresholds: samples (contexts) for 80% and 90% power at each loss/gain rate."""
     rates = rates or PLAN_RATES
     lines = [

@@ -17,7 +17,7 @@ prefill (the full cache exists during a one-shot prefill), compression and every
 
 Both routes write the same paired records (samples.jsonl: a baseline and a variant row per document, with flips;
 summary.json; run.json). Each row is scored by one per-document metric chosen before any document runs
-(plan_metrics: `task.metric`, or a default per task, or a refusal); for lm-eval's RULER (Hsieh et al. 2024, "RULER:
+(choose_metrics: `task.metric`, or a default per task, or a refusal); for lm-eval's RULER (Hsieh et al. 2024, "RULER:
 What's the Real Context Size of Your Long-Context Language Models?", arXiv:2404.06654) that is the score at the
 document's own length, never the -1 lm-eval logs under the lengths a document was not generated at.
 """

@@ -23,7 +23,7 @@ from evalkit.errors import ConfigError
 from evalkit.gate.evidence import flip
 from evalkit.gate.summary import format_summary, summarize
 from evalkit.lmeval.evaluate import load_tasks, model_tokenizer, paired_rows, refuse_reconstruction
-from evalkit.lmeval.metrics import plan_metrics
+from evalkit.lmeval.metrics import choose_metrics
 from evalkit.lmeval.model import EvalkitLM
 from evalkit.lmeval.registry import task_dir
 from evalkit.records import RUN, SAMPLES, SUMMARY, RecordWriter, read_rows, write_json
@@ -129,7 +129,7 @@ def _paired_evaluate(real, *, model=None, model_args=None, **kwargs):
     objects = load_tasks(
         manager, list(names), {k: kwargs.get(k) for k in ("random_seed", "numpy_random_seed", "torch_random_seed")}
     )
-    plan = plan_metrics(manager.load(objects)["tasks"], lm.metric, "--model_args metric")
+    plan = choose_metrics(manager.load(objects)["tasks"], lm.metric, "--model_args metric")
     asked_samples = bool(kwargs.pop("log_samples", False))
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
     run = real(model=lm, tasks=objects, task_manager=manager, log_samples=True, **kwargs)

@@ -12,7 +12,7 @@ from platformdirs import user_cache_dir
 
 from evalkit.errors import ConfigError
 from evalkit.kv.variant import Variant
-from evalkit.lmeval.metrics import OWN_LENGTH, doc_score, plan_metrics
+from evalkit.lmeval.metrics import OWN_LENGTH, choose_metrics, doc_score
 from evalkit.lmeval.model import EvalkitLM
 from evalkit.lmeval.registry import task_dir
 from evalkit.policies import Need
@@ -95,7 +95,7 @@ def _response(doc: dict) -> dict:
 def evaluate(task, loaded: models.LoadedModel, variants: list[Variant]) -> tuple[list[dict], dict]:
     """Run lm-eval tasks for every variant and, by replay, the baseline; per-document rows and lm-eval's results.
 
-    Each row: task, doc id, variant, the planned per-document metric (plan_metrics) as the score, the baseline's
+    Each row: task, doc id, variant, the planned per-document metric (choose_metrics) as the score, the baseline's
     score on the same document, what each answered, and the KV bytes of the document's compressed context.
     `task.metadata` is lm-eval's task metadata (RULER's max_seq_lengths; its tokenizer, by default the model's).
     """
@@ -108,7 +108,7 @@ def evaluate(task, loaded: models.LoadedModel, variants: list[Variant]) -> tuple
         metadata["tokenizer"] = model_tokenizer(loaded)
     manager = TaskManager(include_path=str(task_dir()), metadata=metadata)
     objects = load_tasks(manager, list(task.tasks))
-    plan = plan_metrics(manager.load(objects)["tasks"], task.metric)
+    plan = choose_metrics(manager.load(objects)["tasks"], task.metric)
     kwargs = {
         "tasks": objects,
         "task_manager": manager,

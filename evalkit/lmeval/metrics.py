@@ -14,7 +14,7 @@ from evalkit.errors import ConfigError
 DEFAULT_METRICS = {"longbench_": "score"}
 
 
-OWN_LENGTH = None  # plan_metrics' entry for RULER: each document is scored under its own length
+OWN_LENGTH = None  # choose_metrics' entry for RULER: each document is scored under its own length
 
 
 def _metric_names(task) -> list[str]:
@@ -30,7 +30,7 @@ def _is_ruler(task, names: list[str]) -> bool:
     return len(docs) > 0 and "max_length" in docs[0]
 
 
-def plan_metrics(
+def choose_metrics(
     tasks: dict[str, Any], wanted: str | dict[str, str] | None, key: str = "task.metric"
 ) -> dict[str, str | None]:
     """The per-document metric each lm-eval task's rows are scored by, chosen before any document runs.

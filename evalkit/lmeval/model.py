@@ -5,30 +5,19 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from lm_eval.api.model import LM
 from torch import Tensor
 from tqdm import tqdm
-from transformers.cache_utils import Cache
 
 from evalkit.errors import ConfigError
-from evalkit.kv.cache import kv_bytes, share
 from evalkit.kv.variant import Variant
 from evalkit.run import models
-from evalkit.run.engine import (
-    Held,
-    Outcome,
-    chunked_prefill,
-    evictor,
-    outcome,
-    prefill,
-    run_sample,
-    teacher_forced,
-)
+from evalkit.run.engine import Compressed, Outcome, compress_context, decode, run_sample
 from evalkit.run.probes import NeedleProbes
+from evalkit.run.rows import baseline_fields, kv_fields
 from evalkit.tasks.prompt import Prompt, context_digest
 
 
@@ -38,18 +27,6 @@ def _key(kind: str, args: tuple) -> str:
 
 # Per-document record fields that take the largest value over the document's requests (its choices).
 MAXED = ("peak_kv_bytes", "prefill_peak_kv_bytes", "prefill_peak_tokens", "kv_bytes_final")
-
-
-@dataclass
-class _Context:
-    """A prefilled context: the full cache (the baseline's) and the variant's, with what each prefill held at most
-    (bytes, and tokens of an evicting layer per KV head)."""
-
-    full: Cache
-    cache: Cache
-    n: int
-    full_peak: tuple[int, int]
-    peak: tuple[int, int]
 
 
 def _scored(logits: list[Tensor], targets: Tensor) -> tuple[float, bool]:
@@ -94,67 +71,27 @@ class EvalkitLM(LM):
     def _ids(self, text: str, special: bool = True) -> list[int]:
         return self.tok(text, add_special_tokens=special).input_ids
 
-    def _context(self, ids: Tensor, where: str) -> _Context:
-        """Prefill ids (1, n) and compress them as the engine does: one full-cache prefill, which the baseline
-        keeps and a one-shot variant compresses; a chunked variant prefills the context itself, chunk by chunk."""
-        n, variant = ids.shape[1], self.variant
-        variant.check(n, where)
-        full, obs = prefill(self.model, ids, [variant.policy] if variant.chunk is None else [])
-        full_peak = (kv_bytes(full), n)
-        if variant.chunk is None:
-            return _Context(full, variant.apply(full, obs), n, full_peak, full_peak)
-        cache, peak_bytes, peak_tokens = chunked_prefill(self.model, ids, variant.policy, variant.chunk)
-        return _Context(full, cache, n, full_peak, (peak_bytes, peak_tokens))
+    def _context(self, ids: Tensor, where: str) -> Compressed:
+        """Prefill ids (1, n) and compress them as the engine does (evalkit.run.engine.compress_context)."""
+        self.variant.check(ids.shape[1], where)
+        return compress_context(self.model, ids, [self.variant])
 
-    def _forced(self, name: str, cache: Cache, tokens: Tensor, prefill_peak: tuple[int, int], evict: bool) -> Outcome:
-        """Teacher-force tokens (1, M) on a copy of cache, as `run_sample(forced=True)` does: one token a step, the
-        variant's policy evicting after every forward when it evicts while decoding; logits[j] predicts tokens[j+1].
-        """
-        held = Held.of(cache)
-        cache, policy = share(cache), self.variant.policy
-        after = evictor(cache, policy) if evict else None
-        return outcome(name, held, cache, teacher_forced(self.model, cache, tokens, after), prefill_peak)
-
-    def _both(self, ctx: _Context, tokens: Tensor) -> tuple[Outcome, Outcome]:
-        """(variant, baseline) teacher-forced on tokens after the prefilled context."""
-        return (
-            self._forced(self.variant.name, ctx.cache, tokens, ctx.peak, evict=True),
-            self._forced("baseline", ctx.full, tokens, ctx.full_peak, evict=False),
-        )
+    def _both(self, compressed: Compressed, tokens: Tensor) -> tuple[Outcome, Outcome]:
+        """(variant, baseline) teacher-forced on tokens (1, M) after the compressed context, as the engine decodes a
+        continuation: one token a step, the variant's policy evicting while decoding if it does; logits[j]
+        predicts tokens[j + 1]."""
+        baseline, (variant,) = decode(self.model, compressed, tokens, 0, set(), forced=True)
+        return variant, baseline
 
     def _note(self, request, variant: Outcome, baseline: Outcome, context: Tensor) -> None:
         """The KV bytes of a request's variant and baseline, recorded for its document (fields as in the engine's
         records; the peaks and final bytes are the largest over the document's requests); `context` (1, n): the ids
         prefilled and compressed, which name the document's context (its first request's)."""
-        chunk, n_context = self.variant.chunk, context.shape[1]
-        fields = {
-            "context_id": context_digest(context[0].cpu().numpy().tobytes()),
-            "kv_bytes_baseline": baseline.kv_bytes,
-            "kv_bytes_baseline_deployed": baseline.kv_bytes_deployed,
-            "prefill": {"mode": "chunked", "chunk": chunk} if chunk else {"mode": "oneshot"},
-            "prefill_bound_tokens": self.variant.policy.target(n_context) + chunk if chunk else None,
-            "context_tokens": n_context,
-        }
+        n_context = context.shape[1]
+        context_id = context_digest(context[0].cpu().numpy().tobytes())
         key = (request.task_name, request.doc_id)
-        for store, o, extra in (
-            (self.kv, variant, {}),
-            (self.kv_baseline, baseline, {"prefill": {"mode": "oneshot"}, "prefill_bound_tokens": None}),
-        ):
-            new = {
-                **fields,
-                "kv_bytes": o.kv_bytes,
-                "kv_bytes_fp16_same_tokens": o.kv_bytes_fp16,
-                "kv_bytes_deployed": o.kv_bytes_deployed,
-                "attention_path": o.attention_path,
-                "kv_bytes_final": o.kv_bytes_final,
-                "peak_kv_bytes": o.peak_kv_bytes,
-                "prefill_peak_kv_bytes": o.prefill_peak_kv_bytes,
-                "prefill_peak_tokens": o.prefill_peak_tokens,
-                "tokens_held_per_layer": o.tokens_held,
-                "tokens_allocated_per_layer": o.tokens_allocated,
-                "tokens_allowed_per_layer": o.tokens_allowed,
-                **extra,
-            }
+        for store, o, which in ((self.kv, variant, self.variant), (self.kv_baseline, baseline, None)):
+            new = {**kv_fields(o, which, n_context), **baseline_fields(baseline), "context_id": context_id}
             old = store.get(key, {})
             store[key] = {**new, **{k: max(new[k], old[k]) for k in MAXED if k in old}}
             if "context_id" in old:

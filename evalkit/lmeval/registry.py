@@ -17,7 +17,7 @@ def task_dir() -> Path:
     """A folder holding the bundled offline tasks' YAML, pointing at the bundled JSONL by absolute path."""
     out = Path(user_cache_dir("evalkit")) / "lmeval_tasks"
     out.mkdir(parents=True, exist_ok=True)
-    src = files("evalkit.lmeval_tasks")
+    src = files("evalkit.lmeval.bundled")
     for name in TASKS:
         data = Path(str(src / f"{name}.jsonl"))
         text = (src / f"{name}.yaml").read_text().replace("__DATA__", json.dumps(str(data)))

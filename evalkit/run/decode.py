@@ -28,6 +28,19 @@ class Decoded:
     peak_bytes: int  # largest KV bytes held at any point of the decode
 
 
+def step(
+    model: torch.nn.Module, cache: Cache, ids: Tensor, after_forward: Callable[[], None] | None
+) -> tuple[Tensor, int]:
+    """One forward of `ids` (1, q) over `cache`, observed (H2O's running mass, the sliding window of queries); then
+    `after_forward` (eviction). Returns the last position's float32 logits and the KV bytes held before eviction."""
+    with observe(StepObserver(), cache):
+        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    held = kv_bytes(cache)  # before eviction: what the step really held
+    if after_forward is not None:
+        after_forward()
+    return out.logits[0, -1].float(), held
+
+
 @torch.inference_mode()
 def greedy(
     model: torch.nn.Module,
@@ -37,25 +50,17 @@ def greedy(
     stop_ids: set[int],
     after_forward: Callable[[], None] | None = None,
 ) -> Decoded:
-    """Feed `ids` (the question) then decode greedily; `after_forward` runs after every forward (eviction).
-
-    Evicting layers that keep a running attention mass (H2O) have it updated by every forward.
-    """
-    tokens, logits, peak = [], [], 0
+    """Feed `ids` (the question) then decode greedily; `after_forward` runs after every forward (eviction)."""
+    result = Decoded([], [], 0)
     for _ in range(max_new_tokens):
-        with observe(StepObserver(), cache):
-            out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-        peak = max(peak, kv_bytes(cache))  # before eviction: what the step really held
-        if after_forward is not None:
-            after_forward()
-        step = out.logits[0, -1].float()
-        token = int(step.argmax())
-        tokens.append(token)
-        logits.append(step)
-        if token in stop_ids:
+        logits, held = step(model, cache, ids, after_forward)
+        result.peak_bytes = max(result.peak_bytes, held)
+        result.tokens.append(int(logits.argmax()))
+        result.logits.append(logits)
+        if result.tokens[-1] in stop_ids:
             break
-        ids = torch.tensor([[token]], device=ids.device)
-    return Decoded(tokens, logits, peak)
+        ids = torch.tensor([[result.tokens[-1]]], device=ids.device)
+    return result
 
 
 @torch.inference_mode()
@@ -66,15 +71,12 @@ def teacher_forced(
 
     One token a step, so policies that evict while decoding do so exactly as they would while generating.
     """
-    logits, peak = [], 0
+    result = Decoded([], [], 0)
     for j in range(tokens.shape[1] - 1):
-        with observe(StepObserver(), cache):
-            out = model(input_ids=tokens[:, j : j + 1], cache=cache, use_cache=True, logits_to_keep=1)
-        peak = max(peak, kv_bytes(cache))
-        if after_forward is not None:
-            after_forward()
-        logits.append(out.logits[0, -1].float())
-    return Decoded([], logits, peak)
+        logits, held = step(model, cache, tokens[:, j : j + 1], after_forward)
+        result.peak_bytes = max(result.peak_bytes, held)
+        result.logits.append(logits)
+    return result
 
 
 @dataclass

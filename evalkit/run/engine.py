@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -179,34 +180,41 @@ def evictor(cache: Cache, policy: KVPolicy) -> Callable[[], None] | None:
     return after
 
 
-def run_sample(
-    model: torch.nn.Module,
-    prompt: Prompt,
-    variants: list[Variant],
-    max_new_tokens: int,
-    stop_ids: set[int],
-    forced: bool = False,
-    shared: dict | None = None,
-) -> tuple[Outcome, list[Outcome]]:
-    """The baseline and every variant on one prompt, from a single prefill of its context; their decodes run as one
-    batch, and a variant that keeps the same tokens as another reuses its decode (evalkit.run.outcome.decode_jobs).
+@dataclass
+class Stored:
+    """One cache of a compressed context, as compression left it, with what its rows record of how it was made."""
 
-    `forced`: teacher-force the rest of the prompt (a continuation) instead of generating an answer.
-    `shared`: a dict kept across prompts whose context ids are the same (several questions on one context): the
-    first call stores its prefill and each variant's compressed cache there, later calls decode from copies of them
-    instead of prefilling and compressing again (their rows say 0 seconds of prefill and compression).
-    """
-    ids = prompt.ids.to(model.device)
-    context, question = ids[:, : prompt.n_context], ids[:, prompt.n_context :]
-    if shared:
-        return _rerun(model, prompt, variants, max_new_tokens, stop_ids, forced, shared, question)
+    name: str  # "baseline" or the variant's name
+    cache: Cache
+    seconds: dict[str, float]  # prefill, compress (and KVzip's reconstruct)
+    prefill_peak: tuple[int, int]  # (bytes, tokens of an evicting layer per KV head) at most while prefilling
+    variant: Variant | None = None  # None: the baseline's full cache
+
+
+@dataclass
+class Compressed:
+    """A context prefilled once and compressed by every variant: compress once, decode as many questions as asked.
+    Every decode works on copies (cache.share: caches grow by concatenation and evict by reassignment), so each
+    question sees the context as compression left it. The first decode's rows carry the prefill and compression
+    seconds; later ones 0, the work being done."""
+
+    caches: list[Stored]  # the baseline's first
+    decodes: int = 0
+
+
+def compress_context(
+    model: torch.nn.Module, context: Tensor, variants: list[Variant], repeat: Repeat | None = None
+) -> Compressed:
+    """Prefill `context` (1, n) once with a full cache (the baseline's), observing what the one-shot variants need;
+    run KVzip's reconstruction pass where a variant needs it; compress for each variant (a chunked variant prefills
+    the context itself, chunk by chunk)."""
     t0 = time.perf_counter()
     oneshot = [v.policy for v in variants if v.chunk is None]
     full, observations = prefill(model, context, oneshot)
     prefill_s = time.perf_counter() - t0
-    rebuilt_s = reconstruction(model, full, context, prompt.repeat, oneshot, observations)  # KVzip's second pass
-    full_peak = (kv_bytes(full), prompt.n_context)
-    jobs = [Job("baseline", share(full), {"prefill": prefill_s, "compress": 0.0}, full_peak, shareable=True)]
+    rebuilt_s = reconstruction(model, full, context, repeat, oneshot, observations)  # KVzip's second pass
+    full_peak = (kv_bytes(full), context.shape[1])
+    stored = [Stored("baseline", full, {"prefill": prefill_s, "compress": 0.0}, full_peak)]
     for variant in variants:
         t = time.perf_counter()
         if variant.chunk is None:
@@ -219,14 +227,50 @@ def run_sample(
             cache, peak_bytes, peak_tokens = chunked_prefill(model, context, variant.policy, variant.chunk)
             seconds = {"prefill": time.perf_counter() - t, "compress": 0.0}  # compression runs inside the prefill
             peak = (peak_bytes, peak_tokens)
-        if shared is not None:  # later questions on this context decode from copies of this cache
-            shared[variant.name] = (cache, peak)
-            cache = share(cache)
-        jobs.append(Job(variant.name, cache, seconds, peak, evictor(cache, variant.policy), shareable(variant)))
-    if shared is not None:
-        shared["baseline"] = (full, full_peak)
-    outcomes = decode_jobs(model, jobs, question, max_new_tokens, stop_ids, forced, prompt.evidence)
+        stored.append(Stored(variant.name, cache, seconds, peak, variant))
+    return Compressed(stored)
+
+
+def decode(
+    model: torch.nn.Module,
+    compressed: Compressed,
+    question: Tensor,
+    max_new_tokens: int,
+    stop_ids: set[int],
+    forced: bool = False,
+    evidence: list[int] = (),
+) -> tuple[Outcome, list[Outcome]]:
+    """The baseline's and every variant's Outcome for one question (1, q) after the compressed context: each decodes
+    from a copy of its cache (greedy; or teacher-forced when `forced`), a policy that evicts while decoding doing so
+    after every forward. The decodes run as one batch, and a variant that keeps the same tokens as another reuses
+    its decode (evalkit.run.outcome.decode_jobs). `evidence`: the context positions whose retention is recorded."""
+    first = compressed.decodes == 0
+    compressed.decodes += 1
+    jobs = []
+    for s in compressed.caches:
+        cache = share(s.cache)
+        seconds = s.seconds if first else {k: 0.0 for k in s.seconds}
+        policy = s.variant.policy if s.variant is not None else None
+        after = evictor(cache, policy) if policy is not None else None
+        ok = s.variant is None or shareable(s.variant)
+        jobs.append(Job(s.name, cache, dict(seconds), s.prefill_peak, after, ok))
+    outcomes = decode_jobs(model, jobs, question, max_new_tokens, stop_ids, forced, list(evidence))
     return outcomes[0], outcomes[1:]
+
+
+def run_sample(
+    model: torch.nn.Module,
+    prompt: Prompt,
+    variants: list[Variant],
+    max_new_tokens: int,
+    stop_ids: set[int],
+    forced: bool = False,
+) -> tuple[Outcome, list[Outcome]]:
+    """The baseline and every variant on one prompt, from a single prefill of its context (compress_context, then
+    decode). `forced`: teacher-force the rest of the prompt (a continuation) instead of generating an answer."""
+    ids = prompt.ids.to(model.device)
+    compressed = compress_context(model, ids[:, : prompt.n_context], variants, prompt.repeat)
+    return decode(model, compressed, ids[:, prompt.n_context :], max_new_tokens, stop_ids, forced, prompt.evidence)
 
 
 def shareable(variant: Variant) -> bool:
@@ -235,38 +279,15 @@ def shareable(variant: Variant) -> bool:
     return variant.quant is None and variant.chunk is None and not variant.policy.decode
 
 
-def _rerun(
-    model: torch.nn.Module,
-    prompt: Prompt,
-    variants: list[Variant],
-    max_new_tokens: int,
-    stop_ids: set[int],
-    forced: bool,
-    shared: dict,
-    question: Tensor,
-) -> tuple[Outcome, list[Outcome]]:
-    """run_sample on a context already prefilled and compressed by an earlier call with the same `shared`: each
-    variant (and the baseline) decodes this prompt's question from a copy of its stored cache, which stays as the
-    compression left it, so every question sees the same compressed context. Caches grow by concatenation and
-    evict by reassignment (cache.share), so a copy's decode never reaches the stored cache."""
-    jobs = []
-    for variant in [None, *variants]:
-        name = "baseline" if variant is None else variant.name
-        stored, peak = shared[name]
-        cache = share(stored)
-        after = evictor(cache, variant.policy) if variant is not None else None
-        ok = variant is None or shareable(variant)
-        jobs.append(Job(name, cache, {"prefill": 0.0, "compress": 0.0}, peak, after, ok))
-    outcomes = decode_jobs(model, jobs, question, max_new_tokens, stop_ids, forced, prompt.evidence)
-    return outcomes[0], outcomes[1:]
-
-
 __all__ = [
+    "Compressed",
     "Decoded",
     "Held",
     "Outcome",
     "Variant",
     "chunked_prefill",
+    "compress_context",
+    "decode",
     "evictor",
     "greedy",
     "outcome",

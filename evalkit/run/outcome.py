@@ -88,26 +88,30 @@ def outcome(
     prefill_peak: tuple[int, int],
     retained: list[float] = (),
     seconds: dict[str, float] | None = None,
+    decoded_like: str | None = None,
+    decode_batch: int = 1,
 ) -> Outcome:
     """The Outcome of a decode (or teacher-forced pass) over `cache`, which held `held` before it began;
     `prefill_peak`: (bytes, tokens) at most while the context was prefilled."""
     return Outcome(
-        name,
-        dec.tokens,
-        dec.logits,
-        held.kv_bytes,
-        held.fp16,
-        held.deployed,
-        kv_bytes(cache),
-        max(dec.peak_bytes, held.kv_bytes, prefill_peak[0]),  # before every eviction: what really was held
-        prefill_peak[0],
-        prefill_peak[1],
-        held.tokens,
-        list(retained),
-        dict(seconds or {}),
-        attention_path(cache),
-        held.allocated,
-        held.allowed,
+        variant=name,
+        tokens=dec.tokens,
+        logits=dec.logits,
+        kv_bytes=held.kv_bytes,
+        kv_bytes_fp16=held.fp16,
+        kv_bytes_deployed=held.deployed,
+        kv_bytes_final=kv_bytes(cache),
+        peak_kv_bytes=max(dec.peak_bytes, held.kv_bytes, prefill_peak[0]),  # before every eviction: what was held
+        prefill_peak_kv_bytes=prefill_peak[0],
+        prefill_peak_tokens=prefill_peak[1],
+        tokens_held=held.tokens,
+        evidence_retained=list(retained),
+        seconds=dict(seconds or {}),
+        attention_path=attention_path(cache),
+        tokens_allocated=held.allocated,
+        tokens_allowed=held.allowed,
+        decoded_like=decoded_like,
+        decode_batch=decode_batch,
     )
 
 
@@ -167,9 +171,9 @@ def decode_jobs(
             job.prefill_peak,
             job.retained,
             {**job.seconds, "decode": secs if first == i else 0.0},
+            decoded_like=jobs[first].name if first != i else None,
+            decode_batch=batch,
         )
-        out.decoded_like = jobs[first].name if first != i else None
-        out.decode_batch = batch
         outcomes.append(out)
     return outcomes
 

@@ -25,6 +25,42 @@ def hf_engine() -> dict[str, str]:
     return {"backend": "hf", "engine_version": f"transformers {transformers.__version__}, torch {torch.__version__}"}
 
 
+def header(run_info: dict, task_name: str, protocol: str) -> dict[str, Any]:
+    """What every row of a run written by evalkit's engine begins with: the run, the task, the protocol and the
+    engine (the run's own samples and lm-eval's documents alike)."""
+    return {"run_id": run_info["run_id"], "task": task_name, "protocol": protocol, **hf_engine()}
+
+
+def kv_fields(outcome: Outcome, variant: Variant | None, n_context: int) -> dict[str, Any]:
+    """The KV record of one decode (the baseline's when `variant` is None) after a context of n_context tokens:
+    bytes held, peaks, tokens per layer and how the context was prefilled. One schema for the run's rows and
+    lm-eval's (evalkit.lmeval.model)."""
+    chunk = variant.chunk if variant is not None else None
+    return {
+        "kv_bytes": outcome.kv_bytes,
+        "kv_bytes_fp16_same_tokens": outcome.kv_bytes_fp16,
+        # as a deployment holds them (fp16/bf16 dense, quantized packed): what ratios, the gate and capacity use
+        "kv_bytes_deployed": outcome.kv_bytes_deployed,
+        "attention_path": outcome.attention_path,
+        "kv_bytes_final": outcome.kv_bytes_final,
+        "peak_kv_bytes": outcome.peak_kv_bytes,
+        "prefill": {"mode": "chunked", "chunk": chunk} if chunk else {"mode": "oneshot"},
+        "prefill_peak_kv_bytes": outcome.prefill_peak_kv_bytes,
+        "prefill_peak_tokens": outcome.prefill_peak_tokens,
+        # what a chunked prefill promises: an evicting layer never holds more than its final budget plus one chunk
+        "prefill_bound_tokens": variant.policy.target(n_context) + chunk if chunk else None,
+        "tokens_held_per_layer": outcome.tokens_held,
+        "tokens_allocated_per_layer": outcome.tokens_allocated,
+        "tokens_allowed_per_layer": outcome.tokens_allowed,
+        "context_tokens": n_context,
+    }
+
+
+def baseline_fields(baseline: Outcome) -> dict[str, int]:
+    """The baseline's bytes on the same context, carried by every row of a sample."""
+    return {"kv_bytes_baseline": baseline.kv_bytes, "kv_bytes_baseline_deployed": baseline.kv_bytes_deployed}
+
+
 def _row(
     run_info,
     task: Task,
@@ -37,42 +73,21 @@ def _row(
     protocol: str,
 ) -> dict[str, Any]:
     return {
-        "run_id": run_info["run_id"],
+        **header(run_info, task.name, protocol),
         "sample_id": sample.id,
-        "task": task.name,
         "cell": sample.cell,
         "variant": outcome.variant,
         "policy": dataclasses.asdict(variant.policy) if variant is not None else {"name": BASELINE},
         "quant": dataclasses.asdict(variant.quant) if variant is not None and variant.quant else None,
-        "protocol": protocol,
         "prediction": prediction_text(loaded, outcome),
         "answers": sample.answers,
         "question": sample.question,  # what was asked of the context: the report shows it beside a lost sample
-        "kv_bytes": outcome.kv_bytes,
-        "kv_bytes_baseline": baseline.kv_bytes,
-        "kv_bytes_fp16_same_tokens": outcome.kv_bytes_fp16,
-        # as a deployment holds them (fp16/bf16 dense, quantized packed): what ratios, the gate and capacity use
-        "kv_bytes_deployed": outcome.kv_bytes_deployed,
-        "kv_bytes_baseline_deployed": baseline.kv_bytes_deployed,
-        "attention_path": outcome.attention_path,
-        "kv_bytes_final": outcome.kv_bytes_final,
-        "peak_kv_bytes": outcome.peak_kv_bytes,
-        "prefill": {"mode": "chunked", "chunk": variant.chunk} if variant and variant.chunk else {"mode": "oneshot"},
-        "prefill_peak_kv_bytes": outcome.prefill_peak_kv_bytes,
-        "prefill_peak_tokens": outcome.prefill_peak_tokens,
-        # what a chunked prefill promises: an evicting layer never holds more than its final budget plus one chunk
-        "prefill_bound_tokens": variant.policy.target(prompt.n_context) + variant.chunk
-        if variant and variant.chunk
-        else None,
-        "tokens_held_per_layer": outcome.tokens_held,
-        "tokens_allocated_per_layer": outcome.tokens_allocated,
-        "tokens_allowed_per_layer": outcome.tokens_allowed,
+        **kv_fields(outcome, variant, prompt.n_context),
+        **baseline_fields(baseline),
         "evidence_retained_per_layer": outcome.evidence_retained,
         "budget_clipped": budget_clipped(variant, prompt),
-        "context_tokens": prompt.n_context,
         "context_id": prompt.context_id,  # the compressed context: questions answered from one prefill share it
         "prompt_tokens": int(prompt.ids.shape[1]),
-        **hf_engine(),
         "generated_tokens": len(outcome.tokens),
         "seconds": {k: round(v, 4) for k, v in outcome.seconds.items()},
         # decoded in one batch with this many caches (its seconds.decode a share of the batch's); or not decoded at

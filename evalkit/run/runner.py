@@ -26,12 +26,12 @@ from evalkit.records import (
     write_json,
 )
 from evalkit.run import interrupt, models
-from evalkit.run.engine import Outcome, run_sample
-from evalkit.run.fidelity import fidelity
+from evalkit.run.divergence import logit_divergence
+from evalkit.run.engine import Outcome, compress_context, decode
 from evalkit.run.lock import RunLock
 from evalkit.run.probes import NeedleProbes
 from evalkit.run.resume import _check_model, _check_samples_unchanged, _start, check_written
-from evalkit.run.rows import _row, budget_clipped, hf_engine, prediction_text
+from evalkit.run.rows import _row, budget_clipped, header, prediction_text
 from evalkit.tasks import Sample, Task
 from evalkit.tasks.prompt import Prompt, build_prompt, prompt_text
 
@@ -94,7 +94,6 @@ def _run_samples(cfg, out_dir: Path, task: Task, variants: list[Variant], loaded
         print(f"evalkit: resuming {out_dir}: {len(work) - len(pending)} of {len(work)} samples already done")
     stop_ids = _stop_ids(loaded)
     contexts = [p.context_ids for _, p in pending]
-    shared = None
     writer = RecordWriter(out_dir / SAMPLES)
     try:
         for i, (sample, prompt) in enumerate(
@@ -104,11 +103,12 @@ def _run_samples(cfg, out_dir: Path, task: Task, variants: list[Variant], loaded
                 raise interrupt.Interrupted(
                     f"stopped: {len(pending) - i} of {len(work)} samples left to run in {out_dir}"
                 )
+            ids = prompt.ids.to(loaded.model.device)
             if i == 0 or contexts[i] != contexts[i - 1]:  # one prefill and compression for the questions on a context
-                shared = {} if contexts[i + 1 : i + 2] == [contexts[i]] else None
-            baseline, outcomes = run_sample(
-                loaded.model, prompt, variants, task.answer_tokens(sample), stop_ids, forced=task.teacher_forced,
-                shared=shared,
+                compressed = compress_context(loaded.model, ids[:, : prompt.n_context], variants, prompt.repeat)
+            baseline, outcomes = decode(
+                loaded.model, compressed, ids[:, prompt.n_context :], task.answer_tokens(sample), stop_ids,
+                forced=task.teacher_forced, evidence=prompt.evidence,
             )  # fmt: skip
             results = score_outcomes(loaded, task, sample, prompt, baseline, outcomes)
             for variant, outcome, (score, base_score, extra) in zip(
@@ -156,10 +156,7 @@ def _run_external(task, loaded, variants, run_info, rows_path: Path, done: set, 
             if (row["sample_id"], row["variant"]) not in done:
                 writer.write(
                     {
-                        "run_id": run_info["run_id"],
-                        "task": task.name,
-                        "protocol": cfg.protocol,
-                        **hf_engine(),
+                        **header(run_info, task.name, cfg.protocol),
                         "flip": flip(row["score"], row["baseline_score"]),
                         **row,
                     }
@@ -178,7 +175,7 @@ def score_outcomes(loaded, task: Task, sample: Sample, prompt: Prompt, baseline:
         targets = prompt.ids[0, prompt.n_context + 1 :].tolist()
         return [
             (m["top1_agreement"], 1.0, m)
-            for m in (fidelity(baseline.logits, o.logits, targets) for o in [baseline, *outcomes])
+            for m in (logit_divergence(baseline.logits, o.logits, targets) for o in [baseline, *outcomes])
         ]
     base_score = task.score(prediction_text(loaded, baseline), sample)
     scores = [task.score(prediction_text(loaded, o), sample) for o in outcomes]

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 
-def fidelity(baseline: list[Tensor], variant: list[Tensor], targets: list[int]) -> dict[str, float]:
+def logit_divergence(baseline: list[Tensor], variant: list[Tensor], targets: list[int]) -> dict[str, float]:
     """Metrics of a variant's logits against the baseline's, position by position (targets[j] follows logits[j])."""
     if not targets:
         return {"kl_mean": 0.0, "top1_agreement": 1.0, "ppl_baseline": 1.0, "ppl_variant": 1.0, "ppl_ratio": 1.0}
