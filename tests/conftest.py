@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import os
 import random
 
@@ -34,6 +37,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_collection_modifyitems(items) -> None:
+    """Under `make test` (pytest-xdist, `--dist loadgroup`) the tests of one file run in one worker, so that its
+    module fixtures are built once, and the tests that read the session's report runs share one worker too."""
+    for item in items:
+        group = "report_runs" if "report_runs" in getattr(item, "fixturenames", ()) else item.path.stem
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 def compose_config(*overrides: str) -> DictConfig:
     with initialize_config_module(config_module="evalkit.conf", version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
@@ -45,17 +56,69 @@ def tiny():
     return models.load(OmegaConf.load(ROOT / "conf" / "model" / "tiny-random.yaml"), "cpu")
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, env: dict | None = None):
-    """`python -m evalkit ARGS` in a subprocess, as a user runs it."""
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "evalkit", *args],
-        cwd=cwd or ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+def run_cli(
+    *args: str, cwd: Path | None = None, timeout: float = 600, env: dict | None = None, process: bool = False
+) -> subprocess.CompletedProcess:
+    """`python -m evalkit ARGS` as a user runs it: its exit code, stdout and stderr. In this test process (the
+    command line's own entry point, evalkit.cli.main.main, with sys.argv, the environment and the working folder
+    set as the command would have them, and every one restored after), unless `process`: a subprocess, for a test
+    whose subject is the process itself (what a fresh interpreter imports, signals, two processes at once)."""
+    env = {"TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    if process:
+        return subprocess.run(
+            [sys.executable, "-m", "evalkit", *args],
+            cwd=cwd or ROOT,
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    return in_process(list(args), cwd or ROOT, env)
+
+
+def in_process(args: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:
+    """evalkit.cli.main.main() on `args`, as `python -m evalkit ARGS` would run it, in this process (see run_cli)."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from evalkit.cli import main as cli_main
+    from evalkit.cli import sweep
+
+    saved_env, saved_argv, saved_cwd = dict(os.environ), sys.argv[:], os.getcwd()
+    env = {"WANDB_CONSOLE": "off", **env}  # W&B would wrap this process's stdout and stderr, pytest's capture
+    root = logging.getLogger()
+    saved_handlers, saved_level = root.handlers[:], root.level
+    # Hydra's logging set-up (dictConfig) closes every handler the process has made (logging.shutdown); in a
+    # process of its own that is none, here it would close those made before, over streams this process does not
+    # own (absl's, which rouge_score imports, over pytest's capture of stderr). They are kept out of its reach.
+    earlier = logging._handlerList[:]
+    logging._handlerList[:] = []
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    os.environ.update(env)
+    sys.argv = [str(ROOT / "evalkit" / "__main__.py"), *args]
+    os.chdir(cwd)
+    sweep.exit_code = None
+    GlobalHydra.instance().clear()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                cli_main.main()
+            except SystemExit as exit_:
+                code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+                if not isinstance(exit_.code, (int, type(None))):
+                    print(exit_.code, file=sys.stderr)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        sys.argv = saved_argv
+        os.chdir(saved_cwd)
+        GlobalHydra.instance().clear()
+        for handler in root.handlers:
+            if handler not in saved_handlers:
+                handler.close()
+        root.handlers[:] = saved_handlers
+        root.setLevel(saved_level)
+        logging._handlerList[:] = earlier + logging._handlerList
+    return subprocess.CompletedProcess(["evalkit", *args], code, out.getvalue(), err.getvalue())
 
 
 CTX, QUESTION, STEPS = 96, 7, 6  # small inputs for invariant tests: context, question and decode lengths

@@ -44,7 +44,8 @@ def in_process(tmp_path_factory):
     """The issue's command on two needles: llama.cpp's q8_0 and q4_0 caches against its f16 cache, gated."""
     folder = tmp_path_factory.mktemp("llamacpp")
     variants = "variants=[llamacpp:q8_0,llamacpp:q4_0]"
-    result = run_cli("backend=llamacpp", variants, "gate=default", *NEEDLES, f"hydra.run.dir={folder}")
+    # a process of its own: llama.cpp silences its logs by redirecting the process's file descriptors 1 and 2
+    result = run_cli("backend=llamacpp", variants, "gate=default", *NEEDLES, f"hydra.run.dir={folder}", process=True)
     return result, folder
 
 

@@ -50,14 +50,13 @@ def caches(prepared, only=None):
     return rows
 
 
-def test_a_batch_decodes_every_cache_as_it_decodes_alone(tiny, ids, prepared):
+def check_batch_equals_alone(tiny, ids, prepared, only, steps):
     """Tokens, logits (within float tolerance), the peak bytes and the cache left at the end (tokens held per head,
-    bytes) must equal `greedy` on each cache alone, for caches that evict while decoding (H2O's running mass,
-    StreamingLLM, TOVA's sliding window query), a ragged one, KVzip's global choice, a quantized store and the full
-    cache. 8 steps of a random model: rows stop at different steps only if a stop id is hit, so none is given."""
-    alone, together = caches(prepared), caches(prepared)
-    want = [greedy(tiny.model, r.cache, ids[:, CTX:], 8, set(), r.after_forward) for r in alone]
-    got = decode_batch(tiny.model, together, ids[:, CTX:], 8, set())
+    bytes) of `decode_batch` over the caches `only` must equal `greedy` on each cache alone. A random model's rows
+    stop at different steps only if a stop id is hit, so none is given."""
+    alone, together = caches(prepared, only), caches(prepared, only)
+    want = [greedy(tiny.model, r.cache, ids[:, CTX:], steps, set(), r.after_forward) for r in alone]
+    got = decode_batch(tiny.model, together, ids[:, CTX:], steps, set())
     for a, b, ra, rb in zip(want, got, alone, together, strict=True):
         assert a.tokens == b.tokens and a.peak_bytes == b.peak_bytes
         for x, y in zip(a.logits, b.logits, strict=True):
@@ -65,6 +64,18 @@ def test_a_batch_decodes_every_cache_as_it_decodes_alone(tiny, ids, prepared):
         assert kv_bytes(ra.cache) == kv_bytes(rb.cache)
         for la, lb in zip(ra.cache.layers, rb.cache.layers, strict=True):
             assert torch.equal(held_positions(la), held_positions(lb))
+
+
+def test_a_batch_decodes_every_cache_as_it_decodes_alone(tiny, ids, prepared):
+    """8 steps for caches that evict while decoding (H2O's running mass, StreamingLLM, TOVA's sliding window query),
+    a ragged one, KVzip's global choice, the CPU's dequantized int4 copy and the full cache, in one batch."""
+    check_batch_equals_alone(tiny, ids, prepared, set(range(len(SPECS) + 2)), steps=8)
+
+
+def test_a_packed_store_decodes_in_a_batch_as_alone(tiny, ids, prepared):
+    """The packed int4 store (read by the Triton kernel, interpreted on the CPU: slow, so 3 steps) beside an evicting
+    cache and the full one."""
+    check_batch_equals_alone(tiny, ids, prepared, {1, len(SPECS), len(SPECS) + 2}, steps=3)
 
 
 def test_rows_leave_the_batch_at_their_stop_token(tiny, ids, prepared):
