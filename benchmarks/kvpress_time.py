@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from evalkit.embedded import cache_root
 from evalkit.policies.h2o import H2O
 from evalkit.policies.kvzip import KVzip
 from evalkit.policies.snapkv import SnapKV
@@ -84,7 +85,7 @@ def main() -> None:
     samples = [
         s for n in args.lengths for s in NeedleTask(context_lengths=[n], depths=depths).samples(loaded.tokenizer)
     ]
-    peer = run_kvpress(args, models.cache_root() / f"{cfg.name}-{cfg.package_version}", samples)
+    peer = run_kvpress(args, cache_root() / f"{cfg.name}-{cfg.package_version}", samples)
     stop = {loaded.tokenizer.eos_token_id}
     prompts = [build_prompt(loaded.tokenizer, s) for s in samples]
     run_sample(loaded.model, prompts[0], [Variant(policy(args.policy, 16))], args.max_new_tokens, stop)  # warm-up

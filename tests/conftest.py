@@ -37,6 +37,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(items) -> None:
     """Under `make test` (pytest-xdist, `--dist loadgroup`) the tests of one file run in one worker, so that its
     module fixtures are built once, and the tests that read the session's report runs share one worker too."""
