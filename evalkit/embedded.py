@@ -4,6 +4,7 @@ their GGUF files)."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import os
@@ -57,3 +58,12 @@ def byte_tokenizer() -> PreTrainedTokenizerBase:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file (a GGUF, a dataset), read a MiB at a time: what records fingerprint inputs by."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

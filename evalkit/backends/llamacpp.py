@@ -13,7 +13,6 @@ layer's cache writes the cells its window still sees).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import importlib
 import importlib.util
 import os
@@ -30,7 +29,7 @@ from omegaconf import DictConfig, ListConfig
 from evalkit.backends import Job, Result, check_generates, check_variants_unused
 from evalkit.backends.agreement import full_vocabulary
 from evalkit.backends.kvbytes import CACHE_TYPES, ENGINE_STATE, FORMAT, block_bytes, ggml_type
-from evalkit.embedded import gguf_path
+from evalkit.embedded import file_sha256, gguf_path
 from evalkit.errors import ConfigError
 from evalkit.fields import check_fields
 from evalkit.plan.arch import Arch, arch_from_config
@@ -170,7 +169,7 @@ class LlamaCpp:
             },
             "model": {
                 "name": cfg.model.name,
-                "fingerprint": _sha256(path),
+                "fingerprint": file_sha256(path),
                 "weights_bytes": path.stat().st_size,
                 "dtype": "gguf",
                 "source": f"{cfg.model.package}=={cfg.model.package_version} ({path.name}) in llama.cpp",
@@ -304,11 +303,3 @@ def _eval(lib, llm, ids: list[int]) -> np.ndarray:
     llm.eval(ids)
     ptr = lib.llama_get_logits_ith(llm.ctx, -1)
     return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(llm.n_vocab(),)).copy()
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

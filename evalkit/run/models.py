@@ -4,7 +4,6 @@ id or local path, and tiny random models built from a config for tests.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
 import json
@@ -22,7 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from evalkit.embedded import byte_tokenizer, converted_folder, gguf_path
+from evalkit.embedded import byte_tokenizer, converted_folder, file_sha256, gguf_path
 from evalkit.errors import ConfigError
 from evalkit.kv import attention
 
@@ -254,14 +253,6 @@ def _convert_gguf(cfg: DictConfig, target: Path) -> None:
         os.replace(out, target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _load_tiny_random(cfg: DictConfig):

@@ -19,6 +19,7 @@ import torch
 import transformers
 
 import evalkit
+from evalkit.embedded import file_sha256
 from evalkit.errors import ConfigError
 from evalkit.gate.evidence import contradictions, row_problem
 from evalkit.records import (
@@ -30,7 +31,6 @@ from evalkit.records import (
     write_json,
 )
 from evalkit.run import models
-from evalkit.run.models import file_sha256
 from evalkit.tasks import Sample, Task
 from evalkit.tasks.prompt import Prompt
 
