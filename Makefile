@@ -26,10 +26,10 @@ install: $(VENV)/.installed
 demo: install
 	$(BIN)/python -m evalkit policy=h2o task=needle resume=true
 
-# one worker per core (pytest-xdist), a test file's tests in one worker (its fixtures built once: tests/conftest.py);
+# one worker per core (pytest-xdist), a test file's tests in one worker (its module fixtures built once);
 # --durations: the slowest tests, so that a slow one is seen when it lands
 test: install
-	$(BIN)/python -m pytest -q -n auto --dist loadgroup --durations=15
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --durations=15
 
 lint: install
 	$(BIN)/ruff check evalkit policies kernels tests benchmarks

@@ -37,15 +37,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(items) -> None:
-    """Under `make test` (pytest-xdist, `--dist loadgroup`) the tests of one file run in one worker, so that its
-    module fixtures are built once, and the tests that read the session's report runs share one worker too."""
-    for item in items:
-        group = "report_runs" if "report_runs" in getattr(item, "fixturenames", ()) else item.path.stem
-        item.add_marker(pytest.mark.xdist_group(group))
-
-
 def compose_config(*overrides: str) -> DictConfig:
     with initialize_config_module(config_module="evalkit.conf", version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
+from tests.test_report_page import read_page, texts
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="pip install -e '.[dev]' (selenium)")
 from selenium.webdriver.chrome.options import Options  # noqa: E402
@@ -180,3 +181,33 @@ def test_the_checks_fail_on_a_broken_page(browser, report_page, tmp_path):
     assert any(p.startswith("console:") and "undefinedFunction" in p for p in problems), problems
     assert any(p.startswith("filter hf/snapkv@0.5") for p in problems), problems
     assert any(p.startswith("filter hf/streaming_llm@0.25") for p in problems), problems
+
+
+# --- the cross-task report that crashed (KeyError: 'context_length', exit 3), from the same three runs ---------------
+# (here, beside the browser tests: one worker of `make test` builds the runs once)
+
+
+def test_a_needle_run_and_an_lm_eval_ruler_run_make_one_report(report_runs, tmp_path):
+    """`python -m evalkit.report NEEDLE RULER`: both runs side by side (variants prefixed with their task), n per
+    variant as each run's samples.jsonl counts it, a cells panel per run laid out from its own cell keys (needle:
+    depth down, context length across; RULER: its max_length), and a panel per run."""
+    needle, ruler = report_runs["needle"], report_runs["ruler"]
+    res = subprocess.run(
+        [sys.executable, "-m", "evalkit.report", str(needle), str(ruler), "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    page = read_page(tmp_path / "report.html")
+    counted = {}
+    for task, run in (("needle", needle), ("lm_eval", ruler)):
+        for line in (run / "samples.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            counted[task, r["variant"]] = counted.get((task, r["variant"]), 0) + 1
+    table = [texts(r) for r in page.tables["variant-table"][1:]]
+    shown = {(row[0], row[1]): int(row[3]) for row in table}
+    assert shown == {(task, variant): n for (task, variant), n in counted.items()}
+    assert "needle" in page.text["cells"] and "lm_eval" in page.text["cells"]
+    assert "depth down, context_length across" in page.text["cells"]
+    assert "max_length across" in page.text["cells"]
+    assert page.text["runs"].count("tiny-random") >= 2 and "niah_single_1" in page.text["runs"]
+    assert "Trade-off" in page.text["tradeoff"] and page.figures["tradeoff-plot"]["data"]
