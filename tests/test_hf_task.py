@@ -218,6 +218,7 @@ def test_offline_without_a_local_copy_is_one_line_exit_2(tmp_path):
         f"hydra.run.dir={tmp_path / 'run'}",
         env={"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")},
         timeout=120,
+        process=True,  # the Hub's libraries read these variables when first imported: a fresh process
     )
     assert res.returncode == 2, res.stderr[-2000:]
     err = [line for line in res.stderr.splitlines() if "error" in line]
