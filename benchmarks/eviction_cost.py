@@ -1,13 +1,15 @@
 """What score-based eviction costs on SmolLM2: time, peak memory, and the sweep's saving.
 
     python benchmarks/eviction_cost.py time     [--lengths 2048 8192] [--reps 2] [--policies h2o] [--clock cpu]
-    python benchmarks/eviction_cost.py memory   [--length 8192]
+    python benchmarks/eviction_cost.py memory   [--length 8192] [--reps 3] [--no-eager]
     python benchmarks/eviction_cost.py sweep    [--length 2048] [--samples 8]
     python benchmarks/eviction_cost.py variants [--length 2048] [--samples 5] [--threads 1 --clock cpu]
 
 time:   prefill + scoring + compression vs a plain SDPA prefill, per policy (interleaved, median of reps).
-memory: peak process memory (VmHWM, reset after the model loads) of a prefill that scores for H2O or SnapKV vs a
-        plain SDPA prefill, and a plain eager-attention prefill for contrast; each mode in its own fresh process.
+memory: peak process memory (VmHWM, reset after the model loads and a short forward pages its weights in) of a
+        prefill that scores for H2O or SnapKV vs a plain SDPA prefill, and a plain eager-attention prefill for
+        contrast; each mode in its own fresh process, --reps times, under glibc's default malloc and under a fixed
+        64 KiB mmap threshold (resident memory then follows what the prefill holds, not the heap's holes).
 sweep:  4 policies x 3 budgets on the same needle samples in one sweep (one prefill per sample) vs the same
         12 variants run one by one (each run: prefill, baseline and its variant, as a single-policy run does).
 variants: the same 12 variants against one (snapkv@0.25), per sample, interleaved: run_sample with the baseline and
@@ -102,6 +104,7 @@ def memory_child(mode: str, length: int) -> None:
     loaded = load("eager" if mode == "eager" else "sdpa")
     ids = context_ids(loaded, length)
     pols = [] if mode in ("plain", "eager") else policies([f"{mode}@0.25"])
+    prefill(loaded.model, ids[:, :32])  # every weight paged in: the peak is the prefill's, not the weights' first touch
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:  # reset the peak (VmHWM): loading the model is not measured
         f.write("5")
@@ -113,24 +116,44 @@ def memory_child(mode: str, length: int) -> None:
     print(json.dumps({"mode": mode, "tokens": int(ids.shape[1]), "rss_before_mb": before, "peak_mb": peak}))
 
 
+# glibc's malloc serves blocks under its mmap threshold from its heap, and raises that threshold (up to 32 MiB) as
+# large blocks are freed; the KV cache's tensors, kept, then sit between freed temporaries, whose holes stay resident.
+# With a fixed threshold of 64 KiB every larger block is a mapping of its own, returned when freed: the peak resident
+# memory then follows the memory the prefill holds, whatever order it allocated in.
+ALLOCATORS = {"glibc default": {}, "64 KiB mmap threshold": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
+
+
 def bench_memory(args) -> None:
-    print(f"{'mode':<22} {'tokens':>7} {'peak RSS MiB':>12} {'above start MiB':>15} {'peak vs plain':>14}")
-    results = {}
-    for mode in ["plain", "h2o", "snapkv", "eager"]:
-        out = subprocess.run(
-            [sys.executable, __file__, "memory-child", mode, str(args.length)],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
-    for mode, r in results.items():
-        label = {"plain": "plain SDPA prefill", "eager": "plain eager prefill"}.get(mode, f"{mode} scoring (SDPA)")
-        ratio = r["peak_mb"] / results["plain"]["peak_mb"]
-        print(
-            f"{label:<22} {r['tokens']:>7} {r['peak_mb']:>12.0f} {r['peak_mb'] - r['rss_before_mb']:>14.0f} "
-            f"{ratio:>13.2f}x"
-        )
+    modes = ["plain", "h2o", "snapkv"] + ([] if args.no_eager else ["eager"])
+    print(f"{args.length} tokens; medians of {args.reps} fresh processes per mode (eager: one, glibc default)")
+    print(
+        f"{'allocator':<22} {'mode':<8} {'peak RSS MiB':>12} {'prefill MiB':>11} {'min-max':>11} {'peak vs plain':>13} "
+        f"{'prefill vs plain':>16}"
+    )
+    for allocator, env in ALLOCATORS.items():
+        results = {}
+        for mode in modes:
+            if mode == "eager" and env:
+                continue
+            runs = []
+            for _ in range(1 if mode == "eager" else args.reps):
+                out = subprocess.run(
+                    [sys.executable, __file__, "memory-child", mode, str(args.length)],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    env={**os.environ, **env},
+                )
+                runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            above = [r["peak_mb"] - r["rss_before_mb"] for r in runs]
+            results[mode] = (statistics.median(r["peak_mb"] for r in runs), statistics.median(above), above)
+        for mode, (peak, above, each) in results.items():
+            plain_peak, plain_above, _ = results["plain"]
+            print(
+                f"{allocator:<22} {mode:<8} {peak:>12.0f} {above:>11.0f} {min(each):>5.0f}-{max(each):<5.0f} "
+                f"{peak / plain_peak:>12.2f}x {above / plain_above:>15.2f}x",
+                flush=True,
+            )
 
 
 def bench_sweep(args) -> None:
@@ -201,6 +224,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--policies", nargs="+", default=POLICIES, help="time: the scorers to time (default: all)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    ap.add_argument("--no-eager", action="store_true", help="memory: skip the eager-attention contrast")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

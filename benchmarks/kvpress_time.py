@@ -11,8 +11,10 @@ Pairs (kvpress press at compression ratio 0.75 <-> evalkit policy keeping kvpres
 SnapKVPress (window 64, kernel 5) <-> snapkv (window 64); ObservedAttentionPress (eager attention, as kvpress needs;
 its baseline pass keeps SDPA) <-> h2o (normalize, no recent window, compress once); KVzipPress <-> kvzip. evalkit's
 side: `run_sample` with the baseline and the one variant (one prefill, one batched decode), the call a
-single-policy run makes per sample. Both sides use the same torch threads and clock (CPU seconds by default: other
-jobs on a shared machine barely move them); printed per sample and in total, with the answers' agreement.
+single-policy run makes per sample; and, as the floor of any run that prefills each context once with this forward,
+a plain prefill of the context alone (no policy, no decode). Both sides use the same torch threads and clock (CPU
+seconds by default: other jobs on a shared machine barely move them); printed per sample and in total, with the
+answers' agreement.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from evalkit.policies.h2o import H2O
 from evalkit.policies.kvzip import KVzip
 from evalkit.policies.snapkv import SnapKV
 from evalkit.run import models
-from evalkit.run.engine import Variant, run_sample
+from evalkit.run.engine import Variant, prefill, run_sample
 from evalkit.tasks.needle import NeedleTask
 from evalkit.tasks.prompt import build_prompt
 
@@ -90,25 +92,37 @@ def main() -> None:
     prompts = [build_prompt(loaded.tokenizer, s) for s in samples]
     run_sample(loaded.model, prompts[0], [Variant(policy(args.policy, 16))], args.max_new_tokens, stop)  # warm-up
     print(f"{args.threads} thread(s), {args.clock} seconds; kvpress {peer['meta']}")
-    print(f"{'sample':>14} {'tokens':>6} {'evalkit s':>9} {'kvpress s':>9} {'ratio':>6}  answers (evalkit | kvpress)")
-    ours_total = theirs_total = agree = 0.0
+    print(
+        f"{'sample':>14} {'tokens':>6} {'evalkit s':>9} {'kvpress s':>9} {'ratio':>6} {'prefill s':>9} {'floor':>6}  "
+        "answers (evalkit | kvpress)"
+    )
+    ours_total = theirs_total = prefill_total = agree = 0.0
     for sample, prompt, row in zip(samples, prompts, peer["rows"], strict=True):
         k = int(prompt.n_context * (1 - RATIO))
         t = tick()
         base, (out,) = run_sample(loaded.model, prompt, [Variant(policy(args.policy, k))], args.max_new_tokens, stop)
         ours = tick() - t
+        t = tick()
+        prefill(loaded.model, prompt.ids[:, : prompt.n_context])  # the context alone, no policy: the floor
+        alone = tick() - t
         theirs = row["baseline_s"] + row["press_s"]
-        ours_total, theirs_total = ours_total + ours, theirs_total + theirs
+        ours_total, theirs_total, prefill_total = ours_total + ours, theirs_total + theirs, prefill_total + alone
         texts = [loaded.tokenizer.decode(o.tokens, skip_special_tokens=True).strip() for o in (base, out)]
         agree += texts == [row["baseline"].strip(), row["press"].strip()]
         print(
-            f"{sample.id:>14} {prompt.n_context:>6} {ours:>9.2f} {theirs:>9.2f} {ours / theirs:>5.2f}x  "
+            f"{sample.id:>14} {prompt.n_context:>6} {ours:>9.2f} {theirs:>9.2f} {ours / theirs:>5.2f}x "
+            f"{alone:>9.2f} {alone / theirs:>5.2f}x  "
             f"{texts} | {[row['baseline'].strip(), row['press'].strip()]}",
             flush=True,
         )
     print(
         f"total: evalkit {ours_total:.1f} s, kvpress {theirs_total:.1f} s, ratio {ours_total / theirs_total:.2f}x; "
         f"answers identical on {agree:.0f}/{len(samples)} samples"
+    )
+    print(
+        f"floor: evalkit's plain prefill of the contexts alone {prefill_total:.1f} s, "
+        f"{prefill_total / theirs_total:.2f}x kvpress's two passes "
+        "(what any run that prefills each context once, at this forward's speed, spends at least)"
     )
 
 

@@ -135,10 +135,17 @@ class KVPolicy:
         """Tokens held per layer; uniform here, layer-dependent policies override it."""
         return [self.target(seen)] * n_layers
 
+    @property
+    def ranks_across_layers(self) -> bool:
+        """Whether the policy chooses for all evicting layers at once (KVzip's global ranking), in `select_layers`;
+        otherwise evalkit asks each layer in turn (`over`, then `select`) and holds each to its own budget. A policy
+        that overrides `select_layers` ranks across layers unless it says otherwise here."""
+        return type(self).select_layers is not KVPolicy.select_layers
+
     def select_layers(self, views: dict[int, LayerView], targets: dict[int, int]) -> dict[int, Tensor]:
-        """Per evicting layer (index -> its view), the indices it keeps (as `select` returns them) when it holds more
-        than its target. Layer by layer here; a policy that ranks across layers (KVzip) overrides it."""
-        return {i: self.select(view, targets[i]) for i, view in views.items() if self.over(view, targets[i])}
+        """For a policy that ranks across layers: per evicting layer (index -> its view), the indices it keeps (as
+        `select` returns them), together within the sum of the layers' targets."""
+        raise NotImplementedError(f"{self.name} ranks layer by layer: evalkit calls over() and select() per layer")
 
     def select(self, view: LayerView, k: int) -> Tensor:
         """(B, Hkv, k) ascending indices of the tokens each KV head keeps."""

@@ -90,9 +90,12 @@ class KVzip(SinkPolicy):
         kept = top(ranked.flatten(1), self.total(ranked[0].numel(), [(k, view.keys.shape[1])]))
         return padded_indices(kept.view(ranked.shape))
 
+    @property
+    def ranks_across_layers(self) -> bool:
+        """The published ranking is over all layers and heads; `layerwise` ranks within each layer (`select`)."""
+        return not self.layerwise
+
     def select_layers(self, views: dict[int, LayerView], targets: dict[int, int]) -> dict[int, Tensor]:
-        if self.layerwise:
-            return super().select_layers(views, targets)
         ranked = {i: self.ranked(view) for i, view in views.items()}
         flat = torch.cat([r.flatten(1) for r in ranked.values()], dim=1)  # (B, all layers' slots)
         kept = top(flat, self.total(flat.shape[1], [(targets[i], view.keys.shape[1]) for i, view in views.items()]))

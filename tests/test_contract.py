@@ -134,3 +134,37 @@ def test_a_pyramid_of_budgets_passes_on_its_total(tiny, ids):
     held = held_per_layer(cache)
     assert held[0] > held[-1] and sum(held) <= sum(allowed_per_layer(cache)) + 3
     assert len(set(held)) > 1 and CTX == 96
+
+
+@dataclass(kw_only=True)
+class Lopsided(KVPolicy):
+    """Ranks across layers: each layer keeps its most recent tokens, `share[i]` times the layer's target."""
+
+    name: str = "lopsided"
+    decode: bool = False
+    share: tuple[float, ...] = (1.5, 1.0, 0.5)
+    across: bool = True
+
+    def score(self, view: LayerView) -> Tensor:
+        return view.positions.float()
+
+    @property
+    def ranks_across_layers(self) -> bool:
+        return self.across
+
+    def select_layers(self, views: dict[int, LayerView], targets: dict[int, int]) -> dict[int, Tensor]:
+        return {i: self.select(view, int(targets[i] * self.share[i])) for i, view in views.items()}
+
+
+def test_a_policy_ranking_across_layers_is_held_to_the_sum(tiny, ids):
+    """budget 0.25 of 96 tokens: 24 per head. Shares 1.5, 1, 0.5 keep 36, 24 and 12 (72 = 3 x 24, within the sum,
+    although layer 0 holds more than its own 24); shares 2, 1, 1 keep 48 + 24 + 24 = 96 against 72 allowed plus one
+    token per layer and head of rounding (6): stopped. Saying it does not rank across layers, the same class is
+    asked layer by layer (`select`, 24 each) and its `select_layers` is never called."""
+    model = tiny.model
+    _, cache = compressed(model, ids, Lopsided(budget=0.25))
+    assert held_per_layer(cache) == [36, 24, 12]
+    with pytest.raises(PolicyError, match="lopsided held"):
+        compressed(model, ids, Lopsided(budget=0.25, share=(2.0, 1.0, 1.0)))
+    _, cache = compressed(model, ids, Lopsided(budget=0.25, share=(2.0, 1.0, 1.0), across=False))
+    assert held_per_layer(cache) == [24, 24, 24]

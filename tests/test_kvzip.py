@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from evalkit.errors import ConfigError
 from evalkit.kv.attention import reconstruction_key
-from evalkit.kv.cache import compress, kv_bytes
+from evalkit.kv.cache import compress, kv_bytes, select
 from evalkit.kv.quantized import QuantSpec
 from evalkit.kv.reconstruct import block_attention
 from evalkit.policies import LayerView
@@ -220,7 +220,9 @@ def test_global_and_layerwise_choices_by_hand():
         (3, True): ([[0, 1, 2], [0, 3, 4]], [[0, 1, 2], [0, 1, 2]]),
     }
     for (k, layerwise), (layer0, layer1) in want.items():
-        got = KVzip(budget=k, n_sink=1, layerwise=layerwise).select_layers(views, {0: k, 1: k})
+        policy = KVzip(budget=k, n_sink=1, layerwise=layerwise)
+        assert policy.ranks_across_layers is not layerwise
+        got = select(policy, views, {0: k, 1: k}, policy.ranks_across_layers)
         assert (got[0].tolist(), got[1].tolist()) == ([layer0], [layer1]), (k, layerwise)
 
 

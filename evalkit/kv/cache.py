@@ -160,23 +160,21 @@ def enforce(cache: Cache, policy: KVPolicy) -> None:
     views = {i: cache.layers[i].view(i, n_layers) for i in evictable}
     for i, view in views.items():
         cache.layers[i].allowed = contract.allowance(policy, view, targets[i], i)
-    for layer_idx, idx in select(policy, views, targets).items():
+    with contract.calling(policy, "ranks_across_layers"):
+        across = bool(policy.ranks_across_layers)
+    for layer_idx, idx in select(policy, views, targets, across).items():
         layer = cache.layers[layer_idx]
         layer.keep(contract.check_indices(policy, idx, views[layer_idx], layer_idx))
-        if not ranks_across_layers(policy):  # one held to each layer's budget; one ranking across layers, to the sum
+        if not across:  # one held to each layer's budget; one ranking across layers, to the sum
             contract.check_layer(policy, layer.tokens(), layer.allowed, targets[layer_idx], layer_idx)
     contract.check_held(policy, {i: (cache.layers[i].tokens(), cache.layers[i].allowed) for i in evictable}, seen)
 
 
-def ranks_across_layers(policy: KVPolicy) -> bool:
-    """Whether a policy chooses for all layers at once (KVzip's global ranking), overriding `select_layers`."""
-    return type(policy).select_layers is not KVPolicy.select_layers
-
-
-def select(policy: KVPolicy, views: dict[int, LayerView], targets: dict[int, int]) -> dict[int, Tensor]:
+def select(policy: KVPolicy, views: dict[int, LayerView], targets: dict[int, int], across: bool) -> dict[int, Tensor]:
     """Per evicting layer over its target, the indices the policy keeps: from `select_layers` when it ranks across
-    layers, else layer by layer (`over`, then `select`), each call named with its layer if it raises."""
-    if ranks_across_layers(policy):
+    layers (`across`: its `ranks_across_layers`), else layer by layer (`over`, then `select`), each call named with
+    its layer if it raises. The one loop over layers: a policy's `select_layers` only ranks across them."""
+    if across:
         with contract.calling(policy, "select_layers"):
             return policy.select_layers(views, targets)
     chosen = {}

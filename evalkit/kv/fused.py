@@ -50,29 +50,38 @@ def attend_with_mass(
     gives SDPA. Returns the output as transformers' `sdpa_attention_forward` does, (B, Tq, Hq, D) in the query's
     dtype, and the mass (B, Hkv, Tk) float32: per key, its probabilities summed over the queries and over the query
     heads of its group. Probabilities are computed in float32, one KV head and one chunk of queries at a time."""
-    b, hq, tq, _ = query.shape
+    b, hq, tq, d = query.shape
     hkv, tk = key.shape[1], key.shape[2]
     group = hq // hkv
-    out = torch.empty(b, hkv, group, tq, value.shape[-1], dtype=torch.float32, device=query.device)
+    # the output in its final layout, (B, Tq, Hkv, G, D), each head writing its (G, Tq, D) view: no float32 copy to
+    # transpose afterwards unless the model's dtype is not float32
+    out = torch.empty(b, tq, hkv, group, value.shape[-1], dtype=torch.float32, device=query.device)
     mass = torch.zeros(b, hkv, tk, dtype=torch.float32, device=key.device)
-    queries = query.view(b, hkv, group, tq, -1)
+    queries = query.view(b, hkv, group, tq, d)
     visible = None if mask is None else visible_rows(mask, hkv, group)
     chunk = query_chunk(1, group, tk, chunk_elements)
     scratch = torch.empty(group * chunk * tk, dtype=torch.float32, device=query.device)  # reused by every chunk
     for i in range(b):
         for h in range(hkv):
             rows = None if visible is None else visible[min(i, visible.shape[0] - 1), min(h, visible.shape[1] - 1)]
-            head = (queries[i, h].float() * scaling, key[i, h].float(), value[i, h].float())
-            one_head(head, rows, scratch, chunk, out[i, h], mass[i, h])
-    output = out.view(b, hq, tq, -1).transpose(1, 2).to(query.dtype).contiguous()
+            head = (queries[i, h], key[i, h].float(), value[i, h].float())
+            one_head(head, scaling, rows, scratch, chunk, out[i, :, h].transpose(0, 1), mass[i, h])
+    output = out.view(b, tq, hq, -1).to(query.dtype)
     return output, mass
 
 
 def one_head(
-    head: tuple[Tensor, Tensor, Tensor], visible: Tensor | None, scratch: Tensor, chunk: int, out: Tensor, mass: Tensor
+    head: tuple[Tensor, Tensor, Tensor],
+    scaling: float,
+    visible: Tensor | None,
+    scratch: Tensor,
+    chunk: int,
+    out: Tensor,
+    mass: Tensor,
 ) -> None:
-    """`attend_with_mass` for one KV head: queries (G, Tq, D), already scaled, keys and values (Tk, D); writes the
-    output (G, Tq, D) into `out` and adds the column sums of the probabilities into `mass` (Tk,). `visible`:
+    """`attend_with_mass` for one KV head: queries (G, Tq, D), scaled chunk by chunk in float32 (one chunk's copy,
+    never the head's), keys and values (Tk, D) float32; writes the output (G, Tq, D) into `out` (a view of the
+    output in its final layout) and adds the column sums of the probabilities into `mass` (Tk,). `visible`:
     (G or 1, Tq, Tk) booleans, or None for causal queries that are the last Tq keys."""
     queries, keys, values = head
     group, tq, d = queries.shape
@@ -85,7 +94,8 @@ def one_head(
         n = end - start
         seen = past + end if visible is None else tk  # causal: keys after the chunk's last query take no share
         probs = scratch[: group * n * seen].view(group * n, seen)
-        torch.matmul(queries[:, start:end].reshape(group * n, d), keys_t[:, :seen], out=probs)
+        rows = (queries[:, start:end].float() * scaling).reshape(group * n, d)
+        torch.matmul(rows, keys_t[:, :seen], out=probs)
         if visible is None:  # only the chunk's own diagonal block is masked: query i sees keys up to past + i
             probs.view(group, n, seen)[..., past + start :].masked_fill_(upper[:n, :n], float("-inf"))
         else:
