@@ -101,3 +101,29 @@ def test_scores_per_chunk_stay_within_the_budget():
     for keys in (8192, 131072):
         assert query_chunk(1, 9, keys) * 9 * keys <= CHUNK_ELEMENTS
     assert query_chunk(1, 9, 1 << 22) == 1  # beyond the budget a chunk is one query, never zero
+
+
+def test_a_workspace_is_reused_from_layer_to_layer_and_changes_nothing():
+    """Two calls of one shape with one workspace (two layers of one forward): each result equals the materialised
+    softmax's, the second writes into the first's output buffer and scores (the same storage: no new buffer per
+    layer in the allocator's heap), and a longer call grows the score buffer. With autograd recording, nothing is
+    reused: a tensor an earlier layer's graph saved is never written over."""
+    workspace: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        results = []
+        for seed in (0, 1):
+            q, k, v = inputs(25, 25, seed)
+            out, mass = attend_with_mass(q, k, v, SCALE, None, 300, workspace)
+            want_out, want_mass = materialised(q, k, v, causal_tail_mask(25, 25, q.device))
+            torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(mass, want_mass, rtol=1e-5, atol=1e-6)
+            results.append((out.data_ptr(), workspace["scores"].data_ptr()))
+        assert results[0] == results[1]
+        # chunks of 6 queries x 2 heads x 25 keys = 300 scores; 12 x 2 x 40 = 960 need a larger buffer, 3 x 2 x 40 not
+        attend_with_mass(*inputs(25, 40), SCALE, None, 300, workspace)
+        assert workspace["scores"].data_ptr() == results[0][1]
+        attend_with_mass(*inputs(25, 40), SCALE, None, 1000, workspace)
+        assert workspace["scores"].numel() == 960 and workspace["scores"].data_ptr() != results[0][1]
+    before = dict(workspace)
+    out, _ = attend_with_mass(*inputs(25, 25), SCALE, None, 300, workspace)
+    assert out.data_ptr() != before["out"].data_ptr() and workspace.keys() == before.keys()

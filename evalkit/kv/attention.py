@@ -76,6 +76,9 @@ class PrefillObserver:
     # and the model's rotary embedding (model.model.rotary_emb), whose RoPE the queries are rotated back by
     query_stats: tuple[int, ...] = ()
     rotary: torch.nn.Module | None = None
+    # buffers the fused attention reuses from layer to layer of this prefill (evalkit.kv.fused): one score buffer,
+    # not one per layer between the cache's tensors
+    workspace: dict[str, Tensor] = field(default_factory=dict)
 
     def wants_mass(self, layer) -> bool:
         """Whether this forward's attention mass is recorded for `layer` (then evalkit_sdpa computes it with the
@@ -222,7 +225,8 @@ def evalkit_sdpa(module, query, key, value, attention_mask, **kwargs):
         layer, scaling = cache.layers[module.layer_idx], kwargs.get("scaling") or module.scaling
         if getattr(observer, "wants_mass", None) and observer.wants_mass(layer) and plain_softmax(kwargs):
             # H2O: the output and the mass from the same probabilities, one pass (evalkit.fused)
-            output, mass = attend_with_mass(query, key, value, scaling, attention_mask)
+            workspace = getattr(observer, "workspace", None)
+            output, mass = attend_with_mass(query, key, value, scaling, attention_mask, workspace=workspace)
             observer.record(module.layer_idx, layer, query, key, scaling, mass=mass)
             return output, None
         observer.record(module.layer_idx, layer, query, key, scaling)

@@ -41,6 +41,7 @@ def attend_with_mass(
     scaling: float,
     mask: Tensor | None = None,
     chunk_elements: int = CHUNK_ELEMENTS,
+    workspace: dict[str, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Softmax attention of query (B, Hq, Tq, D) over key and value (B, Hkv, Tk, D), grouped query heads sharing a
     KV head, and the attention each key receives.
@@ -49,18 +50,22 @@ def attend_with_mass(
     every key); else a boolean (True: attended) or additive mask broadcastable to (B, Hq, Tq, Tk), as transformers
     gives SDPA. Returns the output as transformers' `sdpa_attention_forward` does, (B, Tq, Hq, D) in the query's
     dtype, and the mass (B, Hkv, Tk) float32: per key, its probabilities summed over the queries and over the query
-    heads of its group. Probabilities are computed in float32, one KV head and one chunk of queries at a time."""
+    heads of its group. Probabilities are computed in float32, one KV head and one chunk of queries at a time.
+    `workspace`: a dict that keeps the score buffer and the float32 output from one call to the next (the layers of
+    one forward), so that no layer leaves its own between the cache's tensors in the allocator's heap (at 8k tokens
+    glibc's heap then grew by about 22 MB a layer more than under SDPA). The output returned is then valid until
+    the next call with the same workspace: the next layer's, after this layer's o_proj has read it."""
     b, hq, tq, d = query.shape
     hkv, tk = key.shape[1], key.shape[2]
     group = hq // hkv
     # the output in its final layout, (B, Tq, Hkv, G, D), each head writing its (G, Tq, D) view: no float32 copy to
     # transpose afterwards unless the model's dtype is not float32
-    out = torch.empty(b, tq, hkv, group, value.shape[-1], dtype=torch.float32, device=query.device)
+    out = reused(workspace, "out", (b, tq, hkv, group, value.shape[-1]), query.device)
     mass = torch.zeros(b, hkv, tk, dtype=torch.float32, device=key.device)
     queries = query.view(b, hkv, group, tq, d)
     visible = None if mask is None else visible_rows(mask, hkv, group)
-    chunk = query_chunk(1, group, tk, chunk_elements)
-    scratch = torch.empty(group * chunk * tk, dtype=torch.float32, device=query.device)  # reused by every chunk
+    chunk = min(tq, query_chunk(1, group, tk, chunk_elements))
+    scratch = reused(workspace, "scores", (group * chunk * tk,), query.device, grow=True)  # for every chunk
     for i in range(b):
         for h in range(hkv):
             rows = None if visible is None else visible[min(i, visible.shape[0] - 1), min(h, visible.shape[1] - 1)]
@@ -68,6 +73,24 @@ def attend_with_mass(
             one_head(head, scaling, rows, scratch, chunk, out[i, :, h].transpose(0, 1), mass[i, h])
     output = out.view(b, tq, hq, -1).to(query.dtype)
     return output, mass
+
+
+def reused(
+    workspace: dict[str, Tensor] | None, name: str, shape: tuple[int, ...], device: torch.device, grow: bool = False
+) -> Tensor:
+    """A float32 buffer of `shape`: the workspace's `name` when it fits (`grow`: a flat buffer of at least that many
+    elements), else a new one, kept there for the next call. No workspace, or autograd recording: always a new one
+    (a tensor an earlier layer's graph saved is never written over)."""
+    if workspace is None or torch.is_grad_enabled():
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    held = workspace.get(name)
+    if held is not None and held.device == device:
+        if grow and held.numel() >= shape[0]:
+            return held[: shape[0]]
+        if held.shape == shape:
+            return held
+    workspace[name] = torch.empty(shape, dtype=torch.float32, device=device)
+    return workspace[name]
 
 
 def one_head(
