@@ -147,8 +147,8 @@ def bench_memory(args) -> None:
                 runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
             above = [r["peak_mb"] - r["rss_before_mb"] for r in runs]
             results[mode] = (statistics.median(r["peak_mb"] for r in runs), statistics.median(above), above)
+        plain_peak, plain_above, _ = results["plain"]
         for mode, (peak, above, each) in results.items():
-            plain_peak, plain_above, _ = results["plain"]
             print(
                 f"{allocator:<22} {mode:<8} {peak:>12.0f} {above:>11.0f} {min(each):>5.0f}-{max(each):<5.0f} "
                 f"{peak / plain_peak:>12.2f}x {above / plain_above:>15.2f}x",

@@ -76,8 +76,8 @@ class PrefillObserver:
     # and the model's rotary embedding (model.model.rotary_emb), whose RoPE the queries are rotated back by
     query_stats: tuple[int, ...] = ()
     rotary: torch.nn.Module | None = None
-    # buffers the fused attention reuses from layer to layer of this prefill (evalkit.kv.fused): one score buffer,
-    # not one per layer between the cache's tensors
+    # buffers the fused attention reuses from layer to layer of this prefill (evalkit.kv.fused): its float32 output
+    # and its score buffer, not a new pair per layer between the cache's tensors
     workspace: dict[str, Tensor] = field(default_factory=dict)
 
     def wants_mass(self, layer) -> bool:
