@@ -112,7 +112,7 @@ def write_failed(path: Path, err: OSError) -> ConfigError:
 
 
 class RecordWriter:
-    """Appends rows to samples.jsonl, each flushed to disk before the next sample starts."""
+    """Appends rows to samples.jsonl, a sample's rows in one write, flushed to disk before the next sample starts."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -121,10 +121,14 @@ class RecordWriter:
         except OSError as err:
             raise write_failed(path, err) from None
 
-    def write(self, row: dict[str, Any]) -> None:
+    def write(self, *rows: dict[str, Any]) -> None:
+        """Append `rows` (a sample's baseline and variants) in one write and one fsync: a process killed meanwhile
+        (a sweep's worker that its launcher stops) leaves all of them or none, never a sample's baseline alone."""
+        if not rows:
+            return
         start = self._file.tell()
         try:
-            self._file.write((json.dumps(row, sort_keys=True) + "\n").encode())
+            self._file.write("".join(json.dumps(row, sort_keys=True) + "\n" for row in rows).encode())
             self._file.flush()
             os.fsync(self._file.fileno())
         except OSError as err:

@@ -92,8 +92,11 @@ class HotGateway:
 
             def do_POST(self):  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                # hot: two 24-token answers all but never agree (at temperature 1 a confident needle answer can)
-                body.update(temperature=5.0, seed=int(time.monotonic_ns() % 2**31))
+                # hot: two 24-token answers all but never agree (at temperature 1 a confident needle answer can). The
+                # server's truncation samplers are switched off too: by default llama.cpp keeps only the tokens with
+                # at least 5% of the best one's probability (min_p) before the temperature, so where the model is
+                # sure it stays greedy at any temperature, and two answers could agree token for token
+                body.update(temperature=5.0, min_p=0.0, top_k=0, top_p=1.0, seed=int(time.monotonic_ns() % 2**31))
                 gateway._forward(self, body)
 
             def log_message(self, *args):

@@ -75,7 +75,7 @@ def test_a_full_disk_is_a_clear_error_and_the_records_stay_whole(tmp_path, monke
 
     def fsync(fd):
         calls["n"] += 1
-        if calls["n"] > 3:  # the fourth row finds the disk full
+        if calls["n"] > 1:  # the second sample's rows (one write of its baseline and h2o rows) find the disk full
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real_fsync(fd)
 
@@ -83,7 +83,8 @@ def test_a_full_disk_is_a_clear_error_and_the_records_stay_whole(tmp_path, monke
     with pytest.raises(ConfigError, match="No space left on device.*intact.*resume=true"):
         run(cfg, tmp_path)
     data = (tmp_path / SAMPLES).read_bytes()
-    assert data.endswith(b"\n") and len(read_rows(tmp_path / SAMPLES)) == 3 == len(data.splitlines())
+    # the first sample whole, none of the second (before rows were written one by one: 3, a sample split)
+    assert data.endswith(b"\n") and len(read_rows(tmp_path / SAMPLES)) == 2 == len(data.splitlines())
     monkeypatch.setattr(records.os, "fsync", real_fsync)
     cfg.resume = True
     run(cfg, tmp_path)
@@ -130,3 +131,34 @@ def test_a_torn_write_is_undone_to_the_last_whole_row(tmp_path):
     with pytest.raises(ConfigError, match="could not write"):
         writer.write({"b": 2, "padding": "x" * 100})
     assert path.read_text() == json.dumps({"a": 1}) + "\n"
+
+
+class CountingFile:
+    """A file that counts the writes it is given."""
+
+    def __init__(self, f):
+        self.f, self.writes = f, 0
+
+    def write(self, data):
+        self.writes += 1
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+def test_a_samples_rows_go_to_disk_in_one_write_or_not_at_all(tmp_path):
+    """A sample's baseline and variant rows are one write (a worker its launcher kills meanwhile leaves both or
+    neither: before, a killed joblib worker could leave the baseline row alone); a write that fails leaves none."""
+    from evalkit.records import RecordWriter
+
+    path = tmp_path / SAMPLES
+    writer = RecordWriter(path)
+    writer._file = counting = CountingFile(writer._file)
+    writer.write({"variant": "baseline"}, {"variant": "h2o@0.25"})
+    assert counting.writes == 1
+    assert path.read_text().splitlines() == [json.dumps({"variant": "baseline"}), json.dumps({"variant": "h2o@0.25"})]
+    writer._file = TornFile(counting.f)
+    with pytest.raises(ConfigError, match="could not write"):
+        writer.write({"variant": "baseline", "padding": "x" * 100}, {"variant": "h2o@0.25"})
+    assert len(path.read_text().splitlines()) == 2

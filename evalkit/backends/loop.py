@@ -65,9 +65,10 @@ def run_backend(
                     f"resume=true, but the baseline now answers sample {sample.id!r} with {results[0].prediction!r}, "
                     f"not {old['prediction']!r} as recorded: the engine or server changed; run it in a new folder"
                 )
-            for row in rows(run_info, task, sample, prompt, results):
-                if (sample.id, row["variant"]) not in recorded:
-                    writer.write(row)
+            missing = [
+                r for r in rows(run_info, task, sample, prompt, results) if (sample.id, r["variant"]) not in recorded
+            ]
+            writer.write(*missing)  # the sample's rows whole
     finally:
         writer.close()
         engine.close()

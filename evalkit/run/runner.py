@@ -111,6 +111,7 @@ def _run_samples(cfg, out_dir: Path, task: Task, variants: list[Variant], loaded
                 forced=task.teacher_forced, evidence=prompt.evidence,
             )  # fmt: skip
             results = score_outcomes(loaded, task, sample, prompt, baseline, outcomes)
+            rows = []
             for variant, outcome, (score, base_score, extra) in zip(
                 [None, *variants], [baseline, *outcomes], results, strict=True
             ):
@@ -118,7 +119,8 @@ def _run_samples(cfg, out_dir: Path, task: Task, variants: list[Variant], loaded
                     row = _row(run_info, task, sample, prompt, outcome, baseline, loaded, variant, cfg.protocol)
                     fields = {"score": score, "baseline_score": base_score}
                     fields["flip"] = flip(score, base_score) if not task.teacher_forced else None
-                    writer.write({**row, **extra, **fields})
+                    rows.append({**row, **extra, **fields})
+            writer.write(*rows)  # the sample's rows whole
     finally:
         writer.close()
 
