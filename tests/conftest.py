@@ -113,6 +113,15 @@ def in_process(args: list[str], cwd: Path, env: dict) -> subprocess.CompletedPro
     return subprocess.CompletedProcess(["evalkit", *args], code, out.getvalue(), err.getvalue())
 
 
+def importable(monkeypatch, folder: Path, *modules: str) -> None:
+    """Make a user's `folder` importable in this test process, as PYTHONPATH makes it for a command, with none of
+    `modules` left from another test's folder of the same name (commands run in-process share sys.modules); each
+    comes back as it was after the test."""
+    monkeypatch.syspath_prepend(str(folder))
+    for name in modules:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+
+
 CTX, QUESTION, STEPS = 96, 7, 6  # small inputs for invariant tests: context, question and decode lengths
 
 

@@ -19,7 +19,7 @@ from evalkit.cli.choices import check_choices, options, searching
 from evalkit.cli.config import variants
 from evalkit.cli.precheck import precheck
 from evalkit.errors import ConfigError
-from tests.conftest import compose_config, run_cli
+from tests.conftest import compose_config, importable, run_cli
 
 MODULE = '''
 """my_policies.py: keep the tokens whose values have the largest L2 norm, and always the most recent ones."""
@@ -100,7 +100,7 @@ def user(tmp_path, monkeypatch) -> tuple[Path, Path]:
     (src / "my_policies.py").write_text(textwrap.dedent(MODULE))
     for name, text in YAMLS.items():
         (conf / "policy" / f"{name}.yaml").write_text(text)
-    monkeypatch.syspath_prepend(str(src))
+    importable(monkeypatch, src, "my_policies")
     return src, conf
 
 

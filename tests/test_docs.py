@@ -32,7 +32,7 @@ from evalkit.cli.choices import check_choices, options
 from evalkit.cli.overrides import check_resolved, compose_job, parse
 from evalkit.cli.precheck import precheck
 from evalkit.errors import ConfigError
-from tests.conftest import ROOT
+from tests.conftest import ROOT, importable
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 # Paths the README tells you to replace with your own: a check may fail on them only, and must name them.
@@ -136,7 +136,7 @@ def test_every_evalkit_command_composes_and_passes_the_checks(argv, workdir, mon
     monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)  # fail at once on a Hub dataset, no retries
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.chdir(workdir)
-    monkeypatch.syspath_prepend(str(workdir))
+    importable(monkeypatch, workdir, "my_policies")
     for job in combinations(argv):
         check_choices(job)
         with initialize_config_module(config_module="evalkit.conf", version_base="1.3"):
