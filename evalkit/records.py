@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -128,7 +129,7 @@ class RecordWriter:
             return
         start = self._file.tell()
         try:
-            self._file.write("".join(json.dumps(row, sort_keys=True) + "\n" for row in rows).encode())
+            self._file.write("".join(to_json(row) + "\n" for row in rows).encode())
             self._file.flush()
             os.fsync(self._file.fileno())
         except OSError as err:
@@ -163,10 +164,37 @@ def write_atomic(path: Path, text: str) -> None:
         raise
 
 
+NOT_FINITE = "_not_finite"  # beside a key whose number was not finite: which it was ("nan", "inf", "-inf")
+
+
+def finite(obj: Any) -> Any:
+    """`obj` with every non-finite float as null: in a mapping, with `<key>_not_finite` beside it saying which ("nan",
+    "inf", "-inf"), so that a reader can tell "not computed" from a number; tuples become lists."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        out = {}
+        for key, value in obj.items():
+            out[key] = finite(value)
+            if isinstance(value, float) and not math.isfinite(value):
+                out[f"{key}{NOT_FINITE}"] = str(value)
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def to_json(obj: Any, indent: int | None = None, default: Callable[[Any], Any] | None = None) -> str:
+    """Strict JSON, what every file evalkit writes for machines holds: no NaN or Infinity (finite), which JSON.parse
+    and strict parsers refuse; keys sorted, so that the same content is the same bytes."""
+    return json.dumps(finite(obj), indent=indent, sort_keys=True, allow_nan=False, default=default)
+
+
 def write_json(path: Path, obj: Any) -> None:
-    """Write JSON atomically (write_atomic); a failure is a ConfigError that names the file and the fix."""
+    """Write strict JSON (to_json) atomically (write_atomic); a failure is a ConfigError that names the file and the
+    fix."""
     try:
-        write_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+        write_atomic(path, to_json(obj, indent=2) + "\n")
     except OSError as err:
         raise write_failed(path, err) from None
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -10,7 +9,7 @@ from typing import Any
 from evalkit.errors import ConfigError
 from evalkit.gate.judge import Verdict
 from evalkit.gate.thresholds import Thresholds
-from evalkit.records import write_atomic
+from evalkit.records import to_json, write_atomic
 from evalkit.units import fmt_bytes
 
 VERDICT, REPORT = "verdict.json", "report.md"
@@ -55,7 +54,7 @@ def verdict_doc(verdict: Verdict, t: Thresholds) -> dict[str, Any]:
 
 def write_outputs(verdict: Verdict, out_dir: Path, t: Thresholds) -> None:
     output_folder(out_dir)
-    write_text(out_dir / VERDICT, json.dumps(verdict_doc(verdict, t), indent=2, sort_keys=True) + "\n")
+    write_text(out_dir / VERDICT, to_json(verdict_doc(verdict, t), indent=2) + "\n")
     lines = [f"# evalkit gate: {verdict.status}", ""]
     if verdict.status == "CANNOT JUDGE":
         lines += ["These records cannot be judged (exit code 2); the tables below, if any, are not a verdict.", ""]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from evalkit.errors import ConfigError
 from evalkit.plan import page as plan_page
-from evalkit.records import write_atomic
+from evalkit.records import to_json, write_atomic
 from evalkit.report.wandb_log import mode
 from evalkit.units import fmt_bytes
 
@@ -157,7 +156,7 @@ def plot(p: dict[str, Any], path: Path) -> None:
 def write(p: dict[str, Any], out: Path) -> list[Path]:
     try:
         out.mkdir(parents=True, exist_ok=True)
-        write_atomic(out / "plan.json", json.dumps(p, indent=2, default=str) + "\n")
+        write_atomic(out / "plan.json", to_json(p, indent=2, default=str) + "\n")
         write_atomic(out / "plan.md", markdown(p))
         plan_page.write(p, tables(p), out / "plan.html")
         plot(p, out / "plan_pressure.png")

@@ -1,0 +1,95 @@
+"""Every JSON file evalkit writes for machines is strict JSON: no NaN or Infinity, which JSON.parse in a browser or
+Node and Python's json with a refusing parse_constant reject (a CI step that reads verdict.json would break)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from evalkit.gate.cli import main as gate_main
+from evalkit.records import NOT_FINITE, finite, to_json
+from tests.conftest import run_cli
+
+
+def strict(text: str):
+    """json.loads that refuses NaN, Infinity and -Infinity, as JSON.parse does."""
+
+    def refuse(name: str):
+        raise ValueError(f"not JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_to_json_writes_null_with_the_reason_beside_it():
+    doc = {"p": math.nan, "upper": math.inf, "bounds": [0.1, -math.inf], "n": 3, "nested": {"kl": math.nan}}
+    out = strict(to_json(doc))
+    assert out == {
+        "p": None,
+        f"p{NOT_FINITE}": "nan",
+        "upper": None,
+        f"upper{NOT_FINITE}": "inf",
+        "bounds": [0.1, None],
+        "n": 3,
+        "nested": {"kl": None, f"kl{NOT_FINITE}": "nan"},
+    }
+    assert finite((1.0, 2)) == [1.0, 2]
+    with pytest.raises(ValueError):
+        strict(json.dumps(doc))  # what the writers did before: "p": NaN
+
+
+def every_json(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix in (".json", ".jsonl"))
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory) -> dict[str, Path]:
+    """Real runs of the tiny random model on a small needle grid: one with a lossless variant (every token kept), one
+    with a variant that keeps a quarter of the cache."""
+    tmp = tmp_path_factory.mktemp("strict")
+    out = {}
+    for name, variant in (("lossless", "streaming_llm@1.0"), ("lossy", "streaming_llm@0.25")):
+        out[name] = tmp / name
+        r = run_cli(
+            "model=tiny-random",
+            "task=needle",
+            "task.context_lengths=[96]",
+            "task.depths=[0.0,0.5,1.0]",
+            "task.samples_per_cell=3",
+            "task.max_new_tokens=4",
+            f"variants=[{variant}]",
+            "gate=none",
+            f"hydra.run.dir={out[name]}",
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+    return out
+
+
+# The random model scores 0 everywhere, so the baseline check is off (min_baseline_accuracy: null) but where it makes
+# the verdict CANNOT JUDGE. PASS: a lossless variant at wide margins; FAIL: compression asked and min_compression
+# 0.01 (a quarter of the cache is over 0.01 of it); INCONCLUSIVE: 9 samples at the default margins.
+WIDE = "max_drop: 0.5\nmax_flip_rate: 0.5\nmax_mean_kl: null\nmin_cell_accuracy: null\nmin_samples: 1\n"
+KINDS = {
+    "pass": ("lossless", WIDE + "min_baseline_accuracy: null\n", 0, "PASS"),
+    "fail": ("lossy", "min_compression: 0.01\nmin_baseline_accuracy: null\n", 1, "FAIL"),
+    "inconclusive": ("lossy", "min_baseline_accuracy: null\n", 2, "INCONCLUSIVE"),
+    "cannot-judge": ("lossy", "min_baseline_accuracy: 1.0\n", 2, "CANNOT JUDGE"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_every_file_of_a_judged_run_parses_strictly(tiny_runs, tmp_path, kind):
+    run, thresholds, code, status = KINDS[kind]
+    gate_file = tmp_path / "gate.yaml"
+    gate_file.write_text(f"name: {kind}\n{thresholds}")
+    out = tmp_path / "verdict"
+    assert gate_main([str(tiny_runs[run]), "--gate", str(gate_file), "--out", str(out)]) == code
+    files = every_json(tiny_runs[run]) + every_json(out)
+    assert {p.name for p in files} >= {"run.json", "samples.jsonl", "summary.json", "verdict.json"}
+    for path in files:
+        lines = path.read_text().splitlines() if path.suffix == ".jsonl" else [path.read_text()]
+        for line in lines:
+            strict(line)  # raises on NaN / Infinity
+    assert strict((out / "verdict.json").read_text())["verdict"] == status
