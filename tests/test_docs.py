@@ -172,8 +172,8 @@ def test_gate_commands_parse(argv, monkeypatch, capsys):
     class Passed:
         passed = True
 
-    def judged(runs, thresholds, out=None):
-        seen.update(runs=runs, thresholds=thresholds, out=out)
+    def judged(runs, thresholds, out=None, junit=None, summary=None):
+        seen.update(runs=runs, thresholds=thresholds, out=out, junit=junit, summary=summary)
         return Passed()
 
     monkeypatch.setattr(gate, "gate", judged)
@@ -182,7 +182,11 @@ def test_gate_commands_parse(argv, monkeypatch, capsys):
     if "--plan" in argv:
         assert "59" in capsys.readouterr().out  # the lossless PASS at the default thresholds (README, the gate)
     else:
-        assert seen["runs"] == [Path(a) for a in argv if not a.startswith("-")]
+        valued = {"--gate", "--out", "--junit", "--summary"}  # options followed by their value
+        values = {i + 1 for i, a in enumerate(argv) if a in valued}
+        assert seen["runs"] == [Path(a) for i, a in enumerate(argv) if not a.startswith("-") and i not in values]
+        if "--junit" in argv:
+            assert seen["junit"] == Path(argv[argv.index("--junit") + 1])
 
 
 @pytest.mark.parametrize("argv", BY_MODULE["evalkit.report"], ids=_id)

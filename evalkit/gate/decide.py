@@ -317,7 +317,14 @@ def decision_summary(d: Decision, t) -> dict[str, Any]:
         "questions": int(e.contexts.questions.sum()),
         "method": "exact first look" if e.exact else "betting (anytime-valid)",
         "checks": {
-            c.what: {"p_holds": c.p_holds, "p_broken": c.p_broken, "bounds": [c.lower, c.upper], "method": c.method}
+            c.what: {
+                "p_holds": c.p_holds,
+                "p_broken": c.p_broken,
+                "holds": c.holds,
+                "broken": c.broken,
+                "bounds": [c.lower, c.upper],
+                "method": c.method,
+            }
             for c in e.checks
         },
     }

@@ -1,15 +1,18 @@
-"""Every JSON file evalkit writes for machines is strict JSON: no NaN or Infinity, which JSON.parse in a browser or
-Node and Python's json with a refusing parse_constant reject (a CI step that reads verdict.json would break)."""
+"""What pipelines receive. Every JSON file evalkit writes for machines is strict JSON: no NaN or Infinity, which
+JSON.parse in a browser or Node and Python's json with a refusing parse_constant reject (a CI step that reads
+verdict.json would break). The gate's JUnit XML and step summary say which variant and check failed."""
 
 from __future__ import annotations
 
 import json
 import math
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 
 from evalkit.gate.cli import main as gate_main
+from evalkit.gate.pipeline import step_summary
 from evalkit.records import NOT_FINITE, finite, to_json
 from tests.conftest import run_cli
 
@@ -93,3 +96,55 @@ def test_every_file_of_a_judged_run_parses_strictly(tiny_runs, tmp_path, kind):
         for line in lines:
             strict(line)  # raises on NaN / Infinity
     assert strict((out / "verdict.json").read_text())["verdict"] == status
+
+
+def junit_cases(path: Path) -> tuple[ET.Element, dict[tuple[str, str], str]]:
+    """The suite element and each case's outcome by (classname, name), checked against JUnit's required fields."""
+    root = ET.parse(path).getroot()
+    assert root.tag == "testsuites"
+    (suite,) = root.findall("testsuite")
+    assert {"name", "tests", "failures", "errors", "skipped"} <= set(suite.attrib)
+    out = {}
+    for case in suite.findall("testcase"):
+        assert {"name", "classname"} <= set(case.attrib)
+        kids = [k.tag for k in case]
+        assert len(kids) <= 1 and set(kids) <= {"failure", "skipped", "error"}
+        out[case.get("classname"), case.get("name")] = kids[0] if kids else "passed"
+    counts = [sum(v == k for v in out.values()) for k in ("failure", "error", "skipped")]
+    assert int(suite.get("tests")) == len(out)
+    assert [int(suite.get(k)) for k in ("failures", "errors", "skipped")] == counts
+    return suite, out
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_junit_has_a_case_per_variant_and_check(tiny_runs, tmp_path, kind):
+    run, thresholds, code, status = KINDS[kind]
+    gate_file = tmp_path / "gate.yaml"
+    gate_file.write_text(f"name: {kind}\n{thresholds}")
+    junit, summary = tmp_path / "gate.xml", tmp_path / "summary.md"
+    summary.write_text("earlier step\n")  # GitHub's step summary is appended to
+    args = [str(tiny_runs[run]), "--gate", str(gate_file), "--out", str(tmp_path / "v")]
+    assert gate_main([*args, "--junit", str(junit), "--summary", str(summary)]) == code
+    suite, cases = junit_cases(junit)
+    variant = {"lossless": "streaming_llm@1.0", "lossy": "streaming_llm@0.25"}[run]
+    verdict_case = {"PASS": "passed", "FAIL": "failure", "INCONCLUSIVE": "skipped", "CANNOT JUDGE": "error"}[status]
+    assert cases[("verdict", status)] == verdict_case
+    if status == "CANNOT JUDGE":  # nothing was judged: no variant's check is a case
+        assert set(cases) == {("verdict", status)}
+    else:
+        # the thresholds in KINDS switch on drop and flips (and KL but for PASS): one case each
+        checks = {name for (cls, name) in cases if cls == variant}
+        assert {"drop", "flips"} <= checks
+        outcomes = {cases[variant, c] for c in ("drop", "flips")}
+        # PASS: both shown to hold; INCONCLUSIVE: 9 samples show neither; FAIL: compression, not the checks
+        assert outcomes == {"PASS": {"passed"}, "INCONCLUSIVE": {"skipped"}, "FAIL": {"skipped"}}[status]
+    text = summary.read_text()
+    assert text.startswith("earlier step\n") and f"## evalkit gate: {status}" in text
+    if status != "CANNOT JUDGE":
+        assert f"| `{variant}` |" in text
+
+
+def test_step_summary_escapes_variant_names():
+    doc = {"verdict": "FAIL", "reasons": ["a|b: x"], "variants": {"llamacpp:q8_0/q4_0|x": {"n": 3, "gate": {}}}}
+    text = step_summary(doc)
+    assert "| `llamacpp:q8_0/q4_0\\|x` |" in text and "- a\\|b: x" in text
