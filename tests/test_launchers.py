@@ -1,14 +1,17 @@
-"""Sweeps through Hydra's launchers (joblib in parallel here; the shipped Slurm config composes), merged into one
-report and one gate; an interrupted sweep resumes job by job; large-model options on the hf loader."""
+"""Sweeps through Hydra's launchers (joblib in parallel here; submitit's local executor, the Slurm path without a
+scheduler; the shipped Slurm config composes), merged into one report and one gate; an interrupted sweep resumes job
+by job; large-model options on the hf loader."""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,6 +114,81 @@ def test_the_shipped_slurm_launcher_config_composes_on_submitit():
     launcher = cfg.hydra.launcher
     assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
     assert launcher.gpus_per_node == 1 and launcher.max_num_timeout == 2 and launcher.timeout_min == 240
+
+
+def submitit_jobs(sweep) -> list[int]:
+    """The pids of the submitit job processes running this sweep's jobs."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"submitit.core._submit" in cmd and any(str(sweep).encode() in part for part in cmd):
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_submitit_sweep_runs_jobs_resumes_a_killed_one_and_merges(tmp_path):
+    """The cluster path on this machine: two jobs as submitit jobs (pickled, each in its own process and log folder);
+    one is killed while it writes rows; the sweep says so in one line (exit 2) with the command that resumes it; the
+    resumed sweep finishes that job only and merges both into one report and one verdict, as the joblib path does."""
+    sweep = tmp_path / "sweep"
+    args = [
+        "-m",
+        "model=tiny-random",
+        "task.context_lengths=[128]",
+        "task.depths=[0.0,1.0]",
+        "task.samples_per_cell=8",
+        "task.max_new_tokens=4",
+        "policy=h2o,streaming_llm",
+        "policy.budget=0.25",
+        "hydra/launcher=submitit_local",
+        f"hydra.sweep.dir={sweep}",
+        "gate=default",
+        "gate.min_samples=3",
+        "gate.min_baseline_accuracy=null",
+    ]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "evalkit", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    deadline = time.time() + 300
+    while not (writing := [p for p in sweep.rglob(SAMPLES) if p.stat().st_size]) and time.time() < deadline:
+        time.sleep(0.05)
+    jobs_running = submitit_jobs(sweep)
+    assert len(jobs_running) == 2, "each job runs in a submitit process of its own"
+    victim = json.loads((writing[0].parent / ".evalkit.lock").read_text())["pid"]  # the job writing rows
+    assert victim in jobs_running
+    os.kill(victim, signal.SIGKILL)
+    _, err = proc.communicate(timeout=600)
+    err = err.decode()
+    assert proc.returncode == 2, err
+    assert "Traceback" not in err and "a sweep job did not finish" in err
+    assert f"to resume: python -m evalkit {shlex.join(args)} resume=true" in err
+    assert len([p for p in (sweep / ".submitit").iterdir() if p.name != "%j"]) == 2  # two jobs, their logs apart
+    jobs = job_folders(sweep)
+    assert len(jobs) == 2
+    done = {name: len(read_rows(job / SAMPLES)) for name, job in jobs.items()}
+    assert sorted(done.values())[0] < 32 == sorted(done.values())[1]  # the killed job stopped early, whole rows
+    killed = next(name for name, n in done.items() if n < 32)
+    kept = {name: (job / SAMPLES).read_bytes() for name, job in jobs.items()}
+
+    result = subprocess.run(
+        [sys.executable, "-m", "evalkit", *args, "resume=true"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    verdict = json.loads((sweep / "verdict.json").read_text())
+    assert result.returncode == {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 2}[verdict["verdict"]], result.stderr
+    for name, job in jobs.items():
+        rows = read_rows(job / SAMPLES)
+        assert len(rows) == 32 and len({(r["sample_id"], r["variant"]) for r in rows}) == 32
+        assert (job / SAMPLES).read_bytes().startswith(kept[name])  # what was written stays, the rest appended
+    info = json.loads((jobs[killed] / "run.json").read_text())
+    assert len(info["resumed"]) == 1
+    assert set(verdict["variants"]) == {"baseline", "h2o@0.25", "streaming_llm@0.25"}
+    md = (sweep / "report" / "report.md").read_text()
+    for name in ("baseline", "h2o@0.25", "streaming_llm@0.25"):
+        assert f"| {name} | 16 |" in md  # the baseline that both jobs repeat is counted once
 
 
 @pytest.fixture(scope="module")

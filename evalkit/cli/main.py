@@ -19,12 +19,13 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from evalkit.cli.choices import check_choices
 from evalkit.cli.overrides import RUNNING_FLAGS
-from evalkit.errors import ConfigError, InternalError, JobError
+from evalkit.errors import EXIT_USAGE, ConfigError, InternalError, JobError
 from evalkit.exits import error, internal
 from evalkit.run import interrupt
 
@@ -171,8 +172,16 @@ def stopped(message: str, argv: list[str]) -> None:
     sys.exit(130)
 
 
+def unfinished(err: Exception) -> bool:
+    """A launcher's word that a job ended without a result: submitit's (a job killed, preempted, out of memory)."""
+    kind = type(err)
+    return kind.__module__.startswith("submitit.") and kind.__name__ in ("UncompletedJobError", "FailedJobError")
+
+
 def main() -> None:
     argv = name_the_sweep(sys.argv[1:])
+    # What escapes Hydra reaches the exit-code contract below, instead of Hydra's traceback and exit 1 (the gate's FAIL)
+    os.environ["HYDRA_FULL_ERROR"] = "1"
     sys.argv[1:] = argv
     # Sweep jobs in worker processes (joblib) defer Ctrl-C from the moment they import evalkit.interrupt
     os.environ[interrupt.DEFER_ENV] = "1"
@@ -205,6 +214,18 @@ def main() -> None:
             raise
         # a second Ctrl-C, or one that reached a worker before it could defer it: rows are whole all the same
         stopped("stopped; every row written is whole", argv)
+    except CompactHydraException as err:  # Hydra's own word on a config the pre-check let through
+        fail(ConfigError(str(err).strip().splitlines()[0]))
+    except Exception as err:  # noqa: BLE001 - what escaped Hydra's launcher: an unfinished job, or a bug (3, never 1)
+        if unfinished(err):
+            first = str(err).strip().splitlines()[0]
+            print(
+                f"evalkit: error: a sweep job did not finish ({first}; its log is beside it): the rows every job wrote "
+                f"are kept\nevalkit: to resume: {resume_command(argv)}",
+                file=sys.stderr,
+            )
+            sys.exit(EXIT_USAGE)
+        sys.exit(internal(traceback.format_exc()))
     from evalkit.cli import sweep
 
     if sweep.exit_code is not None:
