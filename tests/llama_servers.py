@@ -79,12 +79,14 @@ class LlamaServer:
                 self.process.wait()
 
 
-class HotGateway:
-    """An HTTP gateway in front of a real server that rewrites each completion request to temperature 5 with a new
-    seed: the server behind it samples, whatever the client asked."""
+class Gateway:
+    """An HTTP gateway in front of a real server. `hot`: each completion request is rewritten to temperature 5 with a
+    new seed, so the server behind it samples whatever the client asked. `delay_first`: the first completion request
+    is held that many seconds before it is forwarded, as a long prefill on a loaded server is."""
 
-    def __init__(self, target: str):
+    def __init__(self, target: str, hot: bool = False, delay_first: float = 0.0):
         gateway = self
+        self.delay = delay_first
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 - http.server's method names
@@ -92,11 +94,15 @@ class HotGateway:
 
             def do_POST(self):  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                # hot: two 24-token answers all but never agree (at temperature 1 a confident needle answer can). The
-                # server's truncation samplers are switched off too: by default llama.cpp keeps only the tokens with
-                # at least 5% of the best one's probability (min_p) before the temperature, so where the model is
-                # sure it stays greedy at any temperature, and two answers could agree token for token
-                body.update(temperature=5.0, min_p=0.0, top_k=0, top_p=1.0, seed=int(time.monotonic_ns() % 2**31))
+                if hot:
+                    # two 24-token answers all but never agree (at temperature 1 a confident needle answer can).
+                    # The server's truncation samplers are switched off too: by default llama.cpp keeps only the
+                    # tokens with at least 5% of the best one's probability (min_p) before the temperature, so where
+                    # the model is sure it stays greedy at any temperature, and two answers could agree token for
+                    # token
+                    body.update(temperature=5.0, min_p=0.0, top_k=0, top_p=1.0, seed=int(time.monotonic_ns() % 2**31))
+                delay, gateway.delay = gateway.delay, 0.0
+                time.sleep(delay)
                 gateway._forward(self, body)
 
             def log_message(self, *args):

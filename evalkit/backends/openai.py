@@ -164,8 +164,9 @@ class OpenAI:
         }
 
     def _probe(self, name: str):
-        """The endpoint's client for start-up checks: one try, a short timeout, so a dead server is said at once."""
-        return self._clients[name].with_options(max_retries=0, timeout=min(self.timeout, 30.0))
+        """The endpoint's client for start-up checks: one try (a dead server refuses the connection at once), waiting
+        backend.timeout like every request: a long prompt's prefill on a loaded server takes what it takes."""
+        return self._clients[name].with_options(max_retries=0)
 
     def _check_models(self) -> str:
         """The served model: each endpoint must answer and list the same one."""
@@ -257,6 +258,13 @@ class OpenAI:
             raise ConfigError(
                 f"endpoint {name} refused the request ({_cause(err)}): fix the server's settings (its context length) "
                 "or backend.extra"
+            ) from None
+        except openai.APITimeoutError:
+            where = f"on sample {job.sample_id!r}, {self.retries} retries" if not probe else "at start"
+            raise ConfigError(
+                f"endpoint {name} ({self.endpoints[name]}) did not answer {where} within backend.timeout="
+                f"{self.timeout:g} s (waited {time.perf_counter() - start:.0f} s): the rows written so far are kept; "
+                "give the server more time (backend.timeout=SECONDS), then resume=true"
             ) from None
         except (openai.APIConnectionError, openai.APIStatusError) as err:
             where = f"on sample {job.sample_id!r}, retried up to {self.retries} times" if not probe else "at start"
