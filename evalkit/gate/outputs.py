@@ -50,6 +50,7 @@ def verdict_doc(verdict: Verdict, t: Thresholds) -> dict[str, Any]:
         "variants": verdict.variants,
         "chunked_vs_oneshot": verdict.chunked,
         "look": verdict.look,
+        "digest": verdict.digest,
     }
 
 
