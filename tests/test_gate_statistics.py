@@ -16,6 +16,8 @@ from evalkit.gate.judge import judge
 from evalkit.gate.thresholds import Thresholds
 from tests.test_gate import rows
 
+THETAS = (1, 0.8, 0.6, 0.4)  # evalkit.betting's bets, weighted 1/4 each
+
 
 def binomial_tail(k: int, n: int, p: float) -> float:
     """P(X >= k) for X ~ Bin(n, p), summed term by term."""
@@ -25,7 +27,7 @@ def binomial_tail(k: int, n: int, p: float) -> float:
 def mixture_wealth(n: int, gain: float, margin: float = 0.05, hi: float = 1.0) -> float:
     """The betting test's wealth after n contexts that each gain `gain` on the bet (margin - value), by hand:
     sum_j w_j (1 + theta_j gain / (hi - margin))^n, theta = 1, 0.8, 0.6, 0.4, w = 1/4."""
-    return sum(0.25 * (1 + th * gain / (hi - margin)) ** n for th in (1, 0.8, 0.6, 0.4))
+    return sum(0.25 * (1 + th * gain / (hi - margin)) ** n for th in THETAS)
 
 
 # --- Done when: the five cases of the issue ---
@@ -35,10 +37,7 @@ def above_wealth(lost: int, n: int, target: float, lo: float = -1.0) -> float:
     """By hand: the mixture wealth of the bet "mean above target" on n 0/1-lost contexts, `lost` of them at 1: each
     value x multiplies a bet theta's wealth by 1 + theta (x - target) / (target - lo)."""
     room = target - lo
-    return sum(
-        0.25 * (1 + th * (1 - target) / room) ** lost * (1 - th * target / room) ** (n - lost)
-        for th in (1, 0.8, 0.6, 0.4)
-    )
+    return sum(0.25 * (1 + th * (1 - target) / room) ** lost * (1 - th * target / room) ** (n - lost) for th in THETAS)
 
 
 def test_six_lost_none_gained_of_59_is_inconclusive_not_fail():
@@ -67,7 +66,7 @@ def test_thirty_samples_with_five_gains_are_not_a_pass_at_the_default_min_sample
     assert "30 samples, fewer than gate.min_samples=74" in "\n".join(v.reasons)
     # with min_samples=30 (and no flip limit, which 30 lossless contexts cannot show) the drop decides: 25 unchanged
     # contexts gain 0.05 on the bet, 5 gained ones 1.05, by hand a wealth far over 20
-    gained = sum(0.25 * (1 + th * 0.05 / 0.95) ** 25 * (1 + th * 1.05 / 0.95) ** 5 for th in (1, 0.8, 0.6, 0.4))
+    gained = sum(0.25 * (1 + th * 0.05 / 0.95) ** 25 * (1 + th * 1.05 / 0.95) ** 5 for th in THETAS)
     assert gained > 20
     t = Thresholds(min_samples=30, max_flip_rate=None)
     assert judge(rows([0] * 5 + [1] * 25, [1] * 30), [], t).status == "PASS"
@@ -80,10 +79,7 @@ def pass_chance(n: int, loss: float) -> float:
 
     def wealth(b: int, target: float) -> float:
         room = 1 - target
-        return sum(
-            0.25 * (1 - th * (1 - target) / room) ** b * (1 + th * target / room) ** (n - b)
-            for th in (1, 0.8, 0.6, 0.4)
-        )
+        return sum(0.25 * (1 - th * (1 - target) / room) ** b * (1 + th * target / room) ** (n - b) for th in THETAS)
 
     ok = [b for b in range(n + 1) if wealth(b, 0.05) >= 20 and wealth(b, 0.10) >= 20]
     return sum(math.comb(n, b) * loss**b * (1 - loss) ** (n - b) for b in ok)
@@ -177,7 +173,7 @@ def test_a_constant_graded_cell_gets_no_p_of_zero():
     # every score in the cell is 0.3 (limit 0.5): the old t-test shortcut said p = 0.0. The betting test gains 0.2
     # per context, 0.2 / 0.5 of the stake: by hand its wealth is 14.5 after 10 contexts (p = 1/14.5 = 0.069, not
     # shown) and 840 after 20 (p = 0.0012)
-    wealth = lambda n: sum(0.25 * (1 + th * 0.2 / 0.5) ** n for th in (1, 0.8, 0.6, 0.4))  # noqa: E731
+    wealth = lambda n: sum(0.25 * (1 + th * 0.2 / 0.5) ** n for th in THETAS)  # noqa: E731
     ten = judge(rows([0.9] * 10, [0.3] * 10), [], Thresholds()).cells[0]
     assert ten["p"] == pytest.approx(1 / wealth(10), rel=1e-9) and ten["status"] == "no failure shown"
     twenty = judge(rows([0.9] * 20, [0.3] * 20), [], Thresholds()).cells[0]
@@ -187,11 +183,7 @@ def test_a_constant_graded_cell_gets_no_p_of_zero():
 def test_a_pass_whose_cells_were_not_judged_says_so():
     # 10 cells of 8 samples; Holm over 10 cells needs 10 all-wrong contexts a cell to reach the wealth 200 by betting
     # (0.25 (2^9 + 1.8^9 + 1.6^9 + 1.4^9) = 199.95 < 200)
-    assert (
-        sum(0.25 * (1 + th) ** 9 for th in (1, 0.8, 0.6, 0.4))
-        < 200
-        <= sum(0.25 * (1 + th) ** 10 for th in (1, 0.8, 0.6, 0.4))
-    )
+    assert sum(0.25 * (1 + th) ** 9 for th in THETAS) < 200 <= sum(0.25 * (1 + th) ** 10 for th in THETAS)
     cells = lambda i: {"depth": i % 10}  # noqa: E731
     v = judge(rows([1] * 80, [1] * 80, cell=cells), [], Thresholds())
     assert v.status == "PASS"
