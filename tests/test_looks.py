@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from evalkit.gate import looks
 from evalkit.gate.cli import main
 from evalkit.gate.judge import judge
 from evalkit.gate.looks import LOOKS_FILE
@@ -247,3 +248,15 @@ def test_the_advices_command_extends_the_same_folder_and_its_looks(tmp_path):
     assert [p.parent for p in root.rglob("samples.jsonl")] == [folder]
     assert [x["look"] for x in _looks(folder)] == [1, 2]
     assert len(read_runs([folder]).rows) > 2 * 2  # the new samples are in the same folder
+
+
+def test_a_look_that_cannot_be_recorded_is_said_not_hidden(tmp_path, capsys, monkeypatch):
+    run = _write(tmp_path / "run", [1] * 20, [1] * 20)
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(looks.os, "fsync", full_disk)
+    assert main([str(run), "--out", str(tmp_path / "out")]) == 2
+    assert f"{run / LOOKS_FILE}: look 1 not recorded (No space left on device)" in capsys.readouterr().out
+    assert "not recorded" in "\n".join(json.loads((tmp_path / "out" / "verdict.json").read_text())["not_judged"])
