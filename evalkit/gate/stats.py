@@ -47,7 +47,7 @@ def is_binary(*scores: list[float]) -> bool:
 
 def tango_z(b, c, n: int, delta: float):
     """Tango's score statistic for H0: drop = delta, with b lost and c gained of n pairs; decreasing in delta. b and c
-    may be arrays (the exact first-look test evaluates every outcome at once).
+    may be arrays.
 
     z = (b - c - n delta) / sqrt(n (2 p21 + delta (1 - delta))), p21 the gain probability's maximum-likelihood
     estimate under H0: the root of 2n p^2 + B p + C, B = -b - c + (2n - b + c) delta, C = -c delta (1 - delta)."""

@@ -140,7 +140,7 @@ def _from_doc(doc: dict[str, Any], source: str) -> VerdictView:
 
 
 def _looks(doc: dict[str, Any]) -> Any:
-    """The number of looks a sequential gate has spent, from whichever form the verdict gives it."""
+    """The look number of the verdict (evalkit.gate.looks), from whichever form the verdict gives it."""
     looks = doc.get("looks", doc.get("look"))
     if isinstance(looks, list):
         return len(looks)
