@@ -135,8 +135,13 @@ def test_zero_lost_of_20_is_inconclusive_with_the_samples_that_settle_it():
     v = judge(rows([1] * 20, [1] * 20, cell=cells), _task_run(2), Thresholds())
     assert v.status == "INCONCLUSIVE"
     assert f"the drop may be as large as {lossless_bound(20):.3f}" in "\n".join(v.reasons)
-    # every look is the anytime-valid test, which needs 74 lossless samples
-    assert lossless_betting_count() == 74
+    # every look is the anytime-valid test, which needs 74 lossless samples; the reasons state the cost against a
+    # test judged once at a fixed count, 59 (0.95^59 < 0.05 < 0.95^58)
+    assert lossless_betting_count() == 74 and 0.95**59 < 0.05 < 0.95**58
+    assert (
+        "20 samples, fewer than gate.min_samples=74 (a lossless PASS needs 74 by betting, which holds at every look; "
+        "a test judged once would need 59)"
+    ) in v.reasons[-1]
     assert v.advice == (
         "at the observed rates, 74 samples would show it with about 80% chance at look 2 (judged by the anytime-valid "
         "betting test): add at least 54, e.g. task.samples_per_cell=8 resume=true"

@@ -21,7 +21,7 @@ import numpy as np
 from evalkit.gate import betting
 from evalkit.gate.checks import Evidence, evaluate, kl_cap
 from evalkit.gate.contexts import Contexts, by_cell, group
-from evalkit.gate.power import betting_cell_samples, contexts_needed, lossless_contexts
+from evalkit.gate.power import betting_cell_samples, contexts_needed, judged_once_lossless, lossless_contexts
 from evalkit.gate.stats import adjust, binary_bounds
 
 
@@ -161,10 +161,18 @@ def open_messages(name: str, e: Evidence, t, k: int, look: int) -> list[str]:
             )
     if ctx.n < e.floor:
         unit = "samples" if ctx.single else "contexts"
-        out.append(f"{name}: {ctx.n} {unit}, fewer than gate.min_samples={e.floor} (a lossless PASS needs {e.floor})")
+        out.append(f"{name}: {ctx.n} {unit}, fewer than gate.min_samples={e.floor}{_cost(t, e.floor)}")
     if not out:
         out.append(f"{name}: p = {e.p_pass:.4f} for a PASS, not shown after the correction over {k} variants")
     return out
+
+
+def _cost(t, n: int) -> str:
+    """What the floor costs, where it is the default: the lossless betting count against a test judged once."""
+    once = judged_once_lossless(t)
+    if t.min_samples is not None or once is None:
+        return ""
+    return f" (a lossless PASS needs {n} by betting, which holds at every look; a test judged once would need {once})"
 
 
 SHOWN_TO_FAIL = "shown to fail"  # the one cell status that is a failure ("no failure shown", "not judged: ..." are not)
