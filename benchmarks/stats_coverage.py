@@ -5,18 +5,23 @@ whose loss rate sits at the flip limit) PASSes, and how often a variant at the p
 
 Contexts are drawn independently; within one, m questions share a random effect (a Dirichlet-multinomial with
 intra-context correlation icc, evalkit.power.draw_contexts). 0/1 scores, or graded ones (a loss or gain moves a
-score by 0.1, or by 0.5). Every draw is judged by the gate's own decision at its default thresholds (the same
-functions of evalkit.exact and evalkit.betting that evalkit.checks calls, vectorised over draws;
-tests/test_stats_coverage.py checks it against evalkit.decide on single draws), at:
+score by 0.1, or by 0.5). Every draw is judged by the gate's own decision at its default thresholds (the betting
+test of evalkit.betting that evalkit.checks calls at every look, vectorised over draws; tests/test_stats_coverage.py
+checks it against evalkit.decide on single draws), at:
 
 - one look at n contexts;
 - the README's old sequence, 20 -> 60 -> 130 contexts with resume=true, stopping at the first PASS (a FAIL does not
   stop it: that only adds chances to PASS);
-- the gate's own advice, from a first look at 20 or 59 contexts, up to 6 looks (advice over 2,000 contexts ends it).
+- the gate's own advice, from a first look at 20 or 59 contexts, up to 6 looks (advice over 2,000 contexts ends it);
+- the routes that once re-judged for free (a section of their own, `routes`): looks deleted between 20 -> 60 -> 130
+  (a fresh folder, a report's peek, a CI job), 10 contexts added fifteen times, the advice followed each time. Every
+  look is judged afresh by betting, so these are the same sequences: the wealth over nested prefixes is one
+  supermartingale.
 
 Each row prints the PASS rate with its Monte Carlo standard error; `ok` is "the rate is not above 5% by more than
-two standard errors". With one 0/1 question per context and one look the exact chance (enumeration) is printed
-beside it. Then power: the share of PASSes at the sample size `python -m evalkit.gate --plan` gives for 80% power.
+two standard errors". With one 0/1 question per context and one look the exact chance (enumeration over the
+outcomes, evalkit.power) is printed beside it. Then power: the share of PASSes at the sample size
+`python -m evalkit.gate --plan` gives for 80% power.
 """
 
 from __future__ import annotations
@@ -25,12 +30,12 @@ import argparse
 import math
 import time
 from dataclasses import dataclass
-from functools import cache, lru_cache
+from functools import lru_cache
 
 import numpy as np
 
-from evalkit.gate import betting, decide, exact
-from evalkit.gate.power import betting_contexts, draw_contexts, first_look_samples
+from evalkit.gate import betting, decide
+from evalkit.gate.power import betting_contexts, betting_power_counts, draw_contexts
 from evalkit.gate.stats import binary_bounds
 from evalkit.gate.thresholds import Thresholds
 
@@ -58,7 +63,8 @@ class Scenario:
         return "0/1" if self.step == 1 else f"graded {self.step}"
 
     @property
-    def exact_first(self) -> bool:
+    def enumerable(self) -> bool:
+        """One 0/1 question per context: the chance of a PASS at one look is a sum over outcomes."""
         return self.step == 1 and self.m == 1
 
     def draw(self, rng, draws: int, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -74,8 +80,6 @@ class Runs:
 
     def __init__(self, s: Scenario, drop: np.ndarray, flipped: np.ndarray):
         self.s = s
-        self.b = np.cumsum(drop > 0, axis=1) if s.exact_first else None  # with 0/1 single questions: lost so far
-        self.c = np.cumsum(drop < 0, axis=1) if s.exact_first else None
         self.checks = {
             "drop": self._sums(drop, T.max_drop, -1.0),
             "flips": self._sums(flipped, T.max_flip_rate, 0.0),
@@ -94,19 +98,14 @@ class Runs:
         w = np.where(dead[rows, n - 1], -np.inf, total[rows, n - 1])
         return betting.mix(w)
 
-    def passes(self, n: np.ndarray, first: bool, spent: dict[str, float]) -> np.ndarray:
-        """The gate's PASS (evalkit.checks.evaluate) for each run at its length n."""
-        if first and self.s.exact_first:
-            rows = np.arange(len(n))
-            b, c = self.b[rows, n - 1], self.c[rows, n - 1]
-            return np.array([_exact_pass(int(k), int(bi), int(ci)) for k, bi, ci in zip(n, b, c, strict=True)])
+    def passes(self, n: np.ndarray) -> np.ndarray:
+        """The gate's PASS (evalkit.checks.evaluate) for each run at its length n, at any look."""
         ok = n >= FLOOR
         for what in ("drop", "flips"):
-            budget = ALPHA - spent.get(what, 0.0)
-            ok &= (budget > 0) & (self.wealth(what, n) >= math.log(1 / max(budget, 1e-300)))
+            ok &= self.wealth(what, n) >= math.log(1 / ALPHA)
         return ok
 
-    def advice(self, n: np.ndarray, spent: dict[str, float]) -> np.ndarray:
+    def advice(self, n: np.ndarray) -> np.ndarray:
         """The contexts the gate advises (evalkit.power.contexts_needed): inf where none follows."""
         rows = np.arange(len(n))
         need = np.zeros(len(n))
@@ -114,25 +113,8 @@ class Runs:
             total, squares, dead = self.checks[what]
             g = total[rows, n - 1] / n[:, None]
             s = np.sqrt(np.maximum(squares[rows, n - 1] / n[:, None] - g * g, 0.0))
-            budget = ALPHA - spent.get(what, 0.0)
-            need = np.maximum(need, betting.growth_to_show(g, s, ~dead[rows, n - 1], budget, 0.8))
+            need = np.maximum(need, betting.growth_to_show(g, s, ~dead[rows, n - 1], ALPHA, 0.8))
         return np.where(np.isfinite(need), np.maximum(np.maximum(np.ceil(need), FLOOR), n + 1), np.inf)
-
-
-@cache
-def _region(n: int) -> np.ndarray:
-    design = exact.Design(n, T.max_drop, T.max_flip_rate, FLOOR)
-    t = exact.threshold(lambda x: exact.pass_size(design, x, "drop"), ALPHA)
-    return exact.edge(n, design.pass_p, t, down=True)
-
-
-def _exact_pass(n: int, b: int, c: int) -> bool:
-    return n >= FLOOR and b <= _region(n)[c]
-
-
-@cache
-def _spent(n: int) -> dict[str, float]:
-    return exact.pass_spent(exact.Design(n, T.max_drop, T.max_flip_rate, FLOOR), ALPHA)
 
 
 def simulate(s: Scenario, plan, draws: int, seed: int) -> float:
@@ -145,16 +127,12 @@ def simulate(s: Scenario, plan, draws: int, seed: int) -> float:
         runs = Runs(s, *s.draw(rng, size, kmax))
         n = np.full(size, plan[0] if plan[0] != "advice" else plan[1], dtype=int)
         alive, done = np.ones(size, dtype=bool), np.zeros(size, dtype=bool)
-        spent: dict[str, float] = {}
         for look in range(LOOKS if plan[0] == "advice" else len(plan)):
-            first = look == 0
-            ok = runs.passes(n, first, spent) & alive
+            ok = runs.passes(n) & alive
             done |= ok
             alive &= ~ok
-            if first and s.exact_first:
-                spent = _spent(int(n[0]))
             if plan[0] == "advice":
-                nxt = runs.advice(n, spent)
+                nxt = runs.advice(n)
                 alive &= nxt <= kmax
                 n = np.where(alive, np.minimum(nxt, kmax), n).astype(int)
             elif look + 1 < len(plan):
@@ -190,10 +168,10 @@ def describe(plan) -> str:
 
 
 def exact_rate(s: Scenario, plan) -> float | None:
-    """With one 0/1 question per context and one look: the chance of a PASS by enumeration (evalkit.exact)."""
-    if not (s.exact_first and len(plan) == 1 and plan[0] != "advice"):
+    """With one 0/1 question per context and one look: the chance of a PASS by enumeration (evalkit.power)."""
+    if not (s.enumerable and len(plan) == 1 and plan[0] != "advice"):
         return None
-    return exact.power(exact.Design(plan[0], T.max_drop, T.max_flip_rate, FLOOR), ALPHA, s.loss, s.gain)
+    return betting_power_counts(T, plan[0], ALPHA, s.loss, s.gain) if plan[0] >= FLOOR else 0.0
 
 
 def error_rates(quick: bool, draws: int, seed: int):
@@ -206,9 +184,9 @@ def error_rates(quick: bool, draws: int, seed: int):
 
 
 def power_rows(quick: bool, draws: int, seed: int) -> list[dict]:
-    """PASS rates at the planner's n for 80% power: judged once with one 0/1 question per context (exact), judged
-    again after a pilot look of 20 (betting, exact enumeration), and with 5 questions per context at icc 0.3 (Monte
-    Carlo planner; simulated here with other seeds)."""
+    """PASS rates at the planner's n for 80% power: one 0/1 question per context (exact enumeration), the same after
+    a pilot look of 20, and with 5 questions per context at icc 0.3 (Monte Carlo planner; simulated here with other
+    seeds)."""
     cases = [("once", Scenario(0.01, 0.0))]
     if not quick:
         cases += [("once", Scenario(0.02, 0.0)), ("once", Scenario(0.02, 0.02)), ("again", Scenario(0.01, 0.0))]
@@ -218,9 +196,6 @@ def power_rows(quick: bool, draws: int, seed: int) -> list[dict]:
         if how == "again":
             n = betting_contexts(T, FLOOR, s.loss, s.gain, 0.8)
             plan = (20, n)
-        elif s.m == 1:
-            n = first_look_samples(T, FLOOR, s.loss, s.gain, 0.8)
-            plan = (n,)
         else:
             n = betting_contexts(T, FLOOR, s.loss, s.gain, 0.8, s.m, s.icc)
             plan = (n,)
@@ -228,6 +203,44 @@ def power_rows(quick: bool, draws: int, seed: int) -> list[dict]:
         se = math.sqrt(rate * (1 - rate) / draws)
         out.append({"s": s, "plan": plan, "rate": rate, "se": se, "exact": exact_rate(s, plan)})
     return out
+
+
+ROUTES = [(20, 60, 130), tuple(range(20, 171, 10)), ("advice", 20)]  # looks deleted; +10 fifteen times; the advice
+
+
+def route_rows(quick: bool, draws: int, seed: int):
+    """The routes that restarted the old exact first look on the same samples, at the margin (0/1 and one or five
+    questions per context): every look is the betting test, so each is a run judged at several lengths."""
+    cases = [Scenario(0.05, 0.0), Scenario(0.07, 0.02), Scenario(0.10, 0.07)]
+    if quick:
+        cases = cases[:1]
+    else:
+        cases += [Scenario(0.05, 0.0, 5, 0.3)]
+    for i, s in enumerate(cases):
+        for j, plan in enumerate(ROUTES):
+            rate = simulate(s, plan, draws, seed + 5000 + 100 * i + j)
+            se = math.sqrt(max(rate * (1 - rate), ALPHA * (1 - ALPHA)) / draws)
+            yield {"s": s, "plan": plan, "rate": rate, "se": se}
+
+
+def describe_route(plan) -> str:
+    if plan[0] == "advice":
+        return f"the advice followed from {plan[1]} ({LOOKS} looks)"
+    if len(plan) > 3:
+        return f"{plan[0]}, then +{plan[1] - plan[0]} {len(plan) - 1} times"
+    return " -> ".join(map(str, plan)) + ", looks deleted"
+
+
+def print_routes(quick: bool, draws: int, seed: int) -> int:
+    """The routes section; returns the rows out of bounds."""
+    print("\nroutes that once re-judged for free, at the margin (every look by betting)")
+    bad = 0
+    for r in route_rows(quick, draws, seed):
+        s, ok = r["s"], r["rate"] <= ALPHA + 2 * r["se"]
+        bad += not ok
+        print(f"  {s.scores} m={s.m} icc={s.icc} loss {s.loss:.2f} gain {s.gain:.2f}: {describe_route(r['plan']):<40}"
+              f"PASS rate {r['rate']:.4f} +- {r['se']:.4f}  {'yes' if ok else 'NO'}", flush=True)  # fmt: skip
+    return bad
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             f"PASS rate {r['rate']:.4f} +- {r['se']:.4f}{ex}  {'yes' if ok else 'NO'}",
             flush=True,
         )
+    bad += print_routes(args.quick, args.draws, args.seed)
     print(f"\n{bad} rows out of bounds; {time.perf_counter() - t0:.0f} s")
     return 1 if bad else 0
 

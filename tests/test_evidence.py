@@ -18,7 +18,7 @@ from evalkit.records import read_rows
 from tests.conftest import compose_config
 
 FIDELITY = ["model=tiny-random", "task=fidelity", "task.context_lengths=[128]", "task.continuation_tokens=8"]
-N_PASS = 100  # samples of the lossless run: 0 lost of 100, far inside the 0.05 margin (59 suffice at one look)
+N_PASS = 100  # samples of the lossless run: 0 lost of 100, far inside the 0.05 margin (74 suffice: the betting count)
 N = 24  # samples of the lossy runs
 
 

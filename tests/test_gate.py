@@ -69,7 +69,7 @@ def test_flips_are_classified_evicted_or_ignored():
     assert s["snapkv@0.25"]["flip_causes"] == {"evicted": 1, "ignored": 1}
 
 
-N = 60  # samples: one more than the 59 a PASS with no loss needs at the default margin (0.05) and confidence (0.95)
+N = 74  # samples: the fewest a PASS with no loss needs by betting at the default margin (0.05) and confidence (0.95)
 
 
 def test_gate_passes_a_faithful_variant():
@@ -83,8 +83,8 @@ def test_gate_fails_with_every_reason_in_words():
     assert v.status == "FAIL"
     text = "\n".join(v.reasons)
     assert "lower bound" in text and "shown over the 0.05 margin" in text and "flipped from right to wrong" in text
-    # 30 wrong of 30 in cell depth=0.5: p = 0.5**30, shown below 0.5 after Holm over the two cells
-    assert "cell depth=0.5: accuracy 0.00 (baseline 1.00, n=30) shown below 0.5" in text and "depth=1.0" not in text
+    # 37 wrong of 37 in cell depth=0.5: by betting a wealth over 2^37 / 4, shown below 0.5 after Holm over the cells
+    assert "cell depth=0.5: accuracy 0.00 (baseline 1.00, n=37) shown below 0.5" in text and "depth=1.0" not in text
 
 
 @pytest.mark.parametrize(

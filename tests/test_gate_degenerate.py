@@ -20,8 +20,8 @@ from evalkit.records import read_rows
 from evalkit.report import cli as report_module
 from tests.conftest import compose_config, run_cli
 
-N = 24  # samples: enough for a FAIL or CANNOT JUDGE; a PASS needs 59 at the default margin (N_PASS)
-N_PASS = 60
+N = 24  # samples: enough for a FAIL or CANNOT JUDGE; a PASS needs 74 at the default margin (N_PASS)
+N_PASS = 74
 DEPTHS = [0.0, 0.5, 1.0]  # cell of sample i: depth DEPTHS[i % 3], so 8 samples a cell
 RUN_ID = "run-a"
 INFO = {
@@ -181,7 +181,7 @@ def test_a_baseline_that_cannot_do_the_task(tmp_path, capsys):
         "about the policy; use a stronger model or an easier task",
     )
     assert verdict["variants"]["baseline"]["accuracy"] == 0.0  # the tables are still written
-    # null switches the check off: then judged; nothing lost of 24 is not yet shown below the margin (59 needed), and
+    # null switches the check off: then judged; nothing lost of 24 is not yet shown below the margin (74 needed), and
     # the next look is the anytime-valid test, which needs 74 (tests/test_stats.py, lossless_betting_count)
     off = tmp_path / "off.yaml"
     off.write_text("min_baseline_accuracy: null\n")

@@ -6,16 +6,17 @@ The page is read here as HTML (stdlib parser); tests/test_report_browser.py open
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import time
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 
+from evalkit.gate.looks import digest
+from evalkit.gate.reading import read_runs
 from evalkit.gate.summary import summarize
+from evalkit.gate.thresholds import thresholds
 from evalkit.report.cli import main as report_main
 from evalkit.report.data import VerdictView
 from evalkit.report.page import DODGE, tradeoff_figure
@@ -147,6 +148,7 @@ def test_a_cell_the_baseline_cannot_do_is_shown_as_such_and_a_cell_shown_to_fail
     cell = lambda i: {"context_length": 1024, "depth": 0.0 if i < 40 else 1.0}  # noqa: E731
     recs = rows([0] * 40 + [1] * 40, [0] * 80, "h2o@0.25", cell=cell)
     run = write_run(tmp_path / "run", recs)
+    gate_verdict(run, run)  # the page marks the cells the gate's verdict.json shows failing
     assert report_main([str(run), "--out", str(tmp_path / "out")]) == 0
     text = (tmp_path / "out" / "report.html").read_text()
     policy_panel = text[text.index("<h4>h2o@0.25</h4>") :]
@@ -171,6 +173,7 @@ def test_the_verdict_is_the_gates_verdict_json_for_these_runs_with_its_advice_an
     extend = "python -m evalkit task=needle task.samples_per_cell=5 resume=true hydra.run.dir=/r/x"
     doc = {"verdict": "INCONCLUSIVE", "reasons": ["snapkv@0.5: not shown within 0.05"], "advice": advice,
            "extend": extend, "looks": 3, "runs": ["run"], "thresholds": {"max_drop": 0.05}}  # fmt: skip
+    doc["digest"] = digest(read_runs([run]).rows, thresholds(doc["thresholds"], "test"))  # it judged these rows
     (run / "verdict.json").write_text(json.dumps(doc))
     assert report_main([str(run), "--out", str(tmp_path / "out")]) == 0
     page = read_page(tmp_path / "out" / "report.html")
@@ -191,39 +194,24 @@ def gate_verdict(run: Path, out: Path, *args: str) -> str:
     return json.loads((out / "verdict.json").read_text())["verdict"]
 
 
-def test_a_stale_or_foreign_verdict_json_is_not_shown_the_runs_are_judged_now(tmp_path):
-    """Rows written after the verdict (resume=true), or a verdict of other runs: the report shows what the gate
-    says of the records now (here not the PASS the old file claims), and why it did not use the file."""
+def test_a_stale_or_foreign_verdict_json_is_not_shown_and_the_report_does_not_judge(tmp_path):
+    """Rows changed after the verdict (resume=true, an edit), or a verdict of other runs: the report shows no verdict
+    for these rows and the command that judges them, and why it did not use the file (it never judges itself)."""
     run = write_run(tmp_path / "run", needle_rows())
-    now = gate_verdict(run, tmp_path / "gate")
-    assert now != "PASS"
-    (run / "verdict.json").write_text(json.dumps({"verdict": "PASS", "runs": [str(run)]}))
-    later = time.time() + 10
-    os.utime(run / "samples.jsonl", (later, later))
+    assert gate_verdict(run, run) != "PASS"
+    assert report_main([str(run), "--out", str(tmp_path / "out")]) == 0
+    assert read_page(tmp_path / "out" / "report.html").text["verdict"].count("written by the gate") == 1
+    lines = (run / "samples.jsonl").read_text().splitlines()
+    (run / "samples.jsonl").write_text("\n".join(lines[:-2]) + "\n")  # the rows changed since the gate judged them
     assert report_main([str(run), "--out", str(tmp_path / "out")]) == 0
     page = read_page(tmp_path / "out" / "report.html")
-    assert page.text["verdict-status"] == now and "older than the records" in page.text["verdict"]
-    assert "streaming_llm@0.25" in page.text["verdict-reasons"]
+    assert page.text["verdict-status"] == "NO VERDICT" and "judged other rows" in page.text["verdict"]
+    assert f"no verdict for these rows: run python -m evalkit.gate {run}" in page.text["verdict-reasons"]
 
     (run / "verdict.json").write_text(json.dumps({"verdict": "PASS", "runs": [str(tmp_path / "elsewhere")]}))
-    os.utime(run / "verdict.json", (later + 10, later + 10))
     assert report_main([str(run), "--out", str(tmp_path / "out")]) == 0
     page = read_page(tmp_path / "out" / "report.html")
-    assert page.text["verdict-status"] == now and "judged other runs" in page.text["verdict"]
-
-
-def test_gate_thresholds_given_to_the_report_judge_the_runs(tmp_path):
-    """--gate judges the runs with those thresholds whatever verdict.json says, as `python -m evalkit.gate --gate`
-    does: a lenient gate (any drop and flip rate below 1, no cell check, one sample enough; a gate with no accuracy
-    check at all is refused) leaves little but the compression check."""
-    gate = tmp_path / "lenient.yaml"
-    gate.write_text("max_drop: 1.0\nmax_flip_rate: 1.0\nmin_cell_accuracy: null\nmin_samples: 1\n")
-    run = write_run(tmp_path / "run", needle_rows())
-    (run / "verdict.json").write_text(json.dumps({"verdict": "FAIL", "runs": [str(run)]}))
-    expected = gate_verdict(run, tmp_path / "gate", "--gate", str(gate))
-    assert report_main([str(run), "--out", str(tmp_path / "out"), "--gate", str(gate)]) == 0
-    page = read_page(tmp_path / "out" / "report.html")
-    assert page.text["verdict-status"] == expected != "FAIL" and "--gate" in page.text["verdict"]
+    assert page.text["verdict-status"] == "NO VERDICT" and "judged other runs" in page.text["verdict"]
 
 
 # --- the trade-off --------------------------------------------------------------------------------------------------

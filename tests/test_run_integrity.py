@@ -45,7 +45,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 HOLD = """
 import sys, time
 from pathlib import Path
-from evalkit.run.lock import RunLock
+from evalkit.lock import RunLock
 folder = sys.argv[1]
 sys.argv = ["evalkit", "model=tiny-random", "task=needle"]  # the command the lock file names
 RunLock(Path(folder)).__enter__()

@@ -19,8 +19,7 @@ from evalkit.errors import ConfigError
 from evalkit.gate.cli import main
 from evalkit.gate.decide import min_samples
 from evalkit.gate.judge import judge
-from evalkit.gate.power import cell_samples
-from evalkit.gate.stats import BCa, adjust, binary_bounds, binary_p, paired_drop, tango_z
+from evalkit.gate.stats import BCa, adjust, binary_bounds, paired_drop, tango_z
 from evalkit.gate.thresholds import Thresholds, thresholds
 from tests.test_gate import rows, run_info
 
@@ -52,9 +51,8 @@ def test_no_loss_is_bounded_exactly():
     # 0 lost of n: the exact one-sided 95% bound on the loss rate is 1 - 0.05 ** (1 / n) (Clopper-Pearson)
     assert binary_bounds(0, 0, 20)[1] == pytest.approx(1 - 0.05 ** (1 / 20)) == pytest.approx(0.1391, abs=1e-4)
     assert binary_bounds(0, 0, 58)[1] > 0.05 > binary_bounds(0, 0, 59)[1]
-    assert min_samples(Thresholds()) == 59
-    below, above = binary_p(0, 0, 59, 0.05)
-    assert below == pytest.approx(0.95**59) and below < 0.05  # the p-value agrees with the bound
+    # the gate judges every look by betting: its lossless floor is the betting count, derived by hand below
+    assert min_samples(Thresholds()) == lossless_betting_count() == 74
 
 
 def test_bca_matches_scipy_where_it_holds_and_betting_bounds_the_rest():
@@ -121,53 +119,88 @@ def lossless_betting_count(alpha: float = 0.05, margin: float = 0.05) -> int:
     return n
 
 
+def lossless_bound(n: int, alpha: float = 0.05) -> float:
+    """By hand: the betting upper bound on the drop after n contexts with nothing lost, the smallest margin m whose
+    mixture wealth sum_j w_j (1 + theta_j m / (1 - m))^n reaches 1 / alpha (a bisection)."""
+    lo, hi = 0.0, 1.0 - 1e-9
+    for _ in range(60):
+        m = (lo + hi) / 2
+        wealth = sum(0.25 * (1 + th * m / (1 - m)) ** n for th in (1, 0.8, 0.6, 0.4))
+        lo, hi = (lo, m) if wealth >= 1 / alpha else (m, hi)
+    return hi
+
+
 def test_zero_lost_of_20_is_inconclusive_with_the_samples_that_settle_it():
     cells = lambda i: {"position": i % 10}  # noqa: E731  ten cells of two samples, as middoc with samples_per_cell=2
     v = judge(rows([1] * 20, [1] * 20, cell=cells), _task_run(2), Thresholds())
     assert v.status == "INCONCLUSIVE"
-    assert "the drop may be as large as 0.139" in "\n".join(v.reasons)
-    # the next look is a later look: the anytime-valid test, which needs 74 lossless samples (this look, below
-    # min_samples, could not PASS and spent nothing on a PASS)
-    assert lossless_betting_count() == 74
+    assert f"the drop may be as large as {lossless_bound(20):.3f}" in "\n".join(v.reasons)
+    # every look is the anytime-valid test, which needs 74 lossless samples; the reasons state the cost against a
+    # test judged once at a fixed count, 59 (0.95^59 < 0.05 < 0.95^58)
+    assert lossless_betting_count() == 74 and 0.95**59 < 0.05 < 0.95**58
+    assert (
+        "20 samples, fewer than gate.min_samples=74 (a lossless PASS needs 74 by betting, which holds at every look; "
+        "a test judged once would need 59)"
+    ) in v.reasons[-1]
     assert v.advice == (
         "at the observed rates, 74 samples would show it with about 80% chance at look 2 (judged by the anytime-valid "
         "betting test): add at least 54, e.g. task.samples_per_cell=8 resume=true"
     )
-    # every cell has 2 samples: none can be shown failing (8 are needed with Holm over 10 cells)
-    assert {c["status"] for c in v.cells} == {"not judged: 2 samples, a failure here can be shown from 8"}
+    # every cell has 2 samples: none can be shown failing (with Holm over 10 cells, by betting)
+    need = all_wrong_cell_count(0.005)
+    assert {c["status"] for c in v.cells} == {f"not judged: 2 samples, a failure here can be shown from {need}"}
 
 
-def test_zero_lost_of_59_passes_and_a_clear_regression_fails():
-    assert judge(rows([1] * 59, [1] * 59), [], Thresholds()).status == "PASS"
-    assert judge(rows([1] * 58, [1] * 58), [], Thresholds()).status == "INCONCLUSIVE"
+def test_zero_lost_of_74_passes_and_a_clear_regression_fails():
+    n = lossless_betting_count()
+    assert judge(rows([1] * n, [1] * n), [], Thresholds()).status == "PASS"
+    assert judge(rows([1] * (n - 1), [1] * (n - 1)), [], Thresholds()).status == "INCONCLUSIVE"
     worse = judge(rows([1] * 40, [0] * 12 + [1] * 28), [], Thresholds())  # 12 of 40 lost
     assert worse.status == "FAIL"
     assert "shown over the 0.05 margin" in "\n".join(worse.reasons)
 
 
+def cell_wealth(right: int, wrong: int, limit: float = 0.5) -> float:
+    """By hand from evalkit.betting's construction: the mixture wealth of the bet "accuracy below limit" on a cell of
+    0/1 scores; a wrong answer gains theta limit / (1 - limit), a right one loses theta (1 - limit) / (1 - limit)."""
+    return sum(0.25 * (1 + th * limit / (1 - limit)) ** wrong * (1 - th) ** right for th in (1, 0.8, 0.6, 0.4))
+
+
+def all_wrong_cell_count(budget: float, limit: float = 0.5) -> int:
+    """The contexts before an all-wrong cell's wealth reaches 1 / budget."""
+    n = 1
+    while cell_wealth(0, n, limit) < 1 / budget:
+        n += 1
+    return n
+
+
 def test_holm_changes_a_borderline_cell_fail():
-    # ten cells of 8 samples, the baseline right everywhere. Cell 0: the policy gets 0 of 8 right (p = 1/256);
-    # cell 1: 1 of 8 (p = 9/256 = 0.035). Uncorrected both are below 0.05; Holm over 10 cells rejects 1/256 < 0.005,
-    # then compares 0.035 with 0.05/9 and stops.
+    # ten cells of 12 samples, the baseline right everywhere, judged by betting at every look. Cell 0: the policy gets
+    # 0 of 12 right (p = 1 / 1397 = 0.0007); cell 1: 1 of 12 (p = 1 / 55.8 = 0.018). Uncorrected both are below
+    # 0.05; Holm over 10 cells rejects 0.0007 < 0.005, then compares 0.018 with 0.05/9 and stops.
+    assert 1 / cell_wealth(0, 12) < 0.005 and 0.05 / 9 < 1 / cell_wealth(1, 11) < 0.05
+
     def policy_score(i):
-        cell, k = divmod(i, 8)
+        cell, k = divmod(i, 12)
         return 0 if (cell == 0 or (cell == 1 and k > 0)) else 1
 
-    records = rows([1] * 80, [policy_score(i) for i in range(80)], cell=lambda i: {"cell": i // 8})
+    records = rows([1] * 120, [policy_score(i) for i in range(120)], cell=lambda i: {"cell": i // 12})
     status = {
         m: {c["cell"]: c["status"] for c in judge(records, [], Thresholds(multiplicity=m)).cells}
         for m in ("holm", "none")
     }
     assert status["holm"]["cell=0"] == "shown to fail" and status["holm"]["cell=1"] == "no failure shown"
     assert status["none"]["cell=0"] == status["none"]["cell=1"] == "shown to fail"
-    assert cell_samples(0.5, 0.005) == 8  # 0.5**8 = 0.0039 < 0.005 < 0.5**7
+    assert all_wrong_cell_count(0.005) == 10  # wealth 199.95 < 200 after 9 all-wrong contexts, 380 after 10
 
 
 def test_several_variants_are_corrected_together():
-    # 0 of 75 lost: the bound at 95% is 0.0392, at 97.5% (Holm's first step over 2 variants) 0.0480: both PASS;
-    # 0 of 60: 0.0487 and 0.0596, so with a second variant it is no longer shown
-    one = rows([1] * 60, [1] * 60)
-    two = one + [r for r in rows([1] * 60, [1] * 60, variant="knorm@0.25") if r["variant"] != "baseline"]
+    # 0 lost of 74 reaches the wealth 20 (p <= 0.05), not 40 (Holm's first step over 2 variants, 0.025): alone it
+    # PASSes, with a second variant it is no longer shown
+    n = lossless_betting_count()
+    assert lossless_betting_count(0.025) > n
+    one = rows([1] * n, [1] * n)
+    two = one + [r for r in rows([1] * n, [1] * n, variant="knorm@0.25") if r["variant"] != "baseline"]
     assert judge(one, [], Thresholds()).status == "PASS"
     v = judge(two, [], Thresholds())
     assert v.status == "INCONCLUSIVE" and "Holm's correction over 2 variants" in "\n".join(v.reasons)
@@ -177,9 +210,12 @@ def test_several_variants_are_corrected_together():
 def test_plan_prints_the_samples_a_pass_needs(capsys, tmp_path):
     assert main(["--plan", "--cells", "10", "--loss", "0"]) == 0
     out = capsys.readouterr().out
-    assert "loss rate  0.0%, gain rate  0.0%: 59 / 59 samples (6 / 6 per cell)" in out  # judged once
     assert f"loss rate  0.0%, gain rate  0.0%: {lossless_betting_count()} / 74 samples (8 / 8 per cell)" in out
-    assert "default gate.min_samples" in out
+    # the cost of judging at every look, against a test judged once: (1 - 0.05)^59 < 0.05 < 0.95^58
+    assert 0.95**59 < 0.05 < 0.95**58
+    assert "With nothing lost a PASS needs 74 contexts, where a test judged once" in out and "would need 59" in out
+    assert f"per cell: {all_wrong_cell_count(0.005)} contexts before a cell" in out
+    assert "gate.min_samples: 74" in out
     assert main(["--plan", "--variants", "0"]) == 2
     assert main(["--plan", "--loss", "0.6", "--gain", "0.6"]) == 2
     assert main(["--plan", "--icc", "2"]) == 2

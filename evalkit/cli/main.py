@@ -27,6 +27,7 @@ from evalkit.cli.choices import check_choices
 from evalkit.cli.overrides import RUNNING_FLAGS
 from evalkit.errors import EXIT_USAGE, ConfigError, InternalError, JobError
 from evalkit.exits import error, internal
+from evalkit.records import SAMPLE_COUNT
 from evalkit.run import interrupt
 
 # The run folder is named after the policy, or "variants" for a sweep of several.
@@ -35,7 +36,9 @@ OmegaConf.register_new_resolver(
 )
 
 # Overrides left out of a run's folder name: they do not change its records (or, for the group choices, the folder
-# path names them already).
+# path names them already), or, for the task's sample count (records.SAMPLE_COUNT), they extend the same run: the
+# advice's `task.samples_per_cell=8 resume=true` continues the run's own folder and its looks. A sweep's jobs keep
+# the count in their folder names: a sweep over counts runs each in a folder of its own.
 SAME_RECORDS = ("resume", "results_root", "device", "model", "task", "policy")
 NOT_RECORDS = ("gate", "logger", "hydra")
 
@@ -53,7 +56,7 @@ def safe_name(text: str) -> str:
 MAX_NAME = 200  # filesystems allow 255 bytes per name
 
 
-def dirname(overrides) -> str:
+def dirname(overrides, count: bool = False) -> str:
     """The run folder's last part: the sorted overrides that change the records, `k=v,k=v`, or `default`, made safe
     as one folder name (safe_name)."""
     keep = []
@@ -61,11 +64,14 @@ def dirname(overrides) -> str:
         key = str(item).lstrip("+~").split("=", 1)[0]
         if key in SAME_RECORDS or key.split(".", 1)[0] in NOT_RECORDS or key.startswith("hydra/"):
             continue
+        if not count and key.startswith("task.") and key.removeprefix("task.") in SAMPLE_COUNT:
+            continue
         keep.append(str(item).lstrip("+~"))
     return safe_name(",".join(sorted(keep)) or "default")
 
 
 OmegaConf.register_new_resolver("evalkit_dirname", dirname, replace=True)
+OmegaConf.register_new_resolver("evalkit_job_dirname", lambda overrides: dirname(overrides, count=True), replace=True)
 OmegaConf.register_new_resolver("evalkit_safe", safe_name, replace=True)
 
 NOT_RUNNING = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion")

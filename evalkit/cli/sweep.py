@@ -32,29 +32,38 @@ class MergeJobs(Callback):
 
     def _merge(self, config: DictConfig) -> None:
         global exit_code
-        from evalkit.gate.cli import gate
-        from evalkit.gate.outputs import print_verdict
         from evalkit.gate.thresholds import thresholds
-        from evalkit.report.cli import report
 
         sweep = Path(config.hydra.sweep.dir)
-        gated = config.gate.name != "none"
         try:
-            limits = thresholds(config.gate, repr(config.gate.name)) if gated else None
+            limits = thresholds(config.gate, repr(config.gate.name)) if config.gate.name != "none" else None
         except ConfigError as err:
             exit_code = error(err)
             return
-        try:
-            written = report([sweep], sweep / "report", limits)
-            print(f"evalkit: merged report of the sweep: {written[0]}")
-        except ConfigError as err:  # no job wrote records (all failed or were interrupted before a sample)
-            print(f"evalkit: no merged report: {err}")
-        if not gated:
-            return
+        if limits is not None:
+            exit_code = self._judge(sweep, limits)
+        self._report(sweep)
+
+    @staticmethod
+    def _judge(sweep: Path, limits) -> int:
+        """The sweep judged once, by the gate (its one look): the exit code."""
+        from evalkit.gate.cli import gate
+        from evalkit.gate.outputs import print_verdict
+
         try:
             verdict = gate([sweep], limits)
         except ConfigError as err:  # CannotJudge (the gate printed its reasons), or no records at all
-            exit_code = error(err)
-            return
+            return error(err)
         print_verdict(verdict)
-        exit_code = EXIT_OK if verdict.passed else EXIT_FAIL
+        return EXIT_OK if verdict.passed else EXIT_FAIL
+
+    @staticmethod
+    def _report(sweep: Path) -> None:
+        """The merged report, which shows the gate's verdict.json (it never judges)."""
+        from evalkit.report.cli import report
+
+        try:
+            written = report([sweep], sweep / "report")
+            print(f"evalkit: merged report of the sweep: {written[0]}")
+        except ConfigError as err:  # no job wrote records (all failed or were interrupted before a sample)
+            print(f"evalkit: no merged report: {err}")

@@ -15,20 +15,22 @@ run.json, a baseline too weak for the task). Writes verdict.json and report.md e
 from __future__ import annotations
 
 import argparse
+from contextlib import ExitStack
 from pathlib import Path
 
 from evalkit.errors import EXIT_FAIL, EXIT_OK, CannotJudge, ConfigError
 from evalkit.exits import guarded
 from evalkit.gate import looks
-from evalkit.gate.decide import (
-    floor,
-)
+from evalkit.gate.decide import floor
 from evalkit.gate.judge import Verdict, judge
 from evalkit.gate.outputs import print_verdict, verdict_doc, write_outputs
 from evalkit.gate.pipeline import write_ci
 from evalkit.gate.power import samples_advice
-from evalkit.gate.reading import read_runs
+from evalkit.gate.reading import read_runs, run_folders
 from evalkit.gate.thresholds import Thresholds, load_thresholds
+from evalkit.lock import RunLock
+
+WAIT = 60.0  # seconds a gate waits for another process's lock on a run folder (another gate's look)
 
 
 def gate(
@@ -41,14 +43,40 @@ def gate(
     """Judge the runs and write verdict.json and report.md into `out_dir` (default: the first run folder); return a
     PASS or FAIL verdict for the caller to print. INCONCLUSIVE, or records that cannot be judged: the outputs are
     written (where the folder is writable), the reasons printed (print_verdict), then CannotJudge is raised (exit
-    code 2) with the samples that would settle it, or what is wrong with the records. `junit`, `summary`: where the
-    verdict goes for a CI system too (evalkit.gate.pipeline), whatever it is."""
+    code 2) with the samples that would settle it, or what is wrong with the records. The runs are read, judged
+    and their look recorded under their folders' locks (evalkit.lock): gates run at once take turns. `junit`,
+    `summary`: where the verdict goes for a CI system too (evalkit.gate.pipeline), whatever it is."""
+    folders = run_folders(run_dirs)
+    with ExitStack() as held:
+        for folder in sorted(set(folders)):  # one order for every gate: two never wait on each other
+            try:
+                held.enter_context(RunLock(folder, wait=WAIT))
+            except OSError:  # a read-only folder: judged, its look said not recorded (looks.append)
+                pass
+        verdict = _judged(run_dirs, folders, thresholds)
+        return _finish(verdict, run_dirs, thresholds, out_dir, junit, summary)
+
+
+def _judged(run_dirs: list[Path], folders: list[Path], thresholds: Thresholds) -> Verdict:
+    """The verdict on the runs, its look appended to every folder's looks.jsonl (the caller holds the locks)."""
     records = read_runs(run_dirs)
-    verdict = judge(records.rows, records.infos, thresholds, records.problems)
+    recorded = looks.read(folders, records.infos)
+    verdict = judge(records.rows, records.infos, thresholds, records.problems, recorded)
     verdict.runs = [str(d) for d in run_dirs]
     if verdict.status != "CANNOT JUDGE":
-        folders = [Path(info["_folder"]) for info in records.infos]  # the run folders read_runs found
-        verdict.not_judged += looks.record(folders, verdict.look, verdict.history)
+        verdict.not_judged += looks.append(folders, verdict.look, verdict.history)
+    return verdict
+
+
+def _finish(
+    verdict: Verdict,
+    run_dirs: list[Path],
+    thresholds: Thresholds,
+    out_dir: Path | None,
+    junit: Path | None,
+    summary: Path | None,
+) -> Verdict:
+    """Write verdict.json and report.md; return a PASS or FAIL, raise CannotJudge otherwise (see gate)."""
     out = out_dir or run_dirs[0]
     write_ci(verdict_doc(verdict, thresholds), junit, summary)
     if verdict.status in ("PASS", "FAIL"):

@@ -41,7 +41,7 @@ class Contexts:
 
     @property
     def single(self) -> bool:
-        """One question per context: the exact tests of evalkit.exact apply (with 0/1 scores)."""
+        """One question per context: every number is the per-question one."""
         return bool(np.all(self.questions == 1))
 
     @property

@@ -1,5 +1,6 @@
 """The gate's statistical decisions: for each variant PASS, FAIL or INCONCLUSIVE, and for each cell whether it is
-shown to fail, counted in contexts (evalkit.contexts), with the error rate held across variants, cells and looks.
+shown to fail, counted in contexts (evalkit.contexts), with the error rate held across variants and cells, and over
+every look (each judgement is the anytime-valid betting test, evalkit.checks: judging again spends nothing).
 
 A variant PASSes when every check (evalkit.checks: the drop below `max_drop`, the flip rate below `max_flip_rate`,
 the capped KL below `max_mean_kl`) is shown to hold: its p-value is the largest of its checks' (an
@@ -12,17 +13,15 @@ corrected together); INCONCLUSIVE otherwise, with the contexts that would settle
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from scipy.stats import binom
 
-from evalkit.gate import betting, exact
-from evalkit.gate.checks import Evidence, Spent, add, evaluate, first_spent, kl_cap
+from evalkit.gate import betting
+from evalkit.gate.checks import Evidence, evaluate, kl_cap
 from evalkit.gate.contexts import Contexts, by_cell, group
-from evalkit.gate.looks import History
-from evalkit.gate.power import betting_cell_samples, cell_samples, contexts_needed
+from evalkit.gate.power import betting_cell_samples, contexts_needed, judged_once_lossless, lossless_contexts
 from evalkit.gate.stats import adjust, binary_bounds
 
 
@@ -39,13 +38,9 @@ class Decision:
 
 
 def min_samples(t) -> int:
-    """The fewest one-question contexts a variant that loses nothing needs to PASS at the first look: the default
-    `min_samples` (59 at a 0.05 margin and 95%: 0.95^59 < 0.05 < 0.95^58)."""
-    alpha = 1 - t.confidence
-    for n in range(1, 100_000):
-        if float(exact.Design(n, t.max_drop, t.max_flip_rate, 0).pass_p(0, 0)) <= alpha:
-            return n
-    return 100_000
+    """The fewest one-question contexts a variant that loses nothing needs to PASS by betting: the default
+    `min_samples` (74 at a 0.05 margin and 95%)."""
+    return lossless_contexts(t, 1 - t.confidence)
 
 
 def floor(t) -> int:
@@ -53,29 +48,11 @@ def floor(t) -> int:
     return t.min_samples if t.min_samples is not None else min_samples(t)
 
 
-def spent_on(name: str, h: History, t) -> Spent:
-    """What the runs' first looks spent on this variant (0 when it was judged there by betting, or not at all)."""
-    total = Spent()
-    for look in h.first:
-        v = (look.get("variants") or {}).get(name) or {}
-        if v.get("exact") and isinstance(v.get("contexts"), int):
-            then = _thresholds_of(look, t)
-            total = add(total, first_spent(v["contexts"], then, floor(then)))
-    return total
-
-
-def _thresholds_of(look: dict, t):
-    """The thresholds a recorded look was judged at (the statistical ones; the current ones where not recorded)."""
-    keys = ("max_drop", "confidence", "max_flip_rate", "min_samples", "min_cell_accuracy")
-    recorded = look.get("thresholds") or {}
-    return replace(t, **{k: recorded[k] for k in keys if k in recorded})
-
-
-def evidence_of(by_variant: dict[str, list[dict]], t, h: History) -> dict[str, Evidence]:
+def evidence_of(by_variant: dict[str, list[dict]], t) -> dict[str, Evidence]:
     out = {}
     for name in sorted(by_variant):
         ctx = group(by_variant[name], t.graded_flip_delta, kl_cap(t))
-        out[name] = evaluate(name, ctx, t, floor(t), h.number == 1, spent_on(name, h, t))
+        out[name] = evaluate(name, ctx, t, floor(t))
     return out
 
 
@@ -93,11 +70,11 @@ def critical_levels(pvalues: list[float], alpha: float, method: str) -> list[flo
     return out
 
 
-def variant_decisions(by_variant: dict[str, list[dict]], t, h: History | None = None) -> dict[str, Decision]:
-    """PASS, FAIL or INCONCLUSIVE for every variant, corrected across variants."""
-    h = h or History()
+def variant_decisions(by_variant: dict[str, list[dict]], t, look: int = 1) -> dict[str, Decision]:
+    """PASS, FAIL or INCONCLUSIVE for every variant, corrected across variants (`look`: this judgement's number,
+    recorded and shown; the statistics do not depend on it)."""
     alpha = 1 - t.confidence
-    ev = evidence_of(by_variant, t, h)
+    ev = evidence_of(by_variant, t)
     names = list(ev)
     passes = adjust([ev[n].p_pass for n in names], alpha, t.multiplicity)
     levels = critical_levels([ev[n].p_pass for n in names], alpha, t.multiplicity)
@@ -109,13 +86,13 @@ def variant_decisions(by_variant: dict[str, list[dict]], t, h: History | None = 
         e = ev[name]
         for c in e.checks:
             c.holds = c.p_holds <= level
-        d = Decision("INCONCLUSIVE", look=h.number, p=e.p_pass, evidence=e)
-        d.fail = [fail_message(name, e, c, t, len(names), h) for c in e.checks if c.broken]
+        d = Decision("INCONCLUSIVE", look=look, p=e.p_pass, evidence=e)
+        d.fail = [fail_message(name, e, c, t, len(names), look) for c in e.checks if c.broken]
         if not passed:
-            d.open = open_messages(name, e, t, len(names), h)
+            d.open = open_messages(name, e, t, len(names), look)
         d.status = "FAIL" if d.fail else "PASS" if passed else "INCONCLUSIVE"
         if d.status == "INCONCLUSIVE":
-            d.contexts_needed = contexts_needed(e, t, spent_on(name, h, t), h.number == 1, len(names))
+            d.contexts_needed = contexts_needed(e, t, len(names))
             if d.contexts_needed is not None:
                 per = float(np.mean(e.contexts.questions)) if e.contexts.n else 1.0
                 d.samples_needed = math.ceil(d.contexts_needed * per)
@@ -131,12 +108,8 @@ def _units(ctx: Contexts, noun: str = "") -> str:
     return f"{int(np.sum(ctx.questions))} questions on {ctx.n} contexts"
 
 
-def _how(e: Evidence, c, t, k: int, h: History) -> str:
-    conf = f"{t.confidence:.0%}"
-    how = f"{conf} {{}} bound, {c.method}"
-    if not e.exact:
-        left = f", {c.budget:.2%} of the error rate left after the first look" if c.budget < 1 - t.confidence else ""
-        how += f", look {h.number}{left}"
+def _how(c, t, k: int, look: int) -> str:
+    how = f"{t.confidence:.0%} {{}} bound, {c.method}, look {look}"
     if k > 1:
         how += f"; {t.multiplicity.capitalize()}'s correction over {k} variants"
     return how
@@ -146,8 +119,8 @@ def _flipped(e: Evidence, t) -> str:
     return "flipped from right to wrong" if e.contexts.binary else f"decreased by more than {t.graded_flip_delta}"
 
 
-def fail_message(name: str, e: Evidence, c, t, k: int, h: History) -> str:
-    ctx, how = e.contexts, _how(e, c, t, k, h).format("lower")
+def fail_message(name: str, e: Evidence, c, t, k: int, look: int) -> str:
+    ctx, how = e.contexts, _how(c, t, k, look).format("lower")
     if c.what == "drop":
         drop = float(ctx.drop.mean())
         return f"{name}: accuracy drop {drop:+.3f}, at least {c.lower:.3f} ({how}): shown over the {c.limit} margin"
@@ -160,12 +133,12 @@ def fail_message(name: str, e: Evidence, c, t, k: int, h: History) -> str:
     return f"{name}: mean KL at least {c.lower:.4f} nats ({how}; each row capped at {kl_cap(t):g}): over {c.limit}"
 
 
-def open_messages(name: str, e: Evidence, t, k: int, h: History) -> list[str]:
+def open_messages(name: str, e: Evidence, t, k: int, look: int) -> list[str]:
     ctx, out = e.contexts, []
     for c in e.checks:
         if c.holds or c.broken:
             continue
-        how = _how(e, c, t, k, h).format("upper")
+        how = _how(c, t, k, look).format("upper")
         if c.what == "drop":
             seen = (
                 f"{ctx.lost_questions} lost and {ctx.gained_questions} gained of {_units(ctx)}"
@@ -188,15 +161,18 @@ def open_messages(name: str, e: Evidence, t, k: int, h: History) -> list[str]:
             )
     if ctx.n < e.floor:
         unit = "samples" if ctx.single else "contexts"
-        out.append(f"{name}: {ctx.n} {unit}, fewer than gate.min_samples={e.floor} (a lossless PASS needs {e.floor})")
-    if e.corrected:
-        out.append(
-            f"{name}: Tango's test alone would pass at n={ctx.n}, but its exact worst-case error rate there is above "
-            f"{1 - t.confidence:.0%}: the exact p-value is {e.p_pass:.4f}"
-        )
+        out.append(f"{name}: {ctx.n} {unit}, fewer than gate.min_samples={e.floor}{_cost(t, e.floor)}")
     if not out:
         out.append(f"{name}: p = {e.p_pass:.4f} for a PASS, not shown after the correction over {k} variants")
     return out
+
+
+def _cost(t, n: int) -> str:
+    """What the floor costs, where it is the default: the lossless betting count against a test judged once."""
+    once = judged_once_lossless(t)
+    if t.min_samples is not None or once is None:
+        return ""
+    return f" (a lossless PASS needs {n} by betting, which holds at every look; a test judged once would need {once})"
 
 
 SHOWN_TO_FAIL = "shown to fail"  # the one cell status that is a failure ("no failure shown", "not judged: ..." are not)
@@ -216,11 +192,10 @@ class CellResult:
     p: float = math.nan
 
 
-def cell_decisions(by_variant: dict[str, list[dict]], t, h: History | None = None) -> list[CellResult]:
+def cell_decisions(by_variant: dict[str, list[dict]], t) -> list[CellResult]:
     """Per variant and cell: is the policy's accuracy shown below `min_cell_accuracy` where the baseline reaches it?
-    The exact binomial test at the run's first look (one 0/1 question per context), the betting test otherwise, Holm
-    or Bonferroni across all cells judged; a cell too small to ever be shown failing is `not judged`."""
-    h = h or History()
+    The betting test at every look, Holm or Bonferroni across all cells judged; a cell too small to ever be shown
+    failing at the error rate it is given is `not judged`."""
     results, contexts = [], {}
     for name in sorted(by_variant):
         for cell, rows in by_cell(by_variant[name]).items():
@@ -244,11 +219,11 @@ def cell_decisions(by_variant: dict[str, list[dict]], t, h: History | None = Non
         else:
             judged.append(c)
     alpha = 1 - t.confidence
-    first = alpha if t.multiplicity == "none" else alpha / max(len(judged), 1)
+    budget = alpha if t.multiplicity == "none" else alpha / max(len(judged), 1)
     pvalues = []
     for c in judged:
         ctx = contexts[c.variant, c.cell]
-        p, need = _cell_test(ctx, t, first, h, _cell_spent(c.variant, c.cell, h, t))
+        p, need = _cell_test(ctx, t, budget)
         if c.n < need:
             c.status = f"not judged: {c.n} samples, a failure here can be shown from {need}"
             p = math.nan
@@ -269,25 +244,11 @@ def _cell_bounds(ctx: Contexts, t) -> tuple[float, float]:
     return betting.bound(ctx.drop, alpha, -1, 1, upper=False), betting.bound(ctx.drop, alpha, -1, 1, upper=True)
 
 
-def _cell_spent(variant: str, cell: str, h: History, t) -> float:
-    total = 0.0
-    for look in h.first:
-        v = (look.get("variants") or {}).get(variant) or {}
-        n = (v.get("cells") or {}).get(cell)
-        if v.get("exact") and isinstance(n, int) and t.min_cell_accuracy is not None:
-            then = _thresholds_of(look, t)
-            total += exact.binomial_spent(n, then.min_cell_accuracy, 1 - then.confidence, below=True)
-    return total
-
-
-def _cell_test(ctx: Contexts, t, first: float, h: History, spent: float) -> tuple[float, int]:
-    """(p-value that the cell's accuracy is below the limit, the contexts before an all-wrong cell can show it)."""
+def _cell_test(ctx: Contexts, t, budget: float) -> tuple[float, int]:
+    """(p-value that the cell's accuracy is below the limit, by betting; the contexts before an all-wrong cell can
+    show it at `budget`)."""
     limit = t.min_cell_accuracy
-    if h.number == 1 and ctx.single and ctx.binary:
-        right = int(round(float(np.sum(ctx.policy))))
-        return float(binom.cdf(right, ctx.n, limit)), cell_samples(limit, first)
-    p = betting.p_value(ctx.policy, limit, 0.0, 1.0, below=True, spent=spent)
-    return p, betting_cell_samples(limit, first - spent)
+    return betting.p_value(ctx.policy, limit, 0.0, 1.0, below=True), betting_cell_samples(limit, budget)
 
 
 def unjudged_cells(cells: list[CellResult], name: str, t) -> str | None:
@@ -315,7 +276,7 @@ def decision_summary(d: Decision, t) -> dict[str, Any]:
         "level": t.confidence,
         "contexts": e.contexts.n,
         "questions": int(e.contexts.questions.sum()),
-        "method": "exact first look" if e.exact else "betting (anytime-valid)",
+        "method": "betting (anytime-valid)",
         "checks": {
             c.what: {
                 "p_holds": c.p_holds,
@@ -331,15 +292,14 @@ def decision_summary(d: Decision, t) -> dict[str, Any]:
 
 
 def look_record(decisions: dict[str, Decision], cells: list[CellResult]) -> dict[str, dict]:
-    """Per variant, what this look judged (recorded in run.json, evalkit.looks): the error rate a later look has
-    left depends on it."""
+    """Per variant, what this look judged (recorded in looks.jsonl, evalkit.looks): an audit trail, checked against
+    the rows when they are judged again."""
     out = {}
     for name, d in decisions.items():
         ctx = d.evidence.contexts
         out[name] = {
             "contexts": ctx.n,
             "questions": int(ctx.questions.sum()),
-            "exact": d.evidence.exact,
             "cells": {c.cell: c.n for c in cells if c.variant == name},
         }
     return out

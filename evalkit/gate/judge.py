@@ -37,8 +37,9 @@ class Verdict:
     cells: list[dict[str, Any]] = field(default_factory=list)  # per variant and cell: n, flips, bounds, status
     advice: str | None = None  # INCONCLUSIVE: the samples that would settle it
     extend: str | None = None  # INCONCLUSIVE, one run: the command that adds them, in the run's own folder
-    look: dict[str, Any] = field(default_factory=dict)  # this judgement's record for run.json (evalkit.looks)
+    look: dict[str, Any] = field(default_factory=dict)  # this judgement's record for looks.jsonl (evalkit.looks)
     history: looks.History = field(default_factory=looks.History)
+    digest: str | None = None  # what it judged, rows and thresholds (evalkit.looks.digest): verdict.json carries it
 
     @property
     def passed(self) -> bool:
@@ -76,13 +77,23 @@ def baseline_problems(summary: dict[str, Any], t: Thresholds) -> tuple[list[str]
     return problems, cells
 
 
-def judge(rows: list[dict], infos: list[dict], t: Thresholds, problems: list[str] | None = None) -> Verdict:
+def judge(
+    rows: list[dict],
+    infos: list[dict],
+    t: Thresholds,
+    problems: list[str] | None = None,
+    recorded: looks.Recorded | None = None,
+) -> Verdict:
     """Every reason a variant fails, in words; PASS only when there is none. `problems`: why the records cannot be
-    judged, found while reading them (read_runs); None checks `rows` here, as the rows of one records file."""
+    judged, found while reading them (read_runs); None checks `rows` here, as the rows of one records file.
+    `recorded`: the looks the run folders hold (evalkit.looks.read), for this look's number and their check."""
+    recorded = recorded or looks.Recorded()
     reasons = run_reasons(infos)
     cannot = check_rows(rows, "the records") if problems is None else list(problems)
     if not rows and not cannot:
         cannot.append("no records")
+    cannot += recorded.problems
+    key = looks.digest(rows, t)
     summary = summarize(rows) if rows else {}
     weak, not_judged = baseline_problems(summary, t)
     # capacity is a figure per model: with several, each is counted against the largest model's weights
@@ -90,15 +101,18 @@ def judge(rows: list[dict], infos: list[dict], t: Thresholds, problems: list[str
     cap = capacity(summary, weights, float(t.capacity["gpu_gib"]), int(t.capacity["context"]))
     if cannot or weak:
         chunked = chunked_vs_oneshot(rows) if rows else []
-        return Verdict("CANNOT JUDGE", [*cannot, *weak, *reasons], summary, capacity=cap, chunked=chunked)
+        return Verdict("CANNOT JUDGE", [*cannot, *weak, *reasons], summary, capacity=cap, chunked=chunked, digest=key)
     by_variant: dict[str, list[dict]] = {}
     for r in rows:
         by_variant.setdefault(r["variant"], []).append(r)
     policies = {name: by_variant[name] for name in summary if not is_baseline(name)}
-    key = looks.digest(rows, t)
-    history = looks.history(infos, key)
-    decisions = variant_decisions(policies, t, history)
-    cells = cell_decisions(policies, t, history)
+    history = looks.history(recorded, key)
+    decisions = variant_decisions(policies, t, history.number)
+    cells = cell_decisions(policies, t)
+    now, runs = look_record(decisions, cells), sorted(str(i.get("run_id")) for i in infos)
+    edited = looks.mismatches(recorded, key, t, runs, now)
+    if edited:
+        return Verdict("CANNOT JUDGE", [*edited, *reasons], summary, capacity=cap, digest=key)
     inconclusive: list[str] = []
     for name, rs in policies.items():
         d, s = decisions[name], summary[name]
@@ -119,8 +133,9 @@ def judge(rows: list[dict], infos: list[dict], t: Thresholds, problems: list[str
         cells=[asdict(c) for c in cells],
         advice=advice,
         extend=extend,
-        look=looks.entry(history, key, status, t, look_record(decisions, cells)),
+        look=looks.entry(history, key, status, t, runs, now),
         history=history,
+        digest=key,
     )
 
 

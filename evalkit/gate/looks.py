@@ -1,97 +1,197 @@
-"""Looks: every judgement of a run is recorded in its run.json, and judging again after adding samples spends error
-rate.
+"""Looks: every judgement of a run is recorded, one strict-JSON line appended to the run folder's looks.jsonl.
 
-A run's first look was taken at a sample count fixed before any data, so the exact tests of evalkit.exact hold
-there. Any later look was taken at a count that may follow from what the earlier looks showed (the gate's own
-advice does exactly that), so it is judged by the anytime-valid betting test (evalkit.betting), with the error rate
-the first look left (evalkit.checks.Spent). A judgement of the same rows at the same thresholds as the last recorded
-look is that look again, not a new one.
+Every look, the first included, is judged by the anytime-valid betting test (evalkit.checks), so the verdict does not
+depend on the looks: they are an audit trail the report shows (how often these rows were judged, at which counts).
+The gate appends them under the run folder's lock (evalkit.lock), so gates run at once number their looks 1, 2, 3.
+A judgement of the same rows at the same thresholds as the last recorded look is that look again, not a new one.
 
-run.json["looks"] is a list of {"look", "at", "digest", "verdict", "thresholds", "variants": {name: {"contexts",
-"questions", "exact", "cells": {cell: contexts}}}}.
+A record that does not match the rows it describes (malformed, numbered out of order, counting more contexts than
+the rows hold, or claiming these very rows at other counts or thresholds) makes the records CANNOT JUDGE: the file
+was edited. Older runs kept their looks in run.json["looks"]; those are read (checked the same way) for the number.
+
+A record: {"look", "at", "digest", "verdict", "thresholds", "runs", "variants": {name: {"contexts", "questions",
+"cells": {cell: contexts}}}}.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from evalkit.errors import ConfigError
-from evalkit.records import RUN, write_json
+LOOKS_FILE = "looks.jsonl"
+LEGACY = "looks"  # the list an older run.json held
+VERDICTS = ("PASS", "FAIL", "INCONCLUSIVE")
+FIX = "the file was edited; restore it as the gate wrote it (its looks are an append-only record)"
 
-LOOKS = "looks"
+
+@dataclass
+class Recorded:
+    """The looks recorded in the run folders being judged: (where, record) pairs, and lines that are not records."""
+
+    looks: list[tuple[str, dict]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    last: list[tuple[str, dict] | None] = field(default_factory=list)  # each folder's last look (None: it has none)
 
 
 @dataclass
 class History:
-    """What earlier judgements of the runs being judged did."""
+    """This judgement's place among the recorded looks."""
 
     number: int = 1  # this judgement's look number (1: the first)
-    repeat: bool = False  # the same rows and thresholds as the last recorded look of every run: that look again
-    first: list[dict[str, Any]] = field(default_factory=list)  # each run's first recorded look (when not this one)
+    repeat: bool = False  # the same rows and thresholds as every folder's last look: that look again
 
 
 def digest(rows: list[dict], t) -> str:
-    """What a look judged: its rows' identities and the thresholds (judging the same rows again is the same look)."""
-    keys = sorted(
-        json.dumps([r.get("run_id"), r.get("sample_id"), r.get("variant"), r.get("context_id")], default=str)
-        for r in rows
-    )
+    """What a look judged: its rows, every field, and the thresholds (judging the same rows again is the same look;
+    verdict.json carries it, so a report shows a verdict only for the rows it judged)."""
     h = hashlib.sha256()
-    for k in keys:
-        h.update(k.encode())
+    for line in sorted(json.dumps(r, sort_keys=True, default=str) for r in rows):
+        h.update(line.encode())
+        h.update(b"\n")
     h.update(json.dumps(asdict(t), sort_keys=True, default=str).encode())
     return "sha256:" + h.hexdigest()[:16]
 
 
-def history(infos: list[dict], key: str) -> History:
-    """This judgement's place among the looks recorded in the runs' run.json files (`key`: its digest)."""
-    recorded = [info.get(LOOKS) or [] for info in infos]
-    recorded = [looks for looks in recorded if isinstance(looks, list) and looks]
-    if not recorded:
-        return History()
-    last = [looks[-1] for looks in recorded]
-    if len(recorded) == len(infos) and all(isinstance(x, dict) and x.get("digest") == key for x in last):
-        number = max(int(x.get("look", 1)) for x in last)
-        first = [] if number == 1 else [looks[0] for looks in recorded if isinstance(looks[0], dict)]
-        return History(number, True, first)
-    number = 1 + max(int(x.get("look", 1)) if isinstance(x, dict) else 1 for x in last)
-    return History(number, False, [looks[0] for looks in recorded if isinstance(looks[0], dict)])
+def read(folders: list[Path], infos: list[dict]) -> Recorded:
+    """The looks recorded in each folder: an older run.json's list first, then looks.jsonl line by line."""
+    out = Recorded()
+    by_folder = {str(i.get("_folder")): i for i in infos}
+    for folder in folders:
+        mine: list[tuple[str, dict]] = []
+        legacy = by_folder.get(str(folder.resolve()), {}).get(LEGACY)
+        if legacy is not None:
+            where = f"{folder / 'run.json'}: looks"
+            items = legacy if isinstance(legacy, list) else [legacy]
+            _take(mine, out.problems, [(f"{where}[{i}]", x) for i, x in enumerate(items)])
+        path = folder / LOOKS_FILE
+        try:
+            lines = path.read_text().splitlines() if path.exists() else []
+        except (OSError, UnicodeDecodeError) as err:
+            out.problems.append(f"{path}: cannot be read ({getattr(err, 'strerror', None) or err}); fix its mode")
+            lines = []
+        _take(mine, out.problems, [(f"{path}:{number}", _parse(line)) for number, line in enumerate(lines, 1)])
+        out.looks += mine
+        out.last.append(mine[-1] if mine else None)
+    return out
 
 
-def entry(h: History, key: str, verdict: str, t, variants: dict[str, dict]) -> dict[str, Any]:
-    """The record of this look, for run.json (`variants`: name -> contexts, questions, exact, cells)."""
+def _parse(line: str) -> Any:
+    try:
+        return json.loads(line)
+    except ValueError:
+        return line
+
+
+def _take(into: list[tuple[str, dict]], problems: list[str], records: list[tuple[str, Any]]) -> None:
+    """Add each well-formed record (where it is, the record), in order, or name why it is not one."""
+    for at, record in records:
+        why = malformed(record)
+        previous = into[-1][1]["look"] if into else 0
+        if why is None and record["look"] <= previous:
+            why = f"look {record['look']} follows look {previous}: looks are numbered in order"
+        if why:
+            problems.append(f"{at}: look record {why}; {FIX}")
+        else:
+            into.append((at, record))
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def malformed(record: Any) -> str | None:
+    """Why `record` is not a look record as the gate writes one (None when it is)."""
+    if not isinstance(record, dict):
+        return "is not a JSON object"
+    look = record.get("look")
+    if not _count(look) or look < 1:
+        return f'has look {json.dumps(look)}: a whole number from 1 is expected (e.g. "look": 1)'
+    if not isinstance(record.get("digest"), str) or not record["digest"].startswith("sha256:"):
+        return "has no digest of the rows it judged"
+    if not isinstance(record.get("thresholds"), dict):
+        return "has no thresholds"
+    variants = record.get("variants")
+    if not isinstance(variants, dict) or not all(isinstance(v, dict) for v in variants.values()):
+        return "has no variants"
+    for name, v in variants.items():
+        cells = v.get("cells", {})
+        if not (_count(v.get("contexts")) and _count(v.get("questions")) and isinstance(cells, dict)):
+            return f"counts of {name} are not whole numbers"
+        if v["questions"] < v["contexts"] or not all(_count(n) for n in cells.values()):
+            return f"counts of {name} are inconsistent (fewer questions than contexts, or a cell not counted)"
+    return None
+
+
+def history(recorded: Recorded, key: str) -> History:
+    """This judgement's number: the last recorded look again when every folder's last look judged these rows at
+    these thresholds, else one more than the largest recorded."""
+    if recorded.last and all(x is not None and x[1]["digest"] == key for x in recorded.last):
+        return History(max(x[1]["look"] for x in recorded.last if x is not None), True)
+    return History(1 + max((r["look"] for _, r in recorded.looks), default=0))
+
+
+def mismatches(recorded: Recorded, key: str, t, runs: list[str], now: dict[str, dict]) -> list[str]:
+    """Recorded looks that do not match the rows now judged (`now`: this look's variants, evalkit.decide.look_record):
+    a look of these runs cannot have counted more contexts or questions than the rows hold (rows are only added),
+    and a look of these very rows (its digest) must have judged them at these thresholds and counts."""
+    problems = []
+    here = json.loads(json.dumps(asdict(t), default=str))
+    for where, r in recorded.looks:
+        same = r["digest"] == key
+        if same and r["thresholds"] != here:
+            problems.append(f"{where}: look {r['look']} judged these rows at other thresholds than its digest; {FIX}")
+            continue
+        if not same and r.get("runs") != runs:
+            continue
+        for name, v in r["variants"].items():
+            n = now.get(name)
+            if n is None:
+                continue
+            more = v["contexts"] > n["contexts"] or v["questions"] > n["questions"]
+            if (same and (v["contexts"], v["questions"]) != (n["contexts"], n["questions"])) or more:
+                problems.append(
+                    f"{where}: look {r['look']} counts {v['contexts']} contexts and {v['questions']} questions of "
+                    f"{name}, the rows hold {n['contexts']} and {n['questions']}; {FIX}"
+                )
+                break
+    return problems
+
+
+def entry(h: History, key: str, verdict: str, t, runs: list[str], variants: dict[str, dict]) -> dict[str, Any]:
+    """The record of this look (`variants`: name -> contexts, questions, cells; `runs`: the run ids judged)."""
     return {
         "look": h.number,
         "at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "digest": key,
         "verdict": verdict,
         "thresholds": asdict(t),
+        "runs": runs,
         "variants": variants,
     }
 
 
-def record(folders: list[Path], look: dict[str, Any], h: History) -> list[str]:
-    """Append `look` to every run's run.json (atomically; nothing when it repeats the last look). Returns a line for
-    every run.json that could not be updated: its next look would then not know about this one."""
+def append(folders: list[Path], look: dict[str, Any], h: History) -> list[str]:
+    """Append `look` to every folder's looks.jsonl (one line, flushed to disk; nothing when it repeats the last look).
+    The caller holds the folders' locks. Returns a line for every folder where it could not be written."""
     if h.repeat:
         return []
+    line = json.dumps(look, sort_keys=True, allow_nan=False) + "\n"
     problems = []
     for folder in folders:
-        path = folder / RUN
+        path = folder / LOOKS_FILE
         try:
-            info = json.loads(path.read_text())
-            if not isinstance(info, dict):
-                raise ValueError("not a JSON object")
-            info[LOOKS] = [*(info.get(LOOKS) or []), look]
-            write_json(path, info)
-        except (OSError, ValueError, ConfigError) as err:
+            with open(path, "a") as f:
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as err:
             problems.append(
-                f"{path}: look {h.number} not recorded ({getattr(err, 'strerror', None) or err}): a later judgement "
-                "of this run would not count it; make the file writable"
+                f"{path}: look {h.number} not recorded ({err.strerror or err}): the verdict does not depend on it, "
+                "but the run's audit trail misses it; make the folder writable"
             )
     return problems

@@ -49,6 +49,7 @@ def verdict_doc(verdict: Verdict, t: Thresholds) -> dict[str, Any]:
         "variants": verdict.variants,
         "chunked_vs_oneshot": verdict.chunked,
         "look": verdict.look,
+        "digest": verdict.digest,
     }
 
 
@@ -89,9 +90,8 @@ def write_outputs(verdict: Verdict, out_dir: Path, t: Thresholds) -> None:
 def tables(verdict: Verdict, t: Thresholds) -> list[str]:
     lines = [
         "",
-        f"Drop bounds: the gate's, one-sided {t.confidence:.0%} each, counted in contexts (method per row: the exact "
-        "first look, or the anytime-valid betting test at a later look or with several questions per context); status "
-        f"after {t.multiplicity} across variants, with the look that reached it.",
+        f"Drop bounds: the gate's, one-sided {t.confidence:.0%} each, counted in contexts, by the anytime-valid betting"
+        f" test that judges every look; status after {t.multiplicity} across variants, with the look that reached it.",
         "",
         "KV ratio: the variant's KV bytes over the full cache's, both as a deployment holds them (dense in fp16/bf16, "
         "quantized packed); KV measured: bytes held here, in the model's own dtype.",

@@ -1,12 +1,12 @@
 """Sample sizes by power: how many samples (contexts) give a PASS with 80% or 90% chance when a policy loses and
-gains at given rates, for `python -m evalkit.gate --plan`, and the contexts an INCONCLUSIVE verdict asks for.
+gains at given rates, for `python -m evalkit.gate --plan`, and the contexts an INCONCLUSIVE verdict asks for. Every
+look is the anytime-valid betting test (evalkit.checks):
 
-- A run judged once, one 0/1 question per context: the chance of a PASS is a finite sum over the outcomes (b lost,
-  c gained) of the multinomial, each judged by the exact first look (evalkit.exact): exact enumeration.
-- Judged by betting (a later look, or several questions per context): with one question per context the same
-  enumeration; with several, questions of a context share a random effect (a Dirichlet-multinomial with
-  intra-context correlation `icc`: icc 0, independent questions; 1, a context's questions share one fate), and
-  the chance is counted over seeded draws (Monte Carlo).
+- One 0/1 question per context: the chance of a PASS is a finite sum over the outcomes (b lost, c gained) of the
+  multinomial: exact enumeration.
+- Several questions per context: they share a random effect (a Dirichlet-multinomial with intra-context correlation
+  `icc`: icc 0, independent questions; 1, a context's questions share one fate), and the chance is counted over
+  seeded draws (Monte Carlo).
 - The advice after an INCONCLUSIVE look: contexts drawn like the ones seen, about 80% chance at the next look
   (evalkit.betting.contexts_to_show, a normal approximation to the wealth's growth).
 """
@@ -16,9 +16,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from scipy.stats import binom
 
-from evalkit.gate import betting, exact
-from evalkit.gate.checks import first_spent, kl_cap
+from evalkit.gate import betting
+from evalkit.gate.checks import kl_cap
 
 POWER = 0.8  # the chance of a PASS the advice sizes for
 LIMIT = 20_000  # samples beyond which the planner says "no PASS in reach"
@@ -35,33 +36,43 @@ def _reachable(t, p_lost: float, p_gained: float) -> bool:
     return t.max_flip_rate is None or p_lost < t.max_flip_rate
 
 
-def first_look_samples(t, floor: int, p_lost: float, p_gained: float, target: float, variants: int = 1) -> int | None:
-    """The fewest samples whose first look PASSes with chance >= target (exact enumeration), None out of reach."""
-    if not _reachable(t, p_lost, p_gained):
+def lossless_contexts(t, budget: float) -> int:
+    """The fewest one-question contexts with nothing lost that PASS by betting at `budget`: the drop's and the flip
+    rate's wealth on all-zero values both reach 1 / budget (LIMIT when they never do)."""
+    n = np.arange(1, LIMIT + 1)
+    zeros = np.stack([n, 0 * n], axis=-1)  # counts of the values 0 (nothing lost) and 1
+    ok = np.ones(n.shape, dtype=bool)
+    if t.max_drop is not None:
+        ok &= betting.log_wealth_counts(zeros, [0.0, 1.0], t.max_drop, -1.0, 1.0) >= math.log(1 / budget)
+    if t.max_flip_rate is not None:
+        ok &= betting.log_wealth_counts(zeros, [0.0, 1.0], t.max_flip_rate, 0.0, 1.0) >= math.log(1 / budget)
+    hit = np.nonzero(ok)[0]
+    return int(hit[0]) + 1 if hit.size else LIMIT
+
+
+def judged_once_lossless(t) -> int | None:
+    """The fewest contexts with nothing lost that a test judged once, at a count fixed before any data, would PASS:
+    (1 - max_drop)^n <= alpha (the exact binomial tail at 0 lost), for the planner's statement of what judging at
+    every look costs. None without a margin."""
+    if t.max_drop is None:
         return None
-    level = _level(t, variants)
-
-    def chance(n: int, checked: bool) -> float:
-        design = exact.Design(n, t.max_drop, t.max_flip_rate, floor)
-        return exact.power(design, level, p_lost, p_gained, checked)
-
-    return _smallest(chance, max(floor, 1), target)
+    return math.ceil(math.log(1 - t.confidence) / math.log(1 - t.max_drop) - 1e-12)
 
 
-SAWTOOTH = 0.15  # more than the chance of a discrete test ever falls as n grows (about 0.11 at 2% loss)
+SAWTOOTH = 0.15  # more than the chance of a discrete test ever falls as n grows
 
 
 def _smallest(chance, start: int, target: float) -> int | None:
-    """The smallest n >= start with chance(n, checked=True) >= target. The chance of a discrete test rises with n in
-    a saw-tooth (at 2% loss, 0.809 at n = 234, 0.737 at 259, 0.847 at 260), so a bisection could step over the
-    first such n: grow by a tenth while the quick chance is more than SAWTOOTH below the target, then scan every n."""
+    """The smallest n >= start with chance(n) >= target. The chance of a discrete test rises with n in a saw-tooth,
+    so a bisection could step over the first such n: grow by a tenth while the chance is more than SAWTOOTH below
+    the target, then scan every n."""
     near = start
-    while chance(near, False) < target - SAWTOOTH:
+    while chance(near) < target - SAWTOOTH:
         if near >= LIMIT:
             return None
         near = min(LIMIT, near + max(1, near // 10))
     for n in range(max(start, near - max(1, near // 10)), LIMIT + 1):
-        if chance(n, False) >= target and chance(n, True) >= target:
+        if chance(n) >= target:
             return n
     return None
 
@@ -71,7 +82,7 @@ def betting_power_counts(t, n: int, budget: float, p_lost: float, p_gained: floa
     the region b <= edge(c) (the wealth falls with every loss)."""
     need = math.log(1 / budget)
 
-    def p_of(b, c):  # 0 where the test PASSes, 1 where it does not (exact._edge finds the edge at 0.5)
+    def p_of(b, c):  # 0 where the test PASSes, 1 where it does not
         ok = np.ones(np.shape(b), dtype=bool)
         if t.max_drop is not None:
             counts = np.stack([b, c, n - b - c], axis=-1)
@@ -82,8 +93,28 @@ def betting_power_counts(t, n: int, budget: float, p_lost: float, p_gained: floa
             )
         return np.where(ok, 0.0, 1.0)
 
-    edge = exact.edge(n, p_of, 0.5, down=True)
-    return float(exact.chance(n, edge, p_lost, p_gained, down=True)[0])
+    return float(chance(n, edge(n, p_of), p_lost, p_gained)[0])
+
+
+def edge(n: int, p_of) -> np.ndarray:
+    """Per gain count c = 0..n: the largest b whose outcome (b lost, c gained) PASSes (p_of(b, c) is 0 there, 1 where
+    it does not), -1 when none. A bisection over b for every c at once (a loss never makes a PASS easier)."""
+    c = np.arange(n + 1)
+    lo, hi = np.full(n + 1, -1), n - c
+    while np.any(lo < hi):
+        mid = (lo + hi + 1) // 2
+        ok = p_of(np.clip(mid, 0, n - c), c) <= 0.5
+        lo, hi = np.where(ok, mid, lo), np.where(ok, hi, mid - 1)
+    return lo
+
+
+def chance(n: int, edge_: np.ndarray, p_lost: float, p_gained: float) -> np.ndarray:
+    """P(B <= edge[C]) for multinomial (B lost, C gained) of n at these rates: C ~ Bin(n, p_gained), and B given
+    C = c ~ Bin(n - c, p_lost / (1 - p_gained))."""
+    c = np.arange(n + 1)
+    g = np.atleast_1d(np.asarray(p_gained, dtype=float))[:, None]
+    q = np.clip(np.atleast_1d(np.asarray(p_lost, dtype=float))[:, None] / np.maximum(1 - g, 1e-300), 0.0, 1.0)
+    return np.sum(binom.pmf(c, n, g) * binom.cdf(edge_, n - c, q), axis=-1)
 
 
 def draw_contexts(rng, draws: int, k: int, m: int, p_lost: float, p_gained: float, icc: float):
@@ -136,7 +167,7 @@ def betting_contexts(
     if m == 1:
         seen: dict[int, float] = {}
 
-        def chance(n: int, _checked: bool) -> float:
+        def chance(n: int) -> float:
             if n not in seen:
                 seen[n] = betting_power_counts(t, n, budget, p_lost, p_gained)
             return seen[n]
@@ -154,19 +185,16 @@ def betting_contexts(
     return None
 
 
-def contexts_needed(e, t, spent, first: bool, variants: int = 1) -> int | None:
+def contexts_needed(e, t, variants: int = 1) -> int | None:
     """The contexts the next look needs to PASS with about 80% chance if new contexts come like the ones seen (None
-    when they do not favour a PASS): the next look is judged by betting, with what this look leaves."""
-    if first and e.exact:
-        spent = first_spent(e.contexts.n, t, e.floor, fail=False)
+    when they do not favour a PASS)."""
     level = _level(t, variants)
     ctx, need = e.contexts, 0.0
     for c in e.checks:
         values = {"drop": ctx.drop, "flips": ctx.lost, "kl": ctx.kl}[c.what]
         lo = -1.0 if c.what == "drop" else 0.0
         target = c.limit if c.what != "kl" else c.limit / kl_cap(t)
-        budget = level - spent.holds.get(c.what, 0.0)
-        need = max(need, betting.contexts_to_show(values, target, lo, 1.0, budget, POWER))
+        need = max(need, betting.contexts_to_show(values, target, lo, 1.0, level, POWER))
     if not math.isfinite(need):
         return None
     return max(math.ceil(need), e.floor, ctx.n + 1)
@@ -196,52 +224,37 @@ def samples_advice(
         f"gate: margin max_drop={t.max_drop}, max_flip_rate={t.max_flip_rate}, one-sided confidence "
         f"{t.confidence:.0%}, multiplicity {t.multiplicity} over {variants} variant(s) and {cells} cell(s) each",
     ]
-    if m == 1:
-        lines += ["", "Judged once (the run's first look; exact enumeration): samples for a PASS with 80% / 90% power:"]
-        for p_lost, p_gained in rates:
-            found = tuple(first_look_samples(t, floor, p_lost, p_gained, q, variants) for q in (0.8, 0.9))
-            lines.append(f"  loss rate {p_lost:>5.1%}, gain rate {p_gained:>5.1%}: {_pair(found, 1, 1, cells)}")
-        lines += [
-            "",
-            f"Judged again after a first look of fewer than {floor} samples (such a look spends nothing on a PASS; "
-            "every later look is the anytime-valid betting test, exact enumeration):",
-        ]
-    else:
-        lines += [
-            "",
-            f"{m} questions per context, intra-context correlation {icc} (every look: the anytime-valid betting test "
-            "on contexts; Monte Carlo, 2,000 seeded draws):",
-        ]
+    unit = "samples" if m == 1 else f"contexts ({m} questions each, intra-context correlation {icc}; Monte Carlo)"
+    lines += ["", f"Every look is the anytime-valid betting test: {unit} for a PASS with 80% / 90% power:"]
     for p_lost, p_gained in rates:
         found = tuple(betting_contexts(t, floor, p_lost, p_gained, q, m, icc, variants=variants) for q in (0.8, 0.9))
         lines.append(f"  loss rate {p_lost:>5.1%}, gain rate {p_gained:>5.1%}: {_pair(found, 1, m, cells)}")
-    lines.append(
-        "A first look at or above that count uses nearly all of the error rate: size the run here and judge it once."
-        if m == 1
-        else "Contexts are the unit: questions that share a compression share its fate."
-    )
+    lines += _cost(t, variants)
+    if m > 1:
+        lines.append("Contexts are the unit: questions that share a compression share its fate.")
     if t.min_cell_accuracy is not None:
         family = variants * cells
         level = (1 - t.confidence) / family if t.multiplicity != "none" else 1 - t.confidence
-        first = cell_samples(t.min_cell_accuracy, level)
-        later = betting_cell_samples(t.min_cell_accuracy, level)
+        need = betting_cell_samples(t.min_cell_accuracy, level)
         lines += [
             "",
-            f"per cell: {first} samples at the first look ({later} contexts when judged by betting) before a cell "
-            f"whose answers are all wrong is shown below min_cell_accuracy={t.min_cell_accuracy} ({family} cells in "
-            "the family); smaller cells are not judged",
+            f"per cell: {need} contexts before a cell whose answers are all wrong is shown below min_cell_accuracy="
+            f"{t.min_cell_accuracy} at any look ({family} cells in the family); smaller cells are not judged",
         ]
-    lines.append(f"\ndefault gate.min_samples (a PASS with no loss at all, first look): {floor}")
+    lines.append(f"\ngate.min_samples: {floor} (null: the contexts a PASS with no loss at all needs)")
     return lines
 
 
-def cell_samples(limit: float, alpha: float) -> int:
-    """Samples a cell needs before a policy that gets all of them wrong is shown below `limit` at `alpha` (exact)."""
-    if limit <= 0:
-        return 10**9
-    if limit >= 1:
-        return 1
-    return max(1, math.ceil(math.log(alpha) / math.log(limit) - 1e-12))
+def _cost(t, variants: int) -> list[str]:
+    """What judging at every look costs: a lossless PASS by betting against a test judged once at a fixed count."""
+    once = judged_once_lossless(t)
+    if once is None or variants > 1:
+        return []
+    return [
+        f"With nothing lost a PASS needs {lossless_contexts(t, 1 - t.confidence)} contexts, where a test judged once, "
+        f"at a count fixed before any data, would need {once}: the price of a verdict that holds however often the "
+        "run is judged (a report, a CI job, a folder extended or judged afresh add no error)."
+    ]
 
 
 def betting_cell_samples(limit: float, budget: float) -> int:

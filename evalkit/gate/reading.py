@@ -46,10 +46,7 @@ def read_runs(run_dirs: list[Path]) -> Records:
     reason, file by file, why they cannot be judged."""
     runs, infos, problems = [], [], []
     for d in run_dirs:
-        found = [d] if (d / SAMPLES).exists() else sorted(p.parent for p in d.rglob(SAMPLES))
-        if not found:
-            raise ConfigError(f"{d}: no {SAMPLES} found; give an evalkit run folder (results/...)")
-        for run in found:
+        for run in run_folders([d]):
             info, problem = read_info(run / RUN)
             problem = problem or next(iter(run_problems(info, str(run / RUN))), None)
             if problem:
@@ -61,6 +58,18 @@ def read_runs(run_dirs: list[Path]) -> Records:
             problems += bad or check_rows(rows, where, info.get("run_id")) or contradictions(rows, lines, where)
             runs.append((run.resolve(), info, _once(rows)))
     return Records(merge(runs), infos, problems)
+
+
+def run_folders(run_dirs: list[Path]) -> list[Path]:
+    """Every run folder under the given ones (a Hydra multirun folder holds several), or a ConfigError naming a
+    folder that holds none."""
+    out = []
+    for d in run_dirs:
+        found = [d] if (d / SAMPLES).exists() else sorted(p.parent for p in d.rglob(SAMPLES))
+        if not found:
+            raise ConfigError(f"{d}: no {SAMPLES} found; give an evalkit run folder (results/...)")
+        out += found
+    return out
 
 
 def read_info(path: Path) -> tuple[dict, str | None]:

@@ -17,8 +17,7 @@ decision needs; `bounds(...)[0]` and `[1]` together are a two-sided interval at 
   bound of evalkit.betting, which needs no more than scores in [0, 1] (a uniform drop of 0.04 is bounded, where the
   bootstrap collapses to a point).
 
-These are the per-sample figures of summaries and reports. The gate judges contexts, looks and thresholds with
-evalkit.checks, which builds on them.
+These are the per-sample figures of summaries and reports; the gate judges contexts by betting (evalkit.checks).
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.optimize import brentq
-from scipy.stats import beta, binom, binomtest, norm
+from scipy.stats import beta, binomtest, norm
 
 from evalkit.gate import betting
 
@@ -48,7 +47,7 @@ def is_binary(*scores: list[float]) -> bool:
 
 def tango_z(b, c, n: int, delta: float):
     """Tango's score statistic for H0: drop = delta, with b lost and c gained of n pairs; decreasing in delta. b and c
-    may be arrays (the exact first-look test evaluates every outcome at once).
+    may be arrays.
 
     z = (b - c - n delta) / sqrt(n (2 p21 + delta (1 - delta))), p21 the gain probability's maximum-likelihood
     estimate under H0: the root of 2n p^2 + B p + C, B = -b - c + (2n - b + c) delta, C = -c delta (1 - delta)."""
@@ -95,21 +94,6 @@ def binary_bounds(b: int, c: int, n: int, level: float = 0.95) -> tuple[float, f
         lower = min(lower, -clopper_pearson_upper(c, n, alpha))
         upper = max(upper, clopper_pearson_upper(n - c, n, alpha) - 1)
     return lower, upper
-
-
-def binary_p(b, c, n: int, margin: float) -> tuple:
-    """One-sided p-values: (for "drop < margin", non-inferiority; for "drop > margin", shown worse). Each is below
-    alpha exactly when the matching bound of `binary_bounds` at 1 - alpha lies beyond the margin: the exact binomial
-    test of the loss rate joins them where its Clopper-Pearson bound joins the bounds (6 lost and 0 gained of 59: the
-    exact lower bound 0.045 is below 0.05, and P(6 or more of 59 at 0.05) = 0.074 is above 0.05). b and c may be
-    arrays; the p-value of "shown worse" never falls as more samples gained."""
-    z = tango_z(b, c, n, margin)
-    below, above = norm.cdf(z), norm.sf(z)
-    below = np.where(np.asarray(c) == 0, np.maximum(below, binom.cdf(b, n, margin)), below)
-    above = np.maximum(above, binom.sf(np.asarray(b) - 1, n, margin))
-    if below.ndim == 0:
-        return float(below), float(above)
-    return below, above
 
 
 # --- graded scores: BCa bootstrap -------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ RANGES: dict[str, tuple[tuple[type, ...], tuple[float, float, bool, bool], str]]
     "min_cell_accuracy": ((int, float), (0, 1, True, True), "0.5"),
     "min_baseline_accuracy": ((int, float), (0, 1, True, True), "0.5"),
     "max_mean_kl": ((int, float), (0, math.inf, True, False), "0.1"),
-    "min_samples": ((int,), (1, math.inf, True, False), "59"),
+    "min_samples": ((int,), (1, math.inf, True, False), "74"),
     "min_compression": ((int, float), (0, 1, False, True), "0.99"),
     "graded_flip_delta": ((int, float), (0, 1, True, False), "0.1"),  # a graded score falling by more is lost
 }

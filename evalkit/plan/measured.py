@@ -1,25 +1,24 @@
 """Measured variants for the capacity table (plan.runs): each run's variants with their KV bytes as a deployment
-holds them and the gate's verdict, judged again from the records."""
+holds them and the gate's verdict from the run's verdict.json, where it judged exactly the rows the folder holds now
+(the planner never judges: each judgement is a look, recorded by the gate)."""
 
 from __future__ import annotations
 
-import json
+import shlex
 from pathlib import Path
 from typing import Any
 
 from evalkit.errors import ConfigError
 from evalkit.gate.decide import SHOWN_TO_FAIL
-from evalkit.gate.judge import judge
-from evalkit.gate.outputs import VERDICT
 from evalkit.gate.reading import read_runs
 from evalkit.gate.summary import is_baseline, summarize
-from evalkit.gate.thresholds import load_thresholds, thresholds
+from evalkit.report.data import NO_VERDICT, trusted_verdict
 
 
 def measured_variants(run_dirs: list[Path]) -> list[dict[str, Any]]:
     """Each variant of each run folder: its KV bytes as a deployment holds them, their ratio to the full cache's
-    (measured on the run's model), and the gate's verdict on it, judged here from the records (with the thresholds of
-    the folder's verdict.json where it holds one, else conf/gate/default.yaml): a verdict.json is never believed."""
+    (measured on the run's model), and the gate's verdict on it from the folder's verdict.json (NO VERDICT, with the
+    command that judges it, where none matches the rows)."""
 
     out = []
     for d in run_dirs:
@@ -30,21 +29,12 @@ def measured_variants(run_dirs: list[Path]) -> list[dict[str, Any]]:
             raise ConfigError(f"plan.runs: {d}: {records.problems[0]}")
         if not records.rows:
             raise ConfigError(f"plan.runs: {d} holds no records (samples.jsonl); give a finished evalkit run")
-        written = _read_verdict(d / VERDICT)
-        t = thresholds(written["thresholds"], f"in {d / VERDICT}") if written else load_thresholds("default")
-        verdict = judge(records.rows, records.infos, t)
+        doc = trusted_verdict(d, records)
         model = ((records.infos[0] if records.infos else {}).get("model") or {}).get("name")
         for name, s in summarize(records.rows).items():
             if is_baseline(name):
                 continue
-            status = ((verdict.variants.get(name) or {}).get("gate") or {}).get("status") or verdict.status
-            failed = failed_cells({"cells": verdict.cells}, name)
-            reasons = [r for r in verdict.reasons if r.startswith(f"{name}:")]
-            why = f"on cells {', '.join(failed)}" if failed else (reasons[0] if reasons else "")
-            if status != "FAIL" and verdict.status == "CANNOT JUDGE":
-                status, why = "CANNOT JUDGE", (verdict.reasons or [""])[0]
-            if not written:  # no thresholds to judge with but the default ones: say so
-                why = "; ".join(filter(None, ["judged here at conf/gate/default.yaml", why]))
+            status, why = _status(doc, name, d)
             out.append(
                 {
                     "variant": name,
@@ -61,20 +51,25 @@ def measured_variants(run_dirs: list[Path]) -> list[dict[str, Any]]:
     return out
 
 
-def _read_verdict(path: Path) -> dict | None:
-    """A folder's verdict.json, for its thresholds only (the verdict itself is judged again): None where there is
-    none or it holds no thresholds."""
-    if not path.is_file():
-        return None
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"{path}: cannot be read ({err}); delete it, or judge the run again") from None
-    return doc if isinstance(doc, dict) and isinstance(doc.get("thresholds"), dict) else None
+def _status(doc: dict | None, name: str, folder: Path) -> tuple[str, str]:
+    """A variant's status and why, from a trusted verdict.json (None: there is none for these rows)."""
+    if doc is None:
+        return NO_VERDICT, f"no verdict for these rows: run python -m evalkit.gate {shlex.quote(str(folder))}"
+    verdict = str(doc.get("verdict") or "CANNOT JUDGE")
+    gate = ((doc.get("variants") or {}).get(name) or {}).get("gate") or {}
+    status = str(gate.get("status") or verdict)
+    reasons = [str(r) for r in doc.get("reasons") or []]
+    failed = failed_cells(doc, name)
+    mine = [r for r in reasons if r.startswith(f"{name}:")]
+    why = f"on cells {', '.join(failed)}" if failed else (mine[0] if mine else "")
+    if status != "FAIL" and verdict == "CANNOT JUDGE":
+        status, why = "CANNOT JUDGE", (reasons or [""])[0]
+    return status, why
 
 
 def failed_cells(verdict: dict, name: str) -> list[str]:
     """The cells of `name` that the gate showed to fail, from a verdict.json ("no failure shown" and "not judged:
     ..., a failure here can be shown from N" are not failures)."""
 
-    return [c["cell"] for c in verdict.get("cells", []) if c["variant"] == name and c["status"] == SHOWN_TO_FAIL]
+    cells = [c for c in verdict.get("cells") or [] if isinstance(c, dict)]
+    return [str(c.get("cell")) for c in cells if c.get("variant") == name and c.get("status") == SHOWN_TO_FAIL]

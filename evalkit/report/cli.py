@@ -1,14 +1,15 @@
 """Reports: one self-contained HTML page (report.html), Markdown and PNG plots, from one or more runs (a Hydra
 multirun folder merges its runs).
 
-    python -m evalkit.report results/RUN [results/RUN2 ...] [--out DIR] [--gate default]
+    python -m evalkit.report results/RUN [results/RUN2 ...] [--out DIR]
 
-report.html (evalkit.report_page): the gate's verdict first (verdict.json when the gate judged exactly these runs
-since their last row, otherwise judged now with the default thresholds or --gate), the trade-off of accuracy against
-KV bytes saved, accuracy per cell for every variant, every lost sample with its row in samples.jsonl, and each run's
-own panel. report.md and the PNGs (heatmaps, trade-off, easy vs hard, flips by cause) are the static copy W&B logs.
-Records the gate cannot judge (repeated, torn or corrupt rows, several runs in one file, no baseline or no policy
-rows, a weak baseline, ...) are still drawn, under a list of warnings at the top, also printed on stderr; exit code 0.
+report.html (evalkit.report_page): the gate's verdict first (its verdict.json, where it judged exactly these rows;
+otherwise "no verdict for these rows" and the gate's command: the report never judges), the trade-off of accuracy
+against KV bytes saved, accuracy per cell for every variant, every lost sample with its row in samples.jsonl, and
+each run's own panel. report.md and the PNGs (heatmaps, trade-off, easy vs hard, flips by cause) are the static copy
+W&B logs. Records the gate cannot judge (repeated, torn or corrupt rows, several runs in one file, no baseline or no
+policy rows, a weak baseline, ...) are still drawn, under a list of warnings at the top, also printed on stderr; exit
+code 0.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from evalkit.gate.judge import baseline_problems
 from evalkit.gate.outputs import chunked_table, output_folder
 from evalkit.gate.reading import read_runs
 from evalkit.gate.summary import chunked_vs_oneshot, is_baseline, label_order, summarize
-from evalkit.gate.thresholds import Thresholds, load_thresholds
+from evalkit.gate.thresholds import load_thresholds, thresholds
 from evalkit.report.data import verdict_view
 from evalkit.report.page import pareto
 from evalkit.report.page import write as write_page
@@ -165,21 +166,22 @@ def markdown(
     return "\n".join(lines) + "\n"
 
 
-def report(runs: list[Path], out: Path, thresholds: Thresholds | None = None) -> list[Path]:
-    """Write report.html, report.md and the PNG plots into `out`; return the files written. `thresholds` (default
-    conf/gate/default.yaml) judge the runs when no verdict.json of the gate speaks for them, and always when given.
-    What would keep the gate from judging the records is listed as warnings at the top and printed on stderr."""
+def report(runs: list[Path], out: Path) -> list[Path]:
+    """Write report.html, report.md and the PNG plots into `out`; return the files written. The verdict is the
+    gate's verdict.json where it judged these rows (evalkit.report.data.verdict_view). What would keep the gate from
+    judging the records is listed as warnings at the top (at the verdict's thresholds, else conf/gate/default.yaml)
+    and printed on stderr."""
     records = read_runs(runs)
     if not records.rows:
         why = f": {records.problems[0]}" if records.problems else ""
         raise ConfigError(f"no records in {', '.join(map(str, runs))}{why}")
     out = output_folder(out)
-    t = thresholds or load_thresholds("default")
+    verdict = verdict_view(runs, records)
+    t = thresholds(verdict.thresholds, "in verdict.json") if verdict.thresholds else load_thresholds("default")
     summary = summarize(records.rows)
     warnings = [*records.problems, *baseline_problems(summary, t)[0]]
     for w in warnings:
         print(f"evalkit report: warning: {w}", file=sys.stderr)
-    verdict = verdict_view(runs, records, t, explicit=thresholds is not None)
     page = write_page(runs, records, t, verdict, out)
     try:
         images = [
@@ -199,13 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         ap = argparse.ArgumentParser(prog="python -m evalkit.report", description=__doc__.splitlines()[0])
         ap.add_argument("runs", nargs="+", type=Path)
         ap.add_argument("--out", type=Path, default=None, help="output folder (default: RUN/report)")
-        ap.add_argument(
-            "--gate", default=None, help="judge with these thresholds (a conf/gate name or a YAML file) instead of the "
-            "runs' verdict.json"
-        )  # fmt: skip
         args = ap.parse_args(argv)
         out = args.out or args.runs[0] / "report"
-        written = report(args.runs, out, load_thresholds(args.gate)) if args.gate else report(args.runs, out)
+        written = report(args.runs, out)
         print("\n".join(str(p) for p in written))
         return 0
 

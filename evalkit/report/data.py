@@ -1,29 +1,31 @@
 """What the report page shows, as plain data: the verdict, the runs, and where each row lies in its samples.jsonl.
 
-The verdict is the gate's own: verdict.json when the gate judged exactly these runs after their last row was
-written, otherwise the gate's judgement made now (gate.judge, the default thresholds or --gate), never a second
-set of rules. Fields of verdict.json are read with defaults, so a verdict written by an older or newer gate still
-renders (the look count, when it carries one, is shown).
+The verdict is the gate's own verdict.json, shown only where it judged exactly these runs and these rows (its
+digest, evalkit.gate.looks.digest, matches the rows now in the folders); the report never judges, since every
+judgement is a look the gate records. Otherwise the page says there is no verdict for these rows and the command
+that judges them. Fields of verdict.json are read with defaults, so a verdict written by a newer gate still renders.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from evalkit.errors import EXIT_FAIL, EXIT_OK, ConfigError
-from evalkit.gate.judge import judge
-from evalkit.gate.outputs import VERDICT, verdict_doc
+from evalkit.gate.looks import digest
+from evalkit.gate.outputs import VERDICT
 from evalkit.gate.reading import Records
 from evalkit.gate.summary import is_baseline
-from evalkit.gate.thresholds import Thresholds
+from evalkit.gate.thresholds import thresholds
 from evalkit.records import RUN, SAMPLES
 
 VERSIONS = ("evalkit", "evalkit_git", "torch", "transformers", "lm_eval", "llama_cpp")
 EXIT = {"PASS": EXIT_OK, "FAIL": EXIT_FAIL, "INCONCLUSIVE": 2, "CANNOT JUDGE": 2}
+NO_VERDICT = "NO VERDICT"  # no verdict.json of the gate speaks for these rows
 
 
 @dataclass
@@ -66,36 +68,41 @@ def read_json(path: Path) -> dict[str, Any] | None:
 # --- the verdict -------------------------------------------------------------------------------------------------
 
 
-def verdict_view(run_dirs: list[Path], records: Records, thresholds: Thresholds, explicit: bool) -> VerdictView:
-    """The verdict.json the gate wrote for exactly these runs when it is newer than every row, else the gate's
-    judgement now with `thresholds` (always, when `explicit`: the user asked for those thresholds)."""
+def verdict_view(run_dirs: list[Path], records: Records) -> VerdictView:
+    """The verdict.json the gate wrote for exactly these runs and rows, else NO VERDICT with the command that judges
+    them (the report never judges: each judgement is a look, recorded by the gate)."""
     path = run_dirs[0] / VERDICT
-    doc = None if explicit else read_json(path)
-    why_not = ""
-    if doc is not None:
-        why_not = _stale(doc, path, run_dirs)
-        if not why_not:
-            return _from_doc(doc, f"{path} (written by the gate)")
-    verdict = judge(records.rows, records.infos, thresholds, records.problems)
-    verdict.runs = [str(d) for d in run_dirs]
-    doc = verdict_doc(verdict, thresholds)
-    given = "the thresholds given with --gate" if explicit else "the gate's default thresholds"
-    why_not = why_not or ("" if explicit else f"no {path}")
-    source = f"judged now by the report with {given}" + (f" ({why_not})" if why_not else "")
-    return _from_doc(doc, source)
+    doc = read_json(path)
+    why = f"no {path}" if doc is None else _stale(doc, path, run_dirs, records)
+    if not why:
+        return _from_doc(doc, f"{path} (written by the gate)")
+    command = "python -m evalkit.gate " + " ".join(shlex.quote(str(d)) for d in run_dirs)
+    return VerdictView(NO_VERDICT, [f"no verdict for these rows: run {command}"], {}, why)
 
 
-def _stale(doc: dict, path: Path, run_dirs: list[Path]) -> str:
-    """Why a verdict.json does not speak for these runs now ('' when it does)."""
-    judged = [Path(r) for r in doc.get("runs") or []]
+def _stale(doc: dict, path: Path, run_dirs: list[Path], records: Records) -> str:
+    """Why a verdict.json does not speak for these runs and rows now ('' when it does)."""
+    judged = [Path(str(r)) for r in doc.get("runs") or []]
     if judged and not _same_runs(judged, run_dirs):
         return f"{path} judged other runs"
     if not judged and len(run_dirs) > 1:
         return f"{path} does not say which runs it judged"
-    written = path.stat().st_mtime
-    if any((run / SAMPLES).stat().st_mtime > written for run in run_folders(run_dirs)):
-        return f"{path} is older than the records"
+    if not isinstance(doc.get("thresholds"), dict) or not isinstance(doc.get("digest"), str):
+        return f"{path} does not say which rows it judged (no digest)"
+    try:
+        t = thresholds(doc["thresholds"], f"in {path}")
+    except ConfigError as err:
+        return f"{path}: its thresholds cannot be read ({err})"
+    if digest(records.rows, t) != doc["digest"]:
+        return f"{path} judged other rows than the folder holds now (its digest does not match)"
     return ""
+
+
+def trusted_verdict(run_dir: Path, records: Records) -> dict[str, Any] | None:
+    """The folder's verdict.json when it judged exactly its rows now (the planner's measured runs), else None."""
+    path = run_dir / VERDICT
+    doc = read_json(path)
+    return doc if doc is not None and not _stale(doc, path, [run_dir], records) else None
 
 
 def _same_runs(judged: list[Path], run_dirs: list[Path]) -> bool:
@@ -133,7 +140,7 @@ def _from_doc(doc: dict[str, Any], source: str) -> VerdictView:
 
 
 def _looks(doc: dict[str, Any]) -> Any:
-    """The number of looks a sequential gate has spent, from whichever form the verdict gives it."""
+    """The look number of the verdict (evalkit.gate.looks), from whichever form the verdict gives it."""
     looks = doc.get("looks", doc.get("look"))
     if isinstance(looks, list):
         return len(looks)

@@ -17,6 +17,7 @@ from evalkit.errors import ConfigError
 from evalkit.gate.evidence import flip
 from evalkit.gate.summary import BASELINE, format_summary, summarize
 from evalkit.kv.variant import Variant
+from evalkit.lock import RunLock
 from evalkit.records import (
     RUN,
     SAMPLES,
@@ -28,7 +29,6 @@ from evalkit.records import (
 from evalkit.run import interrupt, models
 from evalkit.run.divergence import logit_divergence
 from evalkit.run.engine import Outcome, compress_context, decode
-from evalkit.run.lock import RunLock
 from evalkit.run.probes import NeedleProbes
 from evalkit.run.resume import _check_model, _check_samples_unchanged, _start, check_written
 from evalkit.run.rows import _row, budget_clipped, header, prediction_text

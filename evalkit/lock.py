@@ -2,7 +2,9 @@
 
 The lock is held on an open file, `RUN/.evalkit.lock`, which also says who holds it (pid, command, start time).
 The operating system releases it when the holder exits, however it exits: a lock file left behind by a killed
-process blocks nothing. A second process on the same folder stops at once, exit 2, naming the holder.
+process blocks nothing. A second run on the same folder stops at once, exit 2, naming the holder. The gate takes
+the same lock to append its look (evalkit.gate.looks), waiting a little for another gate, so looks taken at once
+are numbered one after the other.
 """
 
 from __future__ import annotations
@@ -21,18 +23,18 @@ LOCK = ".evalkit.lock"
 
 
 class RunLock:
-    """`with RunLock(folder):` holds the folder's lock for the block; ConfigError if another process holds it."""
+    """`with RunLock(folder):` holds the folder's lock for the block; ConfigError if another process holds it for
+    longer than `wait` seconds."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, wait: float = 0.0):
         self.path = Path(folder) / LOCK
+        self.wait = wait
         self._fd: int | None = None
 
     def __enter__(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not _take(fd, self.wait):
             holder = _read_holder(fd)
             os.close(fd)
             raise ConfigError(
@@ -53,6 +55,19 @@ class RunLock:
         if self._fd is not None:
             os.close(self._fd)  # closing the descriptor releases the lock
             self._fd = None
+
+
+def _take(fd: int, wait: float) -> bool:
+    """Take the lock on `fd`, trying again for up to `wait` seconds; False when another process still holds it."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
 
 
 def _read_holder(fd: int) -> str:
