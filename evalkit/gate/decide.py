@@ -19,7 +19,7 @@ import numpy as np
 from scipy.stats import binom
 
 from evalkit.gate import betting, exact
-from evalkit.gate.checks import Evidence, Spent, add, evaluate, first_spent, kl_cap
+from evalkit.gate.checks import Evidence, Spent, add, evaluate, first_spent, kl_cap, kl_words
 from evalkit.gate.contexts import Contexts, by_cell, group
 from evalkit.gate.looks import History
 from evalkit.gate.power import betting_cell_samples, cell_samples, contexts_needed
@@ -157,7 +157,7 @@ def fail_message(name: str, e: Evidence, c, t, k: int, h: History) -> str:
             f"{name}: {lost} of {_units(ctx, 'samples')} {_flipped(e, t)} ({lost / q:.0%}; at least {c.lower:.3f} "
             f"per context, {how}): shown over the {c.limit:.0%} flip-rate limit"
         )
-    return f"{name}: mean KL at least {c.lower:.4f} nats ({how}; each row capped at {kl_cap(t):g}): over {c.limit}"
+    return f"{name}: mean KL at least {c.lower:.4f} nats ({how}; {kl_words(c)}): over {c.limit}"
 
 
 def open_messages(name: str, e: Evidence, t, k: int, h: History) -> list[str]:
@@ -183,8 +183,8 @@ def open_messages(name: str, e: Evidence, t, k: int, h: History) -> list[str]:
             )
         else:
             out.append(
-                f"{name}: the mean KL may be as large as {c.upper:.4f} nats ({how}; each row capped at "
-                f"{kl_cap(t):g}), not shown below max_mean_kl={c.limit}"
+                f"{name}: the mean KL may be as large as {c.upper:.4f} nats ({how}; {kl_words(c)}), not shown "
+                f"below max_mean_kl={c.limit}"
             )
     if ctx.n < e.floor:
         unit = "samples" if ctx.single else "contexts"
@@ -317,7 +317,13 @@ def decision_summary(d: Decision, t) -> dict[str, Any]:
         "questions": int(e.contexts.questions.sum()),
         "method": "exact first look" if e.exact else "betting (anytime-valid)",
         "checks": {
-            c.what: {"p_holds": c.p_holds, "p_broken": c.p_broken, "bounds": [c.lower, c.upper], "method": c.method}
+            c.what: {
+                "p_holds": c.p_holds,
+                "p_broken": c.p_broken,
+                "bounds": [c.lower, c.upper],
+                "method": c.method,
+                **c.extra,
+            }
             for c in e.checks
         },
     }
