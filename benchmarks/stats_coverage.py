@@ -29,12 +29,14 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
 
 from evalkit.gate import betting, decide
+from evalkit.gate.checks import evaluate, kl_cap
+from evalkit.gate.contexts import group
 from evalkit.gate.power import betting_contexts, betting_power_counts, draw_contexts
 from evalkit.gate.stats import binary_bounds
 from evalkit.gate.thresholds import Thresholds
@@ -248,8 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draws", type=int, default=4000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="the reduced grid CI runs")
+    ap.add_argument("--documents", action="store_true", help="only the documents and KL section")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
+    if args.documents:
+        bad = document_table(args.draws, args.seed) + kl_table(args.draws, args.seed)
+        print(f"\n{bad} rows out of bounds; {time.perf_counter() - t0:.0f} s")
+        return 1 if bad else 0
     print(f"PASS rate at the margin (max_drop {T.max_drop}, max_flip_rate {T.max_flip_rate}, {T.confidence:.0%}), "
           f"{args.draws} draws per row")  # fmt: skip
     print(f"{'scores':<12}{'m':>3}{'icc':>5}{'loss':>6}{'gain':>6}  {'looks':<30}{'PASS rate':>10}{'+- MC se':>10}"
@@ -275,6 +282,110 @@ def main(argv: list[str] | None = None) -> int:
     bad += print_routes(args.quick, args.draws, args.seed)
     print(f"\n{bad} rows out of bounds; {time.perf_counter() - t0:.0f} s")
     return 1 if bad else 0
+
+
+# --- the document as the unit, and the KL as a bound (python benchmarks/stats_coverage.py --documents) ---------------
+
+DOC_K = (6, 12, 30)  # documents, each with m questions
+DOC_M = (5, 10)
+DOC_ICC = (0.1, 0.3, 0.5)
+PROTOCOLS = ("query_agnostic", "query_aware")
+
+
+def document_rows(lost: np.ndarray, gained: np.ndarray, m: int, protocol: str) -> list[dict]:
+    """A variant's paired rows as a run writes them: per document its lost and gained questions of m, every
+    question naming its document; under query_aware each question also compresses its own context."""
+    rows = []
+    for d, (b, c) in enumerate(zip(lost, gained, strict=True)):
+        outcomes = [(1.0, 0.0)] * int(b) + [(0.0, 1.0)] * int(c) + [(1.0, 1.0)] * (m - int(b) - int(c))
+        for q, (base, pol) in enumerate(outcomes):
+            context = f"{d:08x}{q:08x}" if protocol == "query_aware" else f"{d:016x}"
+            rows.append({"score": pol, "baseline_score": base, "document_id": f"{d:016x}", "context_id": context})
+    return rows
+
+
+def judged(rows: list[dict], t) -> tuple[bool, bool]:
+    """(PASS, FAIL) of one variant by the gate's own judging code: its rows grouped (evalkit.gate.contexts.group),
+    then the checks by betting (evalkit.gate.checks.evaluate)."""
+    e = evaluate("v", group(rows, t.graded_flip_delta, kl_cap(t)), t, decide.floor(t))
+    return e.p_pass <= 1 - t.confidence, any(c.p_broken <= 1 - t.confidence for c in e.checks)
+
+
+def document_rate(k: int, m: int, icc: float, protocol: str, loss: float, draws: int, seed: int) -> float:
+    """The share of runs of k documents x m questions (drop `loss`, none gained) that the gate PASSes."""
+    rng = np.random.default_rng(seed)
+    lost, gained = draw_contexts(rng, draws, k, m, loss, 0.0, icc)
+    return float(np.mean([judged(document_rows(lost[i], gained[i], m, protocol), T)[0] for i in range(draws)]))
+
+
+def document_table(draws: int, seed: int) -> int:
+    """PASS rates at the margin (5% lost: the drop at max_drop) for K documents x m questions, both protocols, and
+    power (a 1% loss) at the planner's count of documents; the number of rows out of bounds."""
+    bad = 0
+    print(f"\nthe document as the unit: PASS rate with the drop at the margin (5% lost), {draws} draws per row")
+    print(f"{'m':>3}{'icc':>5}{'K':>6}  " + "".join(f"{p:>16}" for p in PROTOCOLS) + "   +- MC se  ok")
+    for m in DOC_M:
+        for icc in DOC_ICC:
+            plan = betting_contexts(T, FLOOR, 0.01, 0.0, 0.8, m, icc)
+            for i, k in enumerate((*DOC_K, plan)):
+                rates = [document_rate(k, m, icc, p, 0.05, draws, seed + i) for p in PROTOCOLS]
+                se = math.sqrt(max(max(rates) * (1 - max(rates)), ALPHA * (1 - ALPHA)) / draws)
+                ok = max(rates) <= ALPHA + 2 * se
+                bad += not ok
+                print(f"{m:>3}{icc:>5}{k:>6}  " + "".join(f"{r:>16.4f}" for r in rates) + f"{se:>10.4f}  "
+                      f"{'yes' if ok else 'NO'}")  # fmt: skip
+            power = document_rate(plan, m, icc, "query_aware", 0.01, draws, seed + 99)
+            se = math.sqrt(power * (1 - power) / draws)
+            print(f"{'':>14}power at the planner's {plan} documents (1% lost): {power:.4f} +- {se:.4f}", flush=True)
+    return bad
+
+
+KL_N = (59, 100, 300, 1000)
+KL_SHAPES = ("exponential", "3% at 3 nats", "1% at 10 nats")
+
+
+def kl_values(rng, shape: str, mean: float, n: int) -> np.ndarray:
+    """n rows' KL with the given mean: exponential, or a share of rows at a fixed large KL and the rest exponential
+    with what is left of the mean (the issue's heavy tail: 3% at 3 nats)."""
+    if shape == "exponential":
+        return rng.exponential(mean, n)
+    share, at = {"3% at 3 nats": (0.03, 3.0), "1% at 10 nats": (0.01, 10.0)}[shape]
+    tail = rng.random(n) < share
+    rest = max(mean - share * at, 0.0) / (1 - share)
+    return np.where(tail, at, rng.exponential(rest, n) if rest > 0 else 0.0)
+
+
+def kl_table(draws: int, seed: int) -> int:
+    """PASS and FAIL rates of the KL check alone (drop and flips off) at 1x and 2x max_mean_kl, one question per
+    document, judged by betting; the number of rows out of bounds (a PASS rate at 1x above 5% + 2 MC errors where
+    the bounded quantity, the mean of min(KL, cap), is at or above the limit)."""
+    t = replace(T, max_drop=None, max_flip_rate=None)
+    cap = kl_cap(t)
+    bad = 0
+    print(f"\nthe KL: PASS / FAIL rates of max_mean_kl={t.max_mean_kl} (rows capped at {cap:g} nats), {draws} draws")
+    print(f"{'shape':<16}{'x limit':>8}{'capped':>8}" + "".join(f"{n:>16}" for n in KL_N) + "  ok")
+    for i, shape in enumerate(KL_SHAPES):
+        for times in (1, 2):
+            rng = np.random.default_rng(seed + 10 * i + times)
+            mean = times * t.max_mean_kl
+            big = kl_values(rng, shape, mean, 200_000)
+            capped = float(np.minimum(big, cap).mean())
+            cells, worst = [], 0.0
+            for n in KL_N:
+                out = np.array([judged(_kl_rows(kl_values(rng, shape, mean, n)), t) for _ in range(draws)])
+                rate, fail = out.mean(axis=0)
+                worst = max(worst, rate)
+                cells.append(f"{rate:.3f} / {fail:.3f}")
+            se = math.sqrt(max(worst * (1 - worst), ALPHA * (1 - ALPHA)) / draws)
+            ok = capped < t.max_mean_kl or worst <= ALPHA + 2 * se
+            bad += not ok
+            print(f"{shape:<16}{times:>8}{capped:>8.3f}" + "".join(f"{c:>16}" for c in cells) +
+                  f"  {'yes' if ok else 'NO'}", flush=True)  # fmt: skip
+    return bad
+
+
+def _kl_rows(kl: np.ndarray) -> list[dict]:
+    return [{"score": 1.0, "baseline_score": 1.0, "document_id": str(i), "kl_mean": float(x)} for i, x in enumerate(kl)]
 
 
 def coverage(p_lost: float, p_gained: float, n: int, draws: int, seed: int = 0) -> tuple[float, float, float]:

@@ -158,15 +158,16 @@ def _kl_rows(n: int, kl: float) -> list[dict]:
 
 def test_mean_kl_is_shown_below_the_limit_not_estimated():
     # a point estimate at the limit passed half the time; now the capped mean must be shown below max_mean_kl (0.1,
-    # rows capped at 1.0). Every row at 0.01 gains 0.09 per context on the bet, 0.09/0.9 of the stake: by hand the
-    # wealth reaches 20 after 19 contexts
-    n19 = next(n for n in range(1, 100) if mixture_wealth(n, 0.09, margin=0.1) >= 20)
-    assert judge(_kl_rows(80, 0.01), [], Thresholds()).status == "PASS"  # 80 >= min_samples 74
-    at_limit = judge(_kl_rows(80, 0.1), [], Thresholds())
+    # rows capped at 30 x 0.1 = 3 nats, values divided by the cap: the limit 1/30). Every row at 0.01 gains
+    # (0.1 - 0.01) / 3 = 0.03 per context on the bet: by hand the wealth reaches 20 at 125 contexts, not at 124
+    n = next(n for n in range(1, 1000) if mixture_wealth(n, 0.03, margin=1 / 30) >= 20)
+    assert n == 125
+    assert judge(_kl_rows(n, 0.01), [], Thresholds()).status == "PASS"
+    assert judge(_kl_rows(n - 1, 0.01), [], Thresholds()).status == "INCONCLUSIVE"
+    at_limit = judge(_kl_rows(n, 0.1), [], Thresholds())
     assert at_limit.status == "INCONCLUSIVE" and "the mean KL may be as large as" in "\n".join(at_limit.reasons)
     over = judge(_kl_rows(60, 0.5), [], Thresholds())
     assert over.status == "FAIL" and "mean KL at least" in "\n".join(over.reasons)
-    assert n19 < 60
 
 
 def test_a_constant_graded_cell_gets_no_p_of_zero():

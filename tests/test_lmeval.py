@@ -150,6 +150,8 @@ def test_loglikelihood_records_the_full_prefill_as_the_peak_not_the_compressed_b
     base = lm.kv_baseline[("t", 0)]
     assert base["kv_bytes"] == kv_by_hand(n_context)
     assert base["peak_kv_bytes"] == base["kv_bytes_final"] == kv_by_hand(n_fed)
+    # an lm-eval document is one row: its document is what it prefilled, the same for the baseline and the variant
+    assert record["document_id"] == record["context_id"] == base["document_id"]
 
 
 def test_the_peak_counts_every_step_before_its_eviction(tiny):

@@ -66,3 +66,21 @@ def test_the_simulation_judges_as_the_gate_does(m, icc, loss, step, k):
     ]
     assert list(simulated) == gate
     assert 0 < sum(gate) < 8  # both outcomes seen: the comparison means something
+
+
+@pytest.mark.parametrize("protocol", ["query_agnostic", "query_aware"])
+def test_the_document_section_judges_as_the_gate_does(protocol):
+    # the rows the documents section judges, given the fields the gate's decision reads, decided by the gate: the
+    # same PASS draw by draw under either protocol (under query_aware every question has its own context)
+    bench = _bench()
+    lost, gained = draw_contexts(np.random.default_rng(5), 8, 90, 5, 0.015, 0.0, 0.3)
+    out = []
+    for i in range(8):
+        rows = bench.document_rows(lost[i], gained[i], 5, protocol)
+        assert len({r["document_id"] for r in rows}) == 90
+        assert len({r["context_id"] for r in rows}) == (450 if protocol == "query_aware" else 90)
+        full = [{**r, "sample_id": str(j), "variant": "snapkv@0.25", "cell": {}} for j, r in enumerate(rows)]
+        decided = variant_decisions({"snapkv@0.25": full}, Thresholds())["snapkv@0.25"].status == "PASS"
+        assert bench.judged(rows, Thresholds())[0] == decided
+        out.append(decided)
+    assert 0 < sum(out) < 8  # both outcomes seen: the comparison means something

@@ -99,6 +99,7 @@ def rows(run_info: dict, task: Any, sample: Any, prompt: Any, results: list[Resu
                 "budget_clipped": None if res is base else False,
                 "context_tokens": prompt.n_context,
                 "context_id": prompt.context_id,  # each engine prefills this context once per sample and variant
+                "document_id": prompt.document_id,
                 "prompt_tokens": int(prompt.ids.shape[1]),
                 **task.row_fields(sample),
                 "score": score,

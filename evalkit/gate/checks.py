@@ -8,7 +8,7 @@ supermartingale, and judging again (after more samples, in a fresh folder, from 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,6 +29,7 @@ class Check:
     method: str  # betting
     holds: bool = False  # after the correction across variants
     broken: bool = False
+    extra: dict = field(default_factory=dict)  # reported beside the bounds: the KL's cap and the rows above it
 
 
 @dataclass
@@ -68,7 +69,16 @@ def _kl_check(ctx: Contexts, t) -> Check | None:
         return None
     check = _bet("kl", ctx.kl, t.max_mean_kl / cap, 0.0, 1.0, t)
     check.limit, check.lower, check.upper = t.max_mean_kl, check.lower * cap, check.upper * cap
+    rows = int(round(float(np.sum(ctx.kl_above * ctx.questions)))) if ctx.kl_above is not None else 0
+    check.extra = {"cap": cap, "rows_above_cap": rows, "share_above_cap": rows / max(int(np.sum(ctx.questions)), 1)}
     return check
+
+
+def kl_words(c: Check) -> str:
+    """How the KL was counted, for the gate's messages: the cap and the rows above it."""
+    above, share = c.extra["rows_above_cap"], c.extra["share_above_cap"]
+    counted = f"{above} rows above it ({share:.1%}), each counted at the cap" if above else "none above it"
+    return f"each row capped at {c.extra['cap']:g} nats; {counted}"
 
 
 def _bet(what: str, x: np.ndarray, limit: float, lo: float, hi: float, t) -> Check:

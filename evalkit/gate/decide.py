@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from evalkit.gate import betting
-from evalkit.gate.checks import Evidence, evaluate, kl_cap
+from evalkit.gate.checks import Evidence, evaluate, kl_cap, kl_words
 from evalkit.gate.contexts import Contexts, by_cell, group
 from evalkit.gate.power import betting_cell_samples, contexts_needed, judged_once_lossless, lossless_contexts
 from evalkit.gate.stats import adjust, binary_bounds
@@ -130,7 +130,7 @@ def fail_message(name: str, e: Evidence, c, t, k: int, look: int) -> str:
             f"{name}: {lost} of {_units(ctx, 'samples')} {_flipped(e, t)} ({lost / q:.0%}; at least {c.lower:.3f} "
             f"per context, {how}): shown over the {c.limit:.0%} flip-rate limit"
         )
-    return f"{name}: mean KL at least {c.lower:.4f} nats ({how}; each row capped at {kl_cap(t):g}): over {c.limit}"
+    return f"{name}: mean KL at least {c.lower:.4f} nats ({how}; {kl_words(c)}): over {c.limit}"
 
 
 def open_messages(name: str, e: Evidence, t, k: int, look: int) -> list[str]:
@@ -156,8 +156,8 @@ def open_messages(name: str, e: Evidence, t, k: int, look: int) -> list[str]:
             )
         else:
             out.append(
-                f"{name}: the mean KL may be as large as {c.upper:.4f} nats ({how}; each row capped at "
-                f"{kl_cap(t):g}), not shown below max_mean_kl={c.limit}"
+                f"{name}: the mean KL may be as large as {c.upper:.4f} nats ({how}; {kl_words(c)}), not shown "
+                f"below max_mean_kl={c.limit}"
             )
     if ctx.n < e.floor:
         unit = "samples" if ctx.single else "contexts"
@@ -285,6 +285,7 @@ def decision_summary(d: Decision, t) -> dict[str, Any]:
                 "broken": c.broken,
                 "bounds": [c.lower, c.upper],
                 "method": c.method,
+                **c.extra,
             }
             for c in e.checks
         },

@@ -2,8 +2,11 @@
 
 The gate believes no number a row claims that it can derive from another row or from run.json:
 
-- a variant row's `baseline_score`, `flip`, `kv_bytes_baseline` and `context_id` must equal what the baseline row of
-  the same sample in the same file says (its `score`, the flip the two scores make, its `kv_bytes`, its context);
+- a variant row's `baseline_score`, `flip`, `kv_bytes_baseline`, `context_id` and `document_id` must equal what the
+  baseline row of the same sample in the same file says (its `score`, the flip the two scores make, its `kv_bytes`,
+  its context and document);
+- a document is the gate's unit (evalkit.gate.contexts): rows that share a prefilled context share its document, and
+  outside protocol=query_aware the prefilled context is the document (`document_id` equals `context_id`);
 - scores are finite and within the scorers' range [0, 1]; KV bytes finite and non-negative, the full cache's above 0;
 - a variant's tokens held, summed over its layers, are within what its policy contract allowed (`tokens_allowed_per
   _layer`, the budget plus the tokens the policy declares protected, evalkit.kv.contract), and its deployed bytes match
@@ -77,6 +80,7 @@ def flip(score: float, base_score: float) -> str | None:
 def contradictions(rows: list[dict], lines: list[int], path: str) -> list[str]:
     """Each variant row against the baseline row of its sample in the same file, and against its own fields."""
     base = {r["sample_id"]: (r, n) for r, n in zip(rows, lines, strict=True) if r["variant"] == BASELINE}
+    documents: dict[str, tuple[Any, int]] = {}  # context_id -> (its first row's document_id, that row's line)
     out = []
     for r, n in zip(rows, lines, strict=True):
         if r["variant"] == BASELINE:
@@ -86,9 +90,40 @@ def contradictions(rows: list[dict], lines: list[int], path: str) -> list[str]:
             why = _against_baseline(r, b, bn) or _budget(r) or _bytes(r, b)
         else:
             continue  # no baseline row: check_rows says so
+        why = why or _document(r, documents, n)
         if why:
             out.append(f"{path}:{n}: {why}; {EDITED}")
     return out
+
+
+def _document(r: dict, documents: dict[str, tuple[Any, int]], line: int) -> str | None:
+    """A row's document_id where it can be re-derived: the prefilled context outside query_aware, and the document of
+    every other row prefilled from the same context."""
+    cid, doc = r.get("context_id"), r.get("document_id")
+    if cid is None or doc is None:
+        return None
+    if r.get("protocol") != "query_aware" and doc != cid:
+        return (
+            f"document_id={doc!r}, but under protocol={r.get('protocol')} the prefilled context is the document "
+            f"(context_id={cid!r})"
+        )
+    first, first_line = documents.setdefault(str(cid), (doc, line))
+    if doc != first:
+        return f"document_id={doc!r}, but line {first_line}, prefilled from the same context {cid!r}, has {first!r}"
+    return None
+
+
+def undocumented(rows: list[dict], where: str) -> list[str]:
+    """protocol=query_aware rows without a document_id: each question compressed its document with it, so their
+    contexts differ per question and the gate cannot tell which questions share a document (the unit)."""
+    bare = [r for r in rows if r.get("protocol") == "query_aware" and r.get("document_id") is None]
+    if not bare:
+        return []
+    return [
+        f"{where}: {len(bare)} protocol=query_aware rows without document_id (sample {bare[0]['sample_id']!r} "
+        "first): the gate cannot tell which questions were asked on one document, its unit; rerun the run with "
+        "this evalkit, which records each row's document"
+    ]
 
 
 def _against_baseline(r: dict, b: dict, line: int) -> str | None:
@@ -98,8 +133,9 @@ def _against_baseline(r: dict, b: dict, line: int) -> str | None:
     ]
     if "kv_bytes_baseline_deployed" in r and "kv_bytes_deployed" in b:
         checks.append(("kv_bytes_baseline_deployed", b["kv_bytes_deployed"], "the baseline row's kv_bytes_deployed"))
-    if "context_id" in r or "context_id" in b:
-        checks.append(("context_id", b.get("context_id"), "the baseline row's context_id"))
+    for key in ("context_id", "document_id"):
+        if key in r or key in b:
+            checks.append((key, b.get(key), f"the baseline row's {key}"))
     for key, want, what in checks:
         if r.get(key) != want:
             return f"{key}={r.get(key)!r} but {what} (line {line}) is {want!r}"

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from evalkit.errors import ConfigError
-from evalkit.gate.evidence import contradictions, row_problem, run_problems
+from evalkit.gate.evidence import contradictions, row_problem, run_problems, undocumented
 from evalkit.gate.summary import is_baseline, merge
 from evalkit.records import RUN, SAMPLES, scan_rows, torn_line
 
@@ -55,7 +55,12 @@ def read_runs(run_dirs: list[Path]) -> Records:
                 infos.append({**info, "_folder": str(run.resolve())})  # in memory only: the folder the advice extends
             rows, lines, bad = read_records(run / SAMPLES)
             where = str(run / SAMPLES)
-            problems += bad or check_rows(rows, where, info.get("run_id")) or contradictions(rows, lines, where)
+            problems += (
+                bad
+                or check_rows(rows, where, info.get("run_id"))
+                or contradictions(rows, lines, where)
+                or undocumented(rows, where)
+            )
             runs.append((run.resolve(), info, _once(rows)))
     return Records(merge(runs), infos, problems)
 

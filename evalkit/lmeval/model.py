@@ -91,11 +91,13 @@ class EvalkitLM(LM):
         context_id = context_digest(context[0].cpu().numpy().tobytes())
         key = (request.task_name, request.doc_id)
         for store, o, which in ((self.kv, variant, self.variant), (self.kv_baseline, baseline, None)):
-            new = {**kv_fields(o, which, n_context), **baseline_fields(baseline), "context_id": context_id}
+            # an lm-eval document is one row: its document is what its first request prefilled, as its context
+            ids = {"context_id": context_id, "document_id": context_id}
+            new = {**kv_fields(o, which, n_context), **baseline_fields(baseline), **ids}
             old = store.get(key, {})
             store[key] = {**new, **{k: max(new[k], old[k]) for k in MAXED if k in old}}
             if "context_id" in old:
-                store[key]["context_id"] = old["context_id"]
+                store[key].update(context_id=old["context_id"], document_id=old["document_id"])
 
     # -- lm-eval's request types --------------------------------------------------------------------------
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:

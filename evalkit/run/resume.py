@@ -38,8 +38,8 @@ from evalkit.tasks.prompt import Prompt
 def check_written(path: Path, task: Task, samples: list[Sample], prompts: list[Prompt]) -> None:
     """Before a run is resumed or extended, the rows already written must be what this run would have written:
     each consistent with its baseline row (evalkit.evidence), its score re-derived from its prediction by the task's
-    scorer (teacher-forced rows, scored from logits, excepted), its context_id that of the sample's prompt. An edited
-    row is refused, naming file:line, rather than carried into the extended run."""
+    scorer (teacher-forced rows, scored from logits, excepted), its context_id and document_id the sample's prompt's.
+    An edited row is refused, naming file:line, rather than carried into the extended run."""
     if not path.exists():
         return
     rows, _, _, _, lines = scan_rows(path)
@@ -66,6 +66,8 @@ def check_written(path: Path, task: Task, samples: list[Sample], prompts: list[P
 def _rederived(row: dict, task: Task, sample: Sample, prompt: Prompt) -> str | None:
     if row.get("context_id") is not None and row["context_id"] != prompt.context_id:
         return f"context_id={row['context_id']!r}, but the sample's prompt compresses context {prompt.context_id!r}"
+    if row.get("document_id") is not None and row["document_id"] != prompt.document_id:
+        return f"document_id={row['document_id']!r}, but the sample's document is {prompt.document_id!r}"
     if task.teacher_forced or not isinstance(row.get("prediction"), str):
         return None
     score = task.score(row["prediction"], sample)

@@ -87,6 +87,7 @@ def _row(
         "evidence_retained_per_layer": outcome.evidence_retained,
         "budget_clipped": budget_clipped(variant, prompt),
         "context_id": prompt.context_id,  # the compressed context: questions answered from one prefill share it
+        "document_id": prompt.document_id,  # the text before the question: the gate's unit, whatever the protocol
         "prompt_tokens": int(prompt.ids.shape[1]),
         "generated_tokens": len(outcome.tokens),
         "seconds": {k: round(v, 4) for k, v in outcome.seconds.items()},

@@ -46,6 +46,7 @@ class Prompt:
     evidence: list[int]  # absolute positions of the tokens that hold the answer
     protocol: str
     repeat: Repeat | None = None  # KVzip's reconstruction prompt (build_prompt sets it); None: Repeat()
+    n_document: int | None = None  # ids[:, :n_document] come before the question (None: n_context, as query_agnostic)
 
     @property
     def context_ids(self) -> bytes:
@@ -58,6 +59,14 @@ class Prompt:
         """Names the compressed context in every row (16 hex digits of the sha256 of its ids): the unit of evidence,
         shared by the questions answered from one prefill."""
         return context_digest(self.context_ids)
+
+    @property
+    def document_id(self) -> str:
+        """Names the document in every row: the digest of the ids before the question, the same for every question
+        on one document whatever the protocol (query_aware compresses each question with it, so its context_id
+        differs per question). Questions on one document share its fate: the gate's unit."""
+        n = self.n_context if self.n_document is None else self.n_document
+        return context_digest(self.ids[0, :n].cpu().numpy().tobytes())
 
 
 def context_digest(ids: bytes) -> str:
@@ -87,7 +96,8 @@ def build_prompt(tokenizer: PreTrainedTokenizerBase, sample: Sample, protocol: s
     ctx_start = text.index(sample.context)
     # A chat template already writes the special tokens it needs; a plain prompt gets the tokenizer's BOS.
     ids, offsets = encode(tokenizer, text, user_spans(text, sample, ctx_start), add_special_tokens=not chat)
-    n_context = next(i for i, (start, _) in enumerate(offsets) if start >= q_start)
+    n_document = next(i for i, (start, _) in enumerate(offsets) if start >= q_start)
+    n_context = n_document
     if protocol == "query_aware":
         n_context = len(offsets) - 1  # all but the last prompt token, whose logits start the answer
     starts = [ctx_start + sample.context.index(e) for e in sample.evidence]
@@ -95,7 +105,8 @@ def build_prompt(tokenizer: PreTrainedTokenizerBase, sample: Sample, protocol: s
     evidence = [i for i, (s, e) in enumerate(offsets) if any(s < hi and e > lo for lo, hi in spans)]
 
     start = next((i for i, (s, _) in enumerate(offsets) if s >= ctx_start), n_context)
-    return Prompt(torch.tensor([ids]), n_context, evidence, protocol, repeat_prompt(tokenizer, chat, start))
+    repeat = repeat_prompt(tokenizer, chat, start)
+    return Prompt(torch.tensor([ids]), n_context, evidence, protocol, repeat, n_document)
 
 
 def repeat_prompt(tokenizer: PreTrainedTokenizerBase, chat: bool, start: int) -> Repeat:
