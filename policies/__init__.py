@@ -94,6 +94,10 @@ class KVPolicy:
     decodable: ClassVar[bool] = True  # can keep its budget while decoding (decode=true)
     ragged: ClassVar[bool] = False  # KV heads of a layer may keep different counts (select pads with -1)
     wrappable: ClassVar[bool] = True  # a wrapper (chunkkv, adakv) may score with it, choosing by its own rule
+    # The policy contract (evalkit.kv.contract) counts a policy's protected tokens beyond its budget only up to its
+    # stated `min_tokens() - 1` (sinks, windows). False: the budget is not a count of tokens (FullCache keeps them
+    # all, DuoAttention's budget is a share of heads) and every protected token counts; evalkit's own policies only.
+    budget_counts_tokens: ClassVar[bool] = True
 
     def observation_window(self) -> int:
         """Context queries the policy scores with (Need.WINDOW_QUERIES); 0 when it needs none."""
@@ -114,7 +118,8 @@ class KVPolicy:
         return None
 
     def min_tokens(self) -> int:
-        """Fewest tokens a budget may keep: the protected tokens plus one."""
+        """Fewest tokens a budget may keep: the protected tokens plus one. It states how many protected tokens may
+        count beyond the budget (evalkit.kv.contract), and every sample's budget must hold it (validate)."""
         return 1
 
     def target(self, seen: int) -> int:
@@ -246,6 +251,10 @@ class Wrapper(KVPolicy):
     @property
     def decodable(self) -> bool:  # type: ignore[override]
         return self.inner.decodable
+
+    @property
+    def budget_counts_tokens(self) -> bool:  # type: ignore[override]
+        return self.inner.budget_counts_tokens
 
     def observation_window(self) -> int:
         return self.inner.observation_window()

@@ -55,6 +55,7 @@ class DuoAttention(KVPolicy):
     ragged: ClassVar[bool] = True
     wrappable: ClassVar[bool] = False  # its choice is its selection, not a score a wrapper could use
     chunkable: ClassVar[bool] = False
+    budget_counts_tokens: ClassVar[bool] = False  # a share of retrieval heads, which keep every token
 
     def __post_init__(self) -> None:
         self.head_scores: np.ndarray | None = None  # (layers, Hkv), from prepare()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from torch import Tensor
 
@@ -15,6 +16,7 @@ class FullCache(KVPolicy):
 
     name: str = "none"
     decode: bool = False
+    budget_counts_tokens: ClassVar[bool] = False  # its budget is always the tokens seen
 
     def target(self, seen: int) -> int:
         return seen

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from evalkit.errors import PolicyError
+from evalkit.errors import ConfigError, PolicyError
 from evalkit.kv import contract
 from evalkit.kv.cache import allowed_per_layer, held_per_layer
 from evalkit.policies import KVPolicy, LayerView
@@ -168,3 +168,45 @@ def test_a_policy_ranking_across_layers_is_held_to_the_sum(tiny, ids):
         compressed(model, ids, Lopsided(budget=0.25, share=(2.0, 1.0, 1.0)))
     _, cache = compressed(model, ids, Lopsided(budget=0.25, share=(2.0, 1.0, 1.0), across=False))
     assert held_per_layer(cache) == [24, 24, 24]
+
+
+@dataclass(kw_only=True)
+class Protects(KVPolicy):
+    """Declares its 40 most recent tokens protected and keeps 41; `states` is what its min_tokens() says."""
+
+    name: str = "protects"
+    decode: bool = False
+    states: int = 41
+
+    def score(self, view: LayerView) -> Tensor:
+        return view.positions.float()
+
+    def protected(self, view: LayerView, k: int) -> Tensor:
+        return view.positions >= view.seen - 40
+
+    def target(self, seen: int) -> int:
+        return 41
+
+    def min_tokens(self) -> int:
+        return self.states
+
+
+def test_protected_tokens_count_only_as_far_as_min_tokens_states_them(tiny, ids):
+    """budget 0.25 of 96 tokens asks 24 per head. Stating min_tokens() = 41 (40 protected + 1), the 41 it holds are
+    allowed; stating 1 (no protected token), the same 40 declared protected count for nothing and 41 is over the 24
+    asked (41 x 6 heads = 246 held against 24 x 6 = 144 allowed). Before, both passed: whatever a policy declared
+    protected counted. Its stated 41 must fit each sample's budget (24 does not: refused before any runs, whatever
+    its own validate says), and only evalkit's own policies may count every protected token."""
+    _, cache = compressed(tiny.model, ids, Protects(budget=0.25))
+    assert held_per_layer(cache) == [41] * 3 and allowed_per_layer(cache) == [41] * 3
+    with pytest.raises(PolicyError, match=r"protects held 41 of 96 .* \(246 held against 144 allowed over 3 layers"):
+        compressed(tiny.model, ids, Protects(budget=0.25, states=1))
+    with pytest.raises(ConfigError, match="policy.budget keeps 24 tokens, fewer than the 41 that protects states"):
+        contract.check_fits(Protects(budget=0.25), CTX)
+    contract.check_fits(Protects(budget=0.5), CTX)  # 48 tokens hold 41
+
+    class Unbounded(Protects):
+        budget_counts_tokens = False
+
+    with pytest.raises(PolicyError, match="sets budget_counts_tokens = False, which only evalkit's own"):
+        contract.check_declared(Unbounded(budget=0.25))

@@ -216,3 +216,165 @@ def test_own_configs_are_looked_up_like_evalkits(user):
         variants(compose_config("model=tiny-random", "variants=[snapkv@0.5]"))
     with pytest.raises(ConfigError, match=r"unknown policy 'oldest'.*add hydra.searchpath=\[file://FOLDER\]"):
         check_choices(["policy=oldest"])
+
+
+ROGUE = '''
+"""my_rogue.py: policies that break the contract in the ways a careless or hostile policy could."""
+
+import math
+import os
+import signal
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from evalkit.policies import KVPolicy, LayerView
+
+
+@dataclass(kw_only=True)
+class Hoarder(KVPolicy):
+    """Declares the first 90% of the context protected and keeps that many, whatever its budget."""
+
+    name: str = "hoarder"
+    decode: bool = False
+    states: int = 1  # what min_tokens() says: the protected tokens it owns up to, plus one
+
+    def score(self, view: LayerView) -> Tensor:
+        return -view.positions.float()
+
+    def protected(self, view: LayerView, k: int) -> Tensor:
+        return (view.positions >= 0) & (view.positions < int(0.9 * view.seen))
+
+    def target(self, seen: int) -> int:
+        return min(seen, int(0.9 * seen) + 1)
+
+    def min_tokens(self) -> int:
+        return self.states
+
+    def validate(self, shortest_context) -> None:
+        pass  # skips the base class's check that the budget holds min_tokens(): evalkit checks it all the same
+
+
+@dataclass(kw_only=True)
+class Rogue(KVPolicy):
+    """Recency, except that `method` ends the run in the way `how` says."""
+
+    name: str = "rogue"
+    decode: bool = False
+    method: str = ""
+    how: str = "raise"  # raise: a RuntimeError; exit0: SystemExit(0); kbd: KeyboardInterrupt; ctrl-c: SIGINT x 2
+
+    def fault(self, method: str) -> None:
+        if method != self.method:
+            return
+        if self.how == "exit0":
+            raise SystemExit(0)
+        if self.how == "kbd":
+            raise KeyboardInterrupt
+        if self.how == "ctrl-c":  # the user pressing Ctrl-C twice while score runs: a SIGINT this process receives
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+            return
+        raise RuntimeError(f"broken {method}")
+
+    def score(self, view: LayerView) -> Tensor:
+        self.fault("score")
+        return view.positions.float()
+
+    def min_tokens(self) -> int:
+        self.fault("min_tokens")
+        return 1
+
+    def check_params(self) -> None:
+        self.fault("check_params")
+
+    def prepare(self, model, probes):
+        self.fault("prepare")
+        return None
+
+    def observation_window(self) -> int:
+        self.fault("observation_window")
+        return 0
+'''
+
+
+@pytest.fixture
+def rogue(tmp_path, monkeypatch) -> tuple[Path, Path]:
+    """(folder of my_rogue.py, config folder with hoarder.yaml and rogue.yaml), importable here too."""
+    src, conf = tmp_path / "src", tmp_path / "my_conf"
+    src.mkdir()
+    (conf / "policy").mkdir(parents=True)
+    (src / "my_rogue.py").write_text(textwrap.dedent(ROGUE))
+    (conf / "policy" / "hoarder.yaml").write_text(
+        "_target_: my_rogue.Hoarder\nname: hoarder\nbudget: 0.25\nstates: 1\n"
+    )
+    (conf / "policy" / "rogue.yaml").write_text("_target_: my_rogue.Rogue\nname: rogue\nbudget: 0.25\n")
+    importable(monkeypatch, src, "my_rogue")
+    return src, conf
+
+
+def test_protected_tokens_count_beyond_the_budget_only_as_the_policy_states_them(rogue, tmp_path):
+    """hoarder@0.25 declares positions 0..114 of 128 protected (int(0.9 x 128) = 115 tokens) and keeps
+    int(0.9 x 128) + 1 = 116. Before, the protected tokens all counted: the run held 116 of 128 tokens per head, 0.91x
+    of the cache, as hoarder@0.25, exit 0. It states min_tokens() = 1, no protected token: its budget,
+    ceil(0.25 x 128) = 32, is all it may hold. Stating 116 instead, the budget cannot hold it on a 128-token
+    context: refused before the model loads, although its own validate() checks nothing."""
+    result = cli(rogue, *TINY, "task.depths=[0.5]", "policy=hoarder", run_dir=tmp_path / "run")
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "evalkit: error: hoarder held 116 of 128 tokens per KV head at layer 0, where a budget of 0.25 x 128 = 32 "
+        "plus the tokens it declares protected allow 32 (696 held against 192 allowed over 3 layers"
+    ), last  # 3 layers of 2 KV heads: 116 x 6 = 696 held, 32 x 6 = 192 allowed
+    assert last.endswith("its budget plus the protected tokens it states, min_tokens() - 1 = 0 per KV head: fix its "
+                         "select, target or keep_per_layer")  # fmt: skip
+    stated = cli(rogue, *TINY, "task.depths=[0.5]", "policy=hoarder", "policy.states=116", run_dir=tmp_path / "r2")
+    assert stated.returncode == 2 and not (tmp_path / "r2" / "samples.jsonl").exists()
+    assert stated.stderr.strip().splitlines()[-1] == (
+        "evalkit: error: sample 'L128-d0.5-0' (128 context tokens): policy.budget keeps 32 tokens, fewer than "
+        "the 116 that hoarder states it needs (min_tokens(): its protected tokens plus one); raise policy.budget"
+    )
+
+
+@pytest.mark.parametrize(
+    ("method", "how", "said"),
+    [
+        ("score", "raise", "RuntimeError in score() at layer 0: broken score"),
+        ("score", "exit0", "SystemExit in score() at layer 0: exit code 0: a policy may not end the run"),
+        ("score", "kbd", "KeyboardInterrupt in score() at layer 0: no Ctrl-C was pressed: a policy may not stop"),
+        ("min_tokens", "raise", "RuntimeError in min_tokens(): broken min_tokens"),
+        ("check_params", "raise", "RuntimeError in check_params(): broken check_params"),
+        ("check_params", "exit0", "SystemExit in check_params(): exit code 0"),
+        ("prepare", "raise", "RuntimeError in prepare(): broken prepare"),
+        ("prepare", "kbd", "KeyboardInterrupt in prepare(): no Ctrl-C was pressed"),
+        ("observation_window", "exit0", "SystemExit in observation_window(): exit code 0"),
+    ],
+)
+def test_whatever_a_user_policy_raises_stops_the_run_with_2_naming_it(rogue, tmp_path, method, how, said):
+    """Before: an exception in min_tokens, check_params or prepare was exit 3, "a bug in evalkit"; KeyboardInterrupt
+    from score exit 1 (the gate's FAIL) with a traceback; SystemExit(0) from score exit 0 with no row written."""
+    args = [*TINY, "task.depths=[0.5]", "policy=rogue", f"+policy.method={method}", f"+policy.how={how}"]
+    result = cli(rogue, *args, run_dir=tmp_path / "run")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"evalkit: error: policy rogue (my_rogue.Rogue) raised {said}")
+    )
+    assert "Traceback" not in result.stderr and "bug in evalkit" not in result.stderr
+
+
+def test_a_well_behaved_user_policy_runs_and_the_users_ctrl_c_stays_130(rogue, tmp_path):
+    """The same class with no fault runs (exit 0, its rows written). Ctrl-C pressed twice while its score runs (two
+    SIGINTs the process receives) is the user's stop: exit 130 with the command to resume, not the policy's fault."""
+    fine = cli(rogue, *TINY, "task.depths=[0.5]", "policy=rogue", run_dir=tmp_path / "fine")
+    assert fine.returncode == 0, fine.stderr[-2000:]
+    assert {r["variant"] for r in rows(tmp_path / "fine")} == {"baseline", "rogue@0.25"}
+    src, conf = rogue
+    stopped = run_cli(
+        *TINY, "task.depths=[0.5]", "policy=rogue", "+policy.method=score", "+policy.how=ctrl-c",
+        f"hydra.searchpath=[file://{conf}]", f"hydra.run.dir={tmp_path / 'stopped'}", env={"PYTHONPATH": str(src)},
+        process=True,
+    )  # fmt: skip
+    assert stopped.returncode == 130, stopped.stderr[-2000:]
+    assert "evalkit: to resume: python -m evalkit" in stopped.stderr and "policy rogue" not in stopped.stderr

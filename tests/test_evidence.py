@@ -216,8 +216,18 @@ def test_a_run_json_without_config_fingerprint_or_versions_is_refused(runs, caps
         ("confidence: 1\n", "gate.confidence=1: give a number in (0.5, 1)"),
         ("max_flip_rate: -0.1\n", "gate.max_flip_rate=-0.1: give a number in [0, 1]"),
         ("min_samples: 2.5\n", "gate.min_samples=2.5: give a whole number in [1, inf)"),
+        ("max_drop: ${nope}\n", "max_drop cannot be resolved (Interpolation key 'nope' not found); give max_drop a"),
     ],
-    ids=["compression-over-1", "compression-nan", "no-accuracy-check", "a-list", "confidence-1", "rate", "samples"],
+    ids=[
+        "compression-over-1",
+        "compression-nan",
+        "no-accuracy-check",
+        "a-list",
+        "confidence-1",
+        "rate",
+        "samples",
+        "interpolation",
+    ],
 )
 def test_bad_thresholds_are_one_line_exit_2(runs, capsys, tmp_path, yaml, message):
     """Before: min_compression 2.0 PASSed a variant at 1.000x; all accuracy checks null PASSed 0.00 against 1.00; a

@@ -311,3 +311,21 @@ def test_needle_in_haystack_inserts_the_needle_at_each_depth(tiny, tmp_path):
     book = [s.context.removeprefix("This is a very long story book: <book> ") for s in samples]
     # 400 - 8 needle tokens - 150 = 242 essay tokens; the needle after 0, 121 and 242 of them
     assert [b.index("NEEDLE") - 1 for b in book] == [0, 121, 242]
+
+
+def test_advice_never_asks_a_dataset_for_rows_it_does_not_have(tmp_path):
+    """An INCONCLUSIVE run of both rows of a 2-row dataset (task.limit null): before, the advice said
+    `task.limit=74 resume=true`, which runs the same 2 rows again and loops. Now: the dataset is exhausted, and no
+    command to extend is printed. Control: 2 of KVPRESS's 3 rows (task.limit=2) may be extended with task.limit."""
+    two = {k: v[:1] + v[2:] for k, v in KVPRESS.items()}  # contexts A and B, one question each
+    Dataset.from_dict(two).save_to_disk(tmp_path / "two")
+    Dataset.from_dict(KVPRESS).save_to_disk(tmp_path / "three")
+    gate = ["gate=default", "gate.min_baseline_accuracy=null", "model=tiny-random", "policy=streaming_llm"]
+    common = ["task=hf", "task.scorer=ruler", "task.context_window=300", "policy.budget=0.5", *gate]
+    res = run_cli(*common, f"task.path={tmp_path / 'two'}", f"hydra.run.dir={tmp_path / 'a'}")
+    assert res.returncode == 2 and "evalkit gate: INCONCLUSIVE" in res.stdout, res.stderr[-2000:]
+    assert "the dataset is exhausted: all its 2 rows were run, so no task.limit adds any" in res.stdout
+    assert "task.limit=" not in res.stdout and "to extend the run" not in res.stdout
+    res = run_cli(*common, f"task.path={tmp_path / 'three'}", "task.limit=2", f"hydra.run.dir={tmp_path / 'b'}")
+    assert res.returncode == 2 and "evalkit gate: INCONCLUSIVE" in res.stdout, res.stderr[-2000:]
+    assert "exhausted" not in res.stdout and "resume=true" in res.stdout and "task.limit=" in res.stdout

@@ -7,7 +7,7 @@ each layer imports only itself and the layers it sits on:
         -> tasks -> KV storage (evalkit.kv) -> policies -> attention and kernels -> leaves
       -> verdict (evalkit.gate), report, planner: no torch, and nothing of the pipeline
     Hydra's overrides and config names (evalkit.cli.overrides, choices): no torch, shared by the planner
-    leaves (errors, exits, units, fields, records, capacity, embedded): nothing of evalkit's
+    leaves (errors, exits, sigint, units, fields, records, capacity, embedded): nothing of evalkit's
 
 An import inside a function is allowed only where the module it imports is heavy and the caller's start-up must not
 pay for it (the command line answers a typo before torch loads); it is never a way around a cycle, which this test

@@ -224,10 +224,22 @@ def base_settings(**kw) -> Settings:
 
 @pytest.mark.parametrize(
     "key, value",
-    [("gpu_gib", -1), ("utilization", 1.5), ("batch", 0), ("budgets", [1.5]), ("link", "usb"), ("weight_dtype", "q3")],
+    [
+        ("gpu_gib", -1),
+        ("utilization", 1.5),
+        ("batch", 0),
+        ("budgets", [1.5]),
+        ("link", "usb"),
+        ("weight_dtype", "q3"),
+        ("gpu_gib", float("nan")),
+        ("hbm_gbps", float("nan")),
+        ("weights_gib", float("inf")),
+        ("link_gbps", float("nan")),
+    ],  # fmt: skip
 )
 def test_bad_settings_are_config_errors(key, value):
-    """Each malformed plan value is a ConfigError naming the key (exit 2), not a wrong plan."""
+    """Each malformed plan value is a ConfigError naming the key (exit 2), not a wrong plan. Before, NaN passed the
+    `> 0` check: gpu_gib=nan was exit 3, hbm_gbps=nan printed "viable (4.2 ms <= nan ms)"."""
     with pytest.raises(ConfigError, match=f"plan.{key}"):
         base_settings(**{key: value})
 
@@ -400,3 +412,32 @@ def test_only_cells_shown_to_fail_are_listed_as_failing():
     }
     assert failed_cells(verdict, "v") == ["a"]
     assert failed_cells(verdict, "x") == []
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("intermediate_size", "x", "intermediate_size='x' in its config; give a whole number >= 1"),
+        ("max_position_embeddings", "x", "max_position_embeddings='x' in its config; give a whole number >= 1"),
+        ("kv_lora_rank", "512", "kv_lora_rank='512' in its config; give a whole number >= 0"),
+        ("vocab_size", "32000", "vocab_size='32000' in its config; give a whole number >= 1"),
+        ("vocab_size", -5, "vocab_size=-5 in its config; give a whole number >= 1"),
+        ("sliding_window", "4096", "sliding_window='4096' in its config; give a whole number >= 0"),
+        ("tie_word_embeddings", "no", "tie_word_embeddings='no' in its config; give true or false"),
+        ("layer_types", ["sliding_attention", "full_attention"], "layer_types is a list of 2 in its config, not one"),
+    ],
+)
+def test_config_fields_that_are_not_what_they_claim_are_one_line(tmp_path, field, value, message):
+    """Mistral's config with one field spoiled. Before: a string count was exit 3 (int('x')) or read as a number
+    ('32000'), 'no' read as a tied head (bool('no') is True), vocab_size -5 gave negative parameters, and a short
+    layer_types list was ignored (every layer then taken as sliding)."""
+    raw = {**json.loads((DATA / "mistral_7b.json").read_text()), field: value}
+    with pytest.raises(ConfigError) as err:
+        arch_from_config(raw, "spoiled")
+    assert str(err.value).startswith(f"model spoiled: {message}")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(raw))
+    res = run_plan("model=hf", f"model.name_or_path={config}", f"plan.out={tmp_path / 'out'}")
+    said = f"evalkit: error: model config.json: {message}"
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and res.stderr.startswith(said), res.stderr
+    assert arch_from_config(json.loads((DATA / "mistral_7b.json").read_text()), "mistral").vocab == 32000  # control

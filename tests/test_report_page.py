@@ -6,6 +6,8 @@ The page is read here as HTML (stdlib parser); tests/test_report_browser.py open
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from html.parser import HTMLParser
@@ -265,3 +267,30 @@ def test_the_report_and_the_planner_load_without_torch():
     )
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_links_are_relative_paths_and_a_long_prediction_is_shown_cut(tmp_path):
+    """A run folder named `javascript:alert(1)` beside the report: before, its lost samples linked
+    `href="javascript:alert(1)/samples.jsonl"`, a script the link ran. Now the link is the relative path,
+    percent-encoded, and it still leads to the file. One prediction of 3,000,000 characters: before, it was on the page
+    twice whole (the cell and the row shown beside it); now each shows its first SHOWN_CHARS = 2000 and its length."""
+    from urllib.parse import unquote
+
+    recs = needle_rows()
+    lost = next(r for r in recs if r["variant"] == "streaming_llm@0.25" and r["sample_id"] == "1")
+    lost["prediction"] = "7" * 2000  # the control: 2000 characters are shown whole
+    run = write_run(tmp_path / "plain", recs)
+    assert report_main([str(run), "--out", str(tmp_path / "out")]) == 0
+    plain = (tmp_path / "out" / "report.html").read_text()
+    assert "[cut:" not in plain and plain.count("7" * 2000) == 2
+    huge = "7" * 3_000_000
+    lost["prediction"] = huge
+    results = tmp_path / "results"
+    run = write_run(results / "javascript:alert(1)", recs)
+    assert report_main([str(run), "--out", str(results)]) == 0
+    text = (results / "report.html").read_text()
+    hrefs = re.findall(r'<a href="([^"]*)" title="[^"]*">open the file</a>', text)  # each lost sample's row
+    assert len(hrefs) == 4 and all(":" not in h for h in hrefs), hrefs
+    assert {(results / unquote(h)).resolve() for h in hrefs} == {(run / "samples.jsonl").resolve()}
+    assert huge not in text and len(text) - len(plain) < 10_000  # the page with plotly's script is ~5 MB either way
+    assert text.count(f"{'7' * 2000}... [cut: 3000000 characters in all]") == 2

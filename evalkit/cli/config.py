@@ -20,6 +20,7 @@ from evalkit.cli.choices import check_shadowed, options, searchpath, unknown_cho
 from evalkit.errors import ConfigError
 from evalkit.fields import cli, describe, fits, init_fields, unknown_key
 from evalkit.gate.thresholds import thresholds
+from evalkit.kv import contract
 from evalkit.kv.quantized import QuantSpec
 from evalkit.kv.variant import Variant
 from evalkit.policies import KVPolicy
@@ -308,7 +309,8 @@ def validate(cfg: DictConfig, task: Task, policies: list[KVPolicy]) -> None:
         )
     if not task.lengths():  # lengths known only per sample (JSONL): checked as each sample is tokenized
         for policy in policies:
-            policy.validate(None)
+            with contract.calling(policy, "validate"):
+                policy.validate(None)
         return
     try:
         limit = models.max_context(cfg.model) - int(cfg.reserve_tokens)
@@ -324,7 +326,8 @@ def validate(cfg: DictConfig, task: Task, policies: list[KVPolicy]) -> None:
             f"tokens less {cfg.reserve_tokens} reserved for the question and answer = {limit}; use shorter lengths"
         )
     for policy in policies:
-        policy.validate(min(task.lengths()))
+        with contract.calling(policy, "validate"):
+            policy.validate(min(task.lengths()))
 
 
 def _first(err: BaseException) -> str:

@@ -8,6 +8,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from evalkit.cli.config import backend, build, validate, variants
+from evalkit.kv import contract
 from evalkit.run import runner
 from evalkit.tasks import Task
 
@@ -18,5 +19,6 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     task: Task = build(cfg.task, "task")
     engine = backend(cfg, task)  # None: evalkit's own engine (backend=hf)
     chosen = variants(cfg) if engine is None else []
-    validate(cfg, task, [v.policy for v in chosen])
-    return runner.run(cfg, out_dir, task, chosen, engine)
+    with contract.guarding([v.policy for v in chosen]):  # a user's policy raising anywhere is its fault: exit 2
+        validate(cfg, task, [v.policy for v in chosen])
+        return runner.run(cfg, out_dir, task, chosen, engine)

@@ -212,10 +212,23 @@ def _advice(
     if "samples_per_cell" in task:
         setting = f"task.samples_per_cell={math.ceil(need / n_cells)}"
     elif "limit" in task:
+        ran = len((infos[0].get("data") or {}).get("samples") or {})
+        if _exhausted(task, ran):
+            return (
+                f"{text}; but the dataset is exhausted: all its {ran} rows were run, so no task.limit adds any: more "
+                "samples need more data (a larger dataset or split)"
+            ), None
         setting = f"task.limit={need}"
     else:
         return text, None
     return f"{text}, e.g. {setting} resume=true", extend_command(infos[0], setting)
+
+
+def _exhausted(task: dict, ran: int) -> bool:
+    """Whether a run took every row its dataset has (the whole of it, no limit reached): a larger limit adds none."""
+    limit = task.get("limit")
+    below = limit is None or (isinstance(limit, int) and ran < limit)
+    return ran > 0 and task.get("fraction", 1.0) == 1 and below
 
 
 RUNNERS = ("__main__.py", "evalkit")  # `python -m evalkit` and the `evalkit` script: what writes a run's command

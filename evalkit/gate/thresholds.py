@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from evalkit.errors import ConfigError
 from evalkit.gate.contexts import GRADED_FLIP_DELTA
@@ -85,13 +86,26 @@ def check_threshold(key: str, value: Any) -> None:
         raise ConfigError(f"gate.{key}={value!r}: give {what} in {_interval(*bounds)}, e.g. {example}{off}")
 
 
+def resolved(node, where: str) -> dict:
+    """The gate config as plain values, its interpolations resolved; one that cannot be (`max_drop: ${nope}`) is a
+    ConfigError naming the key."""
+    try:
+        return OmegaConf.to_container(OmegaConf.create(node), resolve=True)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "a threshold"
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError(
+            f"gate {where}: {key} cannot be resolved ({first}); give {key} a value (conf/gate/default.yaml has each)"
+        ) from None
+
+
 def thresholds(node, where: str) -> Thresholds:
     """Thresholds from a gate config (conf/gate/*.yaml, or the run's `gate` node); `where` names it in errors. Every
     threshold is typed and ranged (RANGES); a gate left with no accuracy check is refused."""
     if not isinstance(node, (dict, DictConfig)):
         kind = "a list" if isinstance(node, (list, ListConfig)) else type(node).__name__
         raise ConfigError(f"gate {where} is {kind}, not a mapping of thresholds (max_drop: 0.05, ...); fix its YAML")
-    cfg = {k: v for k, v in OmegaConf.to_container(OmegaConf.create(node), resolve=True).items() if k != "name"}
+    cfg = {k: v for k, v in resolved(node, where).items() if k != "name"}
     unknown = set(cfg) - set(Thresholds.__dataclass_fields__)
     if unknown:
         raise ConfigError(f"gate {where}: unknown thresholds {sorted(unknown)}")

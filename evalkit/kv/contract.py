@@ -8,12 +8,16 @@ After every compression (the prompt's, each chunk of a chunked prefill, each evi
   where those are more;
 - the tokens held, summed over the evicting layers and their KV heads, are at most what the budget allows: per head
   `min(seen, max(ceil(budget x seen) or the token budget, protected + 1))`, where `protected` counts the tokens the
-  policy itself declares it keeps whatever the scores (`KVPolicy.protected`: sinks, a recent or observation window,
-  a DuoAttention retrieval head's whole context). The sum, not each layer, is held to it, so that layer-dependent
+  policy itself declares it keeps whatever the scores (`KVPolicy.protected`: sinks, a recent or observation window),
+  at most the `min_tokens() - 1` it states, which every sample's budget must hold (`check_fits`, before any runs):
+  a policy that declares most of the context protected holds its budget all the same. Only evalkit's own policies
+  whose budget is not a count of tokens (FullCache; DuoAttention, whose retrieval heads keep their whole context)
+  have every protected token counted. The sum, not each layer, is held to it, so that layer-dependent
   budgets (PyramidKV) and budgets shared among heads (AdaKV) pass as long as the total holds; one token per layer
   of slack covers the rounding of per-layer budgets. The allowance is computed from the budget by the base class
   (`KVPolicy.asked`), whatever a policy's own `target` or `keep_per_layer` say;
-- any exception raised inside a policy that is not evalkit's own (or a wrapper over one) is the policy's fault.
+- anything raised inside any method of a policy that is not evalkit's own (or a wrapper over one) is the policy's
+  fault, SystemExit and KeyboardInterrupt included: only a SIGINT the process received is the user's Ctrl-C.
 
 A violation is a PolicyError (exit 2): one line naming the policy, the layer and what it did.
 """
@@ -26,7 +30,8 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from evalkit.errors import ConfigError, PolicyError
+from evalkit import sigint
+from evalkit.errors import ConfigError, InternalError, JobError, PolicyError
 from evalkit.policies import KVPolicy, LayerView
 
 OWN = "evalkit."  # evalkit's own policies live in evalkit.policies (policies/ installs there)
@@ -48,22 +53,74 @@ def describe(policy: KVPolicy) -> str:
 
 @contextmanager
 def calling(policy: KVPolicy, method: str, layer_idx: int | None = None) -> Iterator[None]:
-    """Run a call into a policy; an exception raised there by a user's policy becomes a PolicyError naming it. An
-    evalkit policy's exception is evalkit's bug and passes through (exit 3)."""
+    """Run a call into a policy; whatever a user's policy raises there becomes a PolicyError naming the policy and
+    its method (policy_fault). An evalkit policy's exception is evalkit's bug and passes through (exit 3)."""
     try:
         yield
-    except ConfigError:
-        raise
-    except Exception as err:  # noqa: BLE001 - whatever the user's code raises
-        owner = users(policy)
-        if owner is None:
+    except BaseException as err:  # noqa: BLE001 - whatever the user's code raises, SystemExit(0) included
+        fault = policy_fault(err, [policy], method, layer_idx)
+        if fault is None:
             raise
-        where = f" at layer {layer_idx}" if layer_idx is not None else ""
-        first = (str(err).strip().splitlines() or [""])[0][:200]
-        raise PolicyError(
-            f"{describe(owner)} raised {type(err).__name__} in {method}(){where}: {first}; the fault is in the "
-            "policy's code: fix it (README, Write a policy)"
-        ) from None
+        raise fault from None
+
+
+@contextmanager
+def guarding(policies: list[KVPolicy]) -> Iterator[None]:
+    """Around a whole run: what escapes it through the code of one of `policies` that is a user's (a method evalkit
+    calls outside `calling`: observation_window, target, ...) is that policy's fault, as in `calling`."""
+    try:
+        yield
+    except BaseException as err:  # noqa: BLE001 - as in calling
+        fault = policy_fault(err, policies)
+        if fault is None:
+            raise
+        raise fault from None
+
+
+def policy_fault(
+    err: BaseException, policies: list[KVPolicy], method: str | None = None, layer_idx: int | None = None
+) -> PolicyError | None:
+    """`err` as the fault of a user's policy among `policies`, naming it and the method of its own that raised (else
+    `method`, the one evalkit called); None when it is not one: evalkit's own errors and stops, an evalkit policy's
+    exception (evalkit's bug), a KeyboardInterrupt after the user pressed Ctrl-C. Any exception of the user's
+    code, SystemExit and a KeyboardInterrupt that no SIGINT sent are the policy's: it may not end or stop the run."""
+    if isinstance(err, (ConfigError, JobError, InternalError)):
+        return None
+    if not isinstance(err, (Exception, SystemExit, KeyboardInterrupt)):
+        return None  # evalkit's own stops (a run interrupted on request) pass a policy's call untouched
+    if isinstance(err, KeyboardInterrupt) and sigint.received():
+        return None
+    for owner in filter(None, map(users, policies)):
+        name = own_method(err, owner) or method
+        if name is not None:
+            return PolicyError(blame(owner, name, layer_idx, err))
+    return None
+
+
+def own_method(err: BaseException, owner: KVPolicy) -> str | None:
+    """The method of the user's policy the traceback of `err` went through first (score, where evalkit's select
+    called it), or None when no code of the user's ran on the way (the fault is then in what it returned)."""
+    tb = err.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_locals.get("self") is owner and not str(frame.f_globals.get("__name__", "")).startswith(OWN):
+            return frame.f_code.co_name
+        tb = tb.tb_next
+    return None
+
+
+def blame(owner: KVPolicy, method: str, layer_idx: int | None, err: BaseException) -> str:
+    """One line: the user's policy raised `err` in `method`; the fault is the policy's."""
+    where = f" at layer {layer_idx}" if layer_idx is not None else ""
+    first = (str(err).strip().splitlines() or [""])[0][:200]
+    if isinstance(err, SystemExit):
+        first = f"exit code {err.code!r}: a policy may not end the run"
+    elif isinstance(err, KeyboardInterrupt):
+        first = "no Ctrl-C was pressed: a policy may not stop the run"
+    return (
+        f"{describe(owner)} raised {type(err).__name__} in {method}(){where}: {first}; the fault is in the policy's "
+        "code: fix it (README, Write a policy)"
+    )
 
 
 def check_budgets(policy: KVPolicy, budgets: object, n_layers: int) -> list[int]:
@@ -106,8 +163,10 @@ def check_indices(policy: KVPolicy, idx: object, view: LayerView, layer_idx: int
 
 
 def allowance(policy: KVPolicy, view: LayerView, k: int, layer_idx: int) -> Tensor:
-    """(B, Hkv) tokens each head may hold: max(the budget's tokens, its declared protected tokens + 1), at most the
-    tokens seen (module docstring)."""
+    """(B, Hkv) tokens each head may hold: the budget's tokens, or its protected tokens plus one where they are more,
+    counting at most the `min_tokens() - 1` it states (its sinks and windows, which every sample's budget was checked
+    to hold: check_fits), and at most the tokens seen. Only evalkit's own policies whose budget counts no tokens
+    (FullCache, DuoAttention) have every protected token counted."""
     asked = KVPolicy.asked(policy, view.seen)  # the base rule, whatever the policy overrides
     with calling(policy, "protected", layer_idx):
         protected = policy.protected(view, k)
@@ -115,7 +174,48 @@ def allowance(policy: KVPolicy, view: LayerView, k: int, layer_idx: int) -> Tens
         declared = torch.zeros(view.keys.shape[:2], dtype=torch.long, device=view.keys.device)
     else:
         declared = (protected & view.real).sum(-1)
+    if not counts_every_protected(policy):
+        declared = declared.clamp(max=stated(policy) - 1)
     return declared.add(1).clamp(min=asked).clamp(max=view.seen)
+
+
+def counts_every_protected(policy: KVPolicy) -> bool:
+    """Whether every token `policy` declares protected counts beyond its budget: only evalkit's own policies whose
+    budget is not a count of tokens (`budget_counts_tokens`)."""
+    return users(policy) is None and not policy.budget_counts_tokens
+
+
+def stated(policy: KVPolicy) -> int:
+    """`min_tokens()`, a whole number >= 1, or a PolicyError."""
+    with calling(policy, "min_tokens"):
+        n = policy.min_tokens()
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise PolicyError(f"{describe(policy)}: min_tokens() returned {n!r}, not a whole number >= 1; fix the policy")
+    return n
+
+
+def check_declared(policy: KVPolicy) -> None:
+    """Before any model loads: only evalkit's own policies may say their budget counts no tokens."""
+    owner = users(policy)
+    if owner is not None and not owner.budget_counts_tokens:
+        raise PolicyError(
+            f"{describe(owner)} sets budget_counts_tokens = False, which only evalkit's own none and duo_attention "
+            "may: a policy holds at most its budget plus the min_tokens() - 1 tokens it protects; remove it"
+        )
+
+
+def check_fits(policy: KVPolicy, n_context: int) -> None:
+    """Whatever the policy's own validate says: the protected tokens it states (`min_tokens() - 1`) fit its budget
+    on a context of n_context tokens, so that they never count beyond what the budget allows."""
+    if counts_every_protected(policy):
+        return
+    need = min(stated(policy), n_context)
+    kept = min(n_context, KVPolicy.asked(policy, n_context))
+    if kept < need:
+        raise ConfigError(
+            f"policy.budget keeps {kept} tokens, fewer than the {stated(policy)} that {policy.name} states it needs "
+            "(min_tokens(): its protected tokens plus one); raise policy.budget"
+        )
 
 
 def check_layer(policy: KVPolicy, held: Tensor, allowed: Tensor, k: int, layer_idx: int) -> None:
@@ -148,5 +248,12 @@ def check_held(policy: KVPolicy, held: dict[int, tuple[Tensor, Tensor]], seen: i
         f"{policy.name} held {h.float().mean():.0f} of {seen} tokens per KV head at layer {layer_idx}, where "
         f"{what} plus the tokens it declares protected allow {a.float().mean():.0f} "
         f"({total_held} held against {total_allowed} allowed over {len(held)} layers and their heads); a policy "
-        "keeps at most its budget plus its protected tokens: fix its select, target or keep_per_layer"
+        f"keeps at most its budget plus {protects(policy)}: fix its select, target or keep_per_layer"
     )
+
+
+def protects(policy: KVPolicy) -> str:
+    """What check_held counts beyond the budget, in words."""
+    if counts_every_protected(policy):
+        return "its protected tokens"
+    return f"the protected tokens it states, min_tokens() - 1 = {stated(policy) - 1} per KV head"

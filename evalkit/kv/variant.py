@@ -9,6 +9,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 from evalkit.errors import ConfigError
+from evalkit.kv import contract
 from evalkit.kv.cache import (
     compress,
 )
@@ -32,6 +33,7 @@ class Variant:
 
     def validate(self) -> None:
         """ConfigError for a combination that cannot run, whatever the context."""
+        contract.check_declared(self.policy)
         if self.quant is not None and self.policy.ragged:
             raise ConfigError(
                 f"{self.name}: {self.policy.name} keeps a different number of tokens in each KV head, which quantized "
@@ -63,7 +65,9 @@ class Variant:
     def check(self, n_context: int, where: str) -> None:
         """ConfigError, naming `where`, when the budget cannot hold on a context of n_context tokens."""
         try:
-            self.policy.validate(n_context)
+            with contract.calling(self.policy, "validate"):
+                self.policy.validate(n_context)
+            contract.check_fits(self.policy, n_context)
         except ConfigError as err:
             raise ConfigError(f"{where} ({n_context} context tokens): {err}") from None
 

@@ -13,6 +13,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from evalkit.errors import ConfigError
+from evalkit.kv import contract
 from evalkit.kv.variant import Variant
 from evalkit.run import models
 from evalkit.run.engine import Compressed, Outcome, compress_context, decode, run_sample
@@ -54,7 +55,8 @@ class EvalkitLM(LM):
         super().__init__()
         self.loaded, self.model, self.tok = loaded, loaded.model, loaded.tokenizer
         self.variant = variant
-        variant.policy.prepare(loaded.model, NeedleProbes(loaded.tokenizer))  # once per policy (DuoAttention's roles)
+        with contract.calling(variant.policy, "prepare"):  # once per policy (DuoAttention's roles)
+            variant.policy.prepare(loaded.model, NeedleProbes(loaded.tokenizer))
         self.max_gen_toks, self.rolling_split = int(max_gen_toks), float(rolling_split)
         # lm-eval's command line (main): the per-document metric of the paired records, and where they are written
         self.metric, self.records = metric, records

@@ -96,6 +96,50 @@ def _check_heads(name: str, layers: int, heads: int, kv_heads: object, head_dim:
         raise ConfigError(f"model {name}: head_dim={head_dim!r} in its config; give a whole number >= 1")
 
 
+# The config's other counts the planner reads (arch_from_config, evalkit.plan.params), each the least it may be where
+# given: a string, a float, a bool or a negative count is refused rather than read as something else.
+COUNTS = {
+    "vocab_size": 1,
+    "intermediate_size": 1,
+    "moe_intermediate_size": 1,
+    "max_position_embeddings": 1,
+    "sliding_window": 0,
+    "sliding_window_pattern": 0,
+    "kv_lora_rank": 0,
+    "qk_rope_head_dim": 0,
+    "qk_nope_head_dim": 0,
+    "v_head_dim": 1,
+    "q_lora_rank": 0,
+    "n_routed_experts": 0,
+    "num_local_experts": 0,
+    "num_experts": 0,
+    "n_shared_experts": 0,
+    "num_experts_per_tok": 1,
+    "first_k_dense_replace": 0,
+}
+
+
+def _check_fields(cfg: dict, name: str, layers: int) -> None:
+    """The config's other fields are what they claim: counts whole numbers, tie_word_embeddings a boolean,
+    layer_types one attention type (a string) per layer; a ConfigError naming the first that is not."""
+    for key, least in COUNTS.items():
+        value = cfg.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+            raise ConfigError(f"model {name}: {key}={value!r} in its config; give a whole number >= {least}")
+    tied = cfg.get("tie_word_embeddings")
+    if tied is not None and not isinstance(tied, bool):
+        raise ConfigError(f"model {name}: tie_word_embeddings={tied!r} in its config; give true or false")
+    types = cfg.get("layer_types")
+    if types is not None and (
+        not isinstance(types, list) or len(types) != layers or not all(isinstance(t, str) for t in types)
+    ):
+        got = f"a list of {len(types)}" if isinstance(types, list) else type(types).__name__
+        raise ConfigError(
+            f"model {name}: layer_types is {got} in its config, not one attention type per layer of its "
+            f'{layers} (num_hidden_layers), e.g. "sliding_attention" or "full_attention"; fix the config'
+        )
+
+
 def arch_from_config(raw: dict, name: str) -> Arch:
     """The Arch of a Hugging Face config dict; a ConfigError naming the first key it lacks."""
     cfg = _text_config(raw)
@@ -114,6 +158,7 @@ def arch_from_config(raw: dict, name: str) -> Arch:
     kv_heads = heads if cfg.get("num_key_value_heads") is None else cfg["num_key_value_heads"]  # 0 is refused
     head_dim = cfg.get("head_dim") or _head_dim(hidden, heads, name)
     _check_heads(name, layers, heads, kv_heads, head_dim)
+    _check_fields(cfg, name, layers)
     mla = None
     if cfg.get("kv_lora_rank"):
         mla = (int(cfg["kv_lora_rank"]), int(cfg.get("qk_rope_head_dim") or 0))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
@@ -41,8 +42,8 @@ def settings(node: DictConfig) -> Settings:
     def positive(key: str, whole: bool = False) -> None:
         v = getattr(s, key)
         ok = isinstance(v, int) if whole else isinstance(v, (int, float))
-        if isinstance(v, bool) or not ok or v <= 0:
-            raise ConfigError(f"plan.{key}={v!r}: give a {'whole number' if whole else 'number'} > 0")
+        if isinstance(v, bool) or not ok or not math.isfinite(v) or v <= 0:  # nan would pass `v <= 0`
+            raise ConfigError(f"plan.{key}={v!r}: give a {'whole number' if whole else 'finite number'} > 0")
 
     for key in ("gpu_gib", "hbm_gbps"):
         positive(key)

@@ -15,6 +15,7 @@ from collections import defaultdict
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import plotly.graph_objects as go
 from plotly.colors import qualitative
@@ -323,14 +324,42 @@ def lost_samples(rows: list[dict], lines: dict[tuple, Line], out: Path) -> list[
     return lost
 
 
+SHOWN_CHARS = 2000  # a text of a row is shown cut here, with its length: one 30 MB prediction must not swell the page
+
+
 def _text(value: Any) -> str:
+    """A row's field as the page shows it: a string, strings joined, or JSON; cut (_cut)."""
     if value is None:
         return ""
     if isinstance(value, str):
-        return value
+        return _cut(value)
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return " | ".join(value)
-    return json.dumps(value, ensure_ascii=False, default=str)
+        return _cut(" | ".join(value))
+    return _cut(json.dumps(value, ensure_ascii=False, default=str))
+
+
+def _cut(text: str) -> str:
+    """`text` whole, or its first SHOWN_CHARS characters and how long it is."""
+    if len(text) <= SHOWN_CHARS:
+        return text
+    return f"{text[:SHOWN_CHARS]}... [cut: {len(text)} characters in all]"
+
+
+def _cut_strings(value: Any) -> Any:
+    """A row with each of its strings cut (_cut), for the row shown whole beside a lost sample."""
+    if isinstance(value, str):
+        return _cut(value)
+    if isinstance(value, list):
+        return [_cut_strings(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _cut_strings(v) for k, v in value.items()}
+    return value
+
+
+def _href(path: Path, out: Path) -> str:
+    """A link from the page in `out` to `path`: relative and percent-encoded, so never a URL of its own (a folder
+    named `javascript:...` would otherwise be a script the link runs)."""
+    return quote(Path(os.path.relpath(path.resolve(), out.resolve())).as_posix())
 
 
 def _lost_row(r: dict, b: dict | None, line: Line | None, out: Path) -> dict[str, Any]:
@@ -339,9 +368,8 @@ def _lost_row(r: dict, b: dict | None, line: Line | None, out: Path) -> dict[str
     cause = flip_cause({**r, "flip": "lost"}) or NOT_MEASURED
     source = None
     if line is not None:
-        pretty = json.dumps(json.loads(line.text), indent=1, ensure_ascii=False, sort_keys=True)
-        href = Path(os.path.relpath(line.path.resolve(), out.resolve())).as_posix()
-        source = {"href": href, "label": f"{line.path.parent.name}/{line.path.name}:{line.number}",
+        pretty = json.dumps(_cut_strings(json.loads(line.text)), indent=1, ensure_ascii=False, sort_keys=True)
+        source = {"href": _href(line.path, out), "label": f"{line.path.parent.name}/{line.path.name}:{line.number}",
                   "path": str(line.path), "line": line.number, "row": pretty}  # fmt: skip
     return {
         "variant": r["variant"],

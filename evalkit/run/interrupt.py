@@ -10,6 +10,8 @@ import sys
 import threading
 from contextlib import contextmanager
 
+from evalkit import sigint
+
 # Set by the evalkit command for its sweep's worker processes (joblib): they defer Ctrl-C from the moment they import
 # this module, which they do while unpickling their job, before anything else of evalkit runs.
 DEFER_ENV = "EVALKIT_DEFER_SIGINT"
@@ -28,10 +30,17 @@ def requested() -> bool:
 
 
 def _handler(signum, frame) -> None:
+    sigint.record()
     if requested():
         raise KeyboardInterrupt
     os.environ[STOP_ENV] = "1"
     print("\nevalkit: stopping after the sample in flight (Ctrl-C again to stop now)", file=sys.stderr, flush=True)
+
+
+def _raising(signum, frame) -> None:
+    """Python's own Ctrl-C (KeyboardInterrupt at once), the SIGINT recorded: the user's stop, not a policy's raise."""
+    sigint.record()
+    raise KeyboardInterrupt
 
 
 @contextmanager
@@ -59,7 +68,7 @@ def deferred():
 
 def immediate():
     """Within the block, SIGINT raises KeyboardInterrupt at once: for work that cannot stop between samples."""
-    return _sigint(signal.default_int_handler)
+    return _sigint(_raising)
 
 
 if os.environ.get(DEFER_ENV):

@@ -16,6 +16,7 @@ from evalkit.backends.loop import run_backend
 from evalkit.errors import ConfigError
 from evalkit.gate.evidence import flip
 from evalkit.gate.summary import BASELINE, format_summary, summarize
+from evalkit.kv import contract
 from evalkit.kv.variant import Variant
 from evalkit.lock import RunLock
 from evalkit.records import (
@@ -131,7 +132,8 @@ def prepare_policies(variants: list[Variant], loaded) -> dict[str, dict]:
     prepared = {}
     for v in variants:
         t = time.perf_counter()
-        info = v.policy.prepare(loaded.model, NeedleProbes(loaded.tokenizer))
+        with contract.calling(v.policy, "prepare"):
+            info = v.policy.prepare(loaded.model, NeedleProbes(loaded.tokenizer))
         if info is not None:
             prepared[v.name] = {**info, "seconds": round(time.perf_counter() - t, 3)}
     return prepared
