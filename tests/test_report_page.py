@@ -6,7 +6,6 @@ The page is read here as HTML (stdlib parser); tests/test_report_browser.py open
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
