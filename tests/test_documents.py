@@ -202,6 +202,12 @@ def test_a_heavy_tail_at_the_limit_does_not_pass():
     assert judge(kl_rows(heavy(300, 0.06, 3.0, 0.2)), [], Thresholds()).status == "INCONCLUSIVE"
     twice = judge(kl_rows([0.2] * 300), [], Thresholds())
     assert twice.status == "FAIL" and "mean KL at least" in "\n".join(twice.reasons)
+    # 1% of rows at 10 nats and the rest at 0: the mean KL is 0.1, the limit, but capped at 3 nats it is 0.03, far
+    # below it (a PASS by the capped mean alone): only its rows above the cap keep it from a PASS
+    tail = [10.0] * 10 + [0.0] * 990
+    assert sum(tail) / 1000 == pytest.approx(0.1)
+    v = judge(kl_rows(tail), [], Thresholds())
+    assert v.status != "PASS" and "10 rows above it (1.0%)" in "\n".join(v.reasons), v.reasons
     # the control: a faithful variant (every row at 0.01 nats) PASSes at the same count
     assert judge(kl_rows([0.01] * 300), [], Thresholds()).status == "PASS"
 
@@ -216,4 +222,5 @@ def test_rows_above_the_cap_are_counted_and_reported(capsys, tmp_path):
     assert (
         kl["cap"] == pytest.approx(3.0) and kl["rows_above_cap"] == 3 and kl["share_above_cap"] == pytest.approx(0.01)
     )
-    assert "3 rows above it (1.0%), each counted at the cap" in out, out
+    assert "3 rows above it (1.0%): a mean beyond the cap is bounded by no number of rows" in out, out
+    assert code == 2 and "evalkit gate: PASS" not in out

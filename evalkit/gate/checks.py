@@ -71,13 +71,20 @@ def _kl_check(ctx: Contexts, t) -> Check | None:
     check.limit, check.lower, check.upper = t.max_mean_kl, check.lower * cap, check.upper * cap
     rows = int(round(float(np.sum(ctx.kl_above * ctx.questions)))) if ctx.kl_above is not None else 0
     check.extra = {"cap": cap, "rows_above_cap": rows, "share_above_cap": rows / max(int(np.sum(ctx.questions)), 1)}
+    if rows:  # no number of rows bounds a mean beyond the cap: a row there fails its context, and the check can't hold
+        check.p_holds = 1.0
     return check
 
 
 def kl_words(c: Check) -> str:
     """How the KL was counted, for the gate's messages: the cap and the rows above it."""
     above, share = c.extra["rows_above_cap"], c.extra["share_above_cap"]
-    counted = f"{above} rows above it ({share:.1%}), each counted at the cap" if above else "none above it"
+    counted = (
+        f"{above} rows above it ({share:.1%}): a mean beyond the cap is bounded by no number of rows, so a row above "
+        "it fails its context and the KL cannot be shown to hold"
+        if above
+        else "none above it"
+    )
     return f"each row capped at {c.extra['cap']:g} nats; {counted}"
 
 
