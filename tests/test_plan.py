@@ -441,3 +441,15 @@ def test_config_fields_that_are_not_what_they_claim_are_one_line(tmp_path, field
     said = f"evalkit: error: model config.json: {message}"
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and res.stderr.startswith(said), res.stderr
     assert arch_from_config(json.loads((DATA / "mistral_7b.json").read_text()), "mistral").vocab == 32000  # control
+
+
+def test_the_console_prints_user_text_as_written_not_as_rich_markup(monkeypatch, capsys):
+    """A variant list is user text: Rich read `variants=[snapkv@0.25]` as a markup tag and printed `variants=`."""
+    from evalkit.plan import outputs
+
+    table = {"measured [runs]": (["variant", "verdict"], [["variants=[snapkv@0.25]", "[bold]PASS"]])}
+    monkeypatch.setattr(outputs, "tables", lambda p: table)
+    outputs.print_console({"offload": {"verdict": "[red]viable"}})
+    out = capsys.readouterr().out
+    for text in ("measured [runs]", "variants=[snapkv@0.25]", "[bold]PASS", "Offload: [red]viable"):
+        assert text in out, out

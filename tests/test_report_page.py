@@ -173,7 +173,9 @@ def test_the_verdict_is_the_gates_verdict_json_for_these_runs_with_its_advice_an
     advice += "resume=true"
     extend = "python -m evalkit task=needle task.samples_per_cell=5 resume=true hydra.run.dir=/r/x"
     doc = {"verdict": "INCONCLUSIVE", "reasons": ["snapkv@0.5: not shown within 0.05"], "advice": advice,
-           "extend": extend, "looks": 3, "runs": ["run"], "thresholds": {"max_drop": 0.05}}  # fmt: skip
+           "extend": extend, "looks": 3, "runs": ["run"], "thresholds": {"max_drop": 0.05, "min_samples": None},
+           "not_judged": ["snapkv@0.5: no cell judged (1 samples, a failure here can be shown from 10)",
+                          "cell L128-d0.5: the baseline scores 0.20 there, below 0.5"]}  # fmt: skip
     doc["digest"] = digest(read_runs([run]).rows, thresholds(doc["thresholds"], "test"))  # it judged these rows
     (run / "verdict.json").write_text(json.dumps(doc))
     assert report_main([str(run), "--out", str(tmp_path / "out")]) == 0
@@ -183,6 +185,12 @@ def test_the_verdict_is_the_gates_verdict_json_for_these_runs_with_its_advice_an
     assert "add at least 18" in page.text["verdict-advice"]
     assert page.text["extend-command"] == extend  # the gate's (evalkit.gate.extend_command), shown as written
     assert "verdict.json (written by the gate)" in page.text["verdict"]
+    # what was not judged, and why, in the gate's words (the page once said "1 cell(s) not judged: the baseline is
+    # too weak there" whatever the gate's reasons and count), and min_samples=null as what it means
+    assert "2 not judged (the gate's reasons)" in page.text["verdict"] and "too weak" not in page.text["verdict"]
+    for reason in doc["not_judged"]:
+        assert reason in page.text["verdict"]
+    assert "min_samples=auto (the count a lossless PASS needs)" in page.text["thresholds"]
 
 
 def gate_verdict(run: Path, out: Path, *args: str) -> str:

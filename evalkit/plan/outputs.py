@@ -102,19 +102,20 @@ def markdown(p: dict[str, Any]) -> str:
 def print_console(p: dict[str, Any]) -> None:
     try:
         from rich.console import Console
+        from rich.markup import escape
         from rich.table import Table
     except ImportError:  # plain text: plan.md's tables
         print(markdown(p))
         return
     console = Console(width=max(140, Console().width))
-    for title, (head, rows) in tables(p).items():
-        t = Table(title=title, title_justify="left", show_header=any(head))
+    for title, (head, rows) in tables(p).items():  # user text (variants=[snapkv@0.25]) is not Rich markup
+        t = Table(title=escape(title), title_justify="left", show_header=any(head))
         for h in head:
-            t.add_column(h)
+            t.add_column(escape(h))
         for r in rows:
-            t.add_row(*r)
+            t.add_row(*(escape(str(c)) for c in r))
         console.print(t)
-    console.print(f"Offload: {p['offload']['verdict']}")
+    console.print(f"Offload: {escape(p['offload']['verdict'])}")
 
 
 def plot(p: dict[str, Any], path: Path) -> None:
