@@ -19,6 +19,7 @@ from evalkit.gate import exact, looks
 from evalkit.gate.cli import main
 from evalkit.gate.judge import judge
 from evalkit.gate.thresholds import Thresholds
+from tests.conftest import drew
 from tests.test_gate import rows, run_info
 from tests.test_stats import lossless_betting_count
 
@@ -111,9 +112,10 @@ def test_a_graded_uniform_drop_of_004_passes_with_enough_samples():
 def _folder(tmp_path: Path, base: list[float], pol: list[float]) -> Path:
     d = tmp_path / "run"
     d.mkdir(exist_ok=True)
-    (d / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(base, pol)))
-    if not (d / "run.json").exists():
-        (d / "run.json").write_text(json.dumps(run_info("r1")))
+    written = rows(base, pol)
+    (d / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in written))
+    info = json.loads((d / "run.json").read_text()) if (d / "run.json").exists() else run_info("r1")
+    (d / "run.json").write_text(json.dumps(drew(info, written)))  # extended as resume=true extends it
     return d
 
 

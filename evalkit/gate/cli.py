@@ -36,7 +36,7 @@ def gate(run_dirs: list[Path], thresholds: Thresholds, out_dir: Path | None = No
     written (where the folder is writable), the reasons printed (print_verdict), then CannotJudge is raised (exit
     code 2) with the samples that would settle it, or what is wrong with the records."""
     records = read_runs(run_dirs)
-    verdict = judge(records.rows, records.infos, thresholds, records.problems)
+    verdict = judge(records.rows, records.infos, thresholds, records.problems, records.partial)
     verdict.runs = [str(d) for d in run_dirs]
     if verdict.status != "CANNOT JUDGE":
         folders = [Path(info["_folder"]) for info in records.infos]  # the run folders read_runs found
