@@ -134,8 +134,9 @@ def _against_baseline(r: dict, b: dict, line: int) -> str | None:
     ]
     if "kv_bytes_baseline_deployed" in r and "kv_bytes_deployed" in b:
         checks.append(("kv_bytes_baseline_deployed", b["kv_bytes_deployed"], "the baseline row's kv_bytes_deployed"))
-    if "context_id" in r or "context_id" in b:
-        checks.append(("context_id", b.get("context_id"), "the baseline row's context_id"))
+    for key in ("context_id", "answers", "scorer"):  # one sample: one context, one reference, one scorer
+        if key in r or key in b:
+            checks.append((key, b.get(key), f"the baseline row's {key}"))
     for key, want, what in checks:
         if r.get(key) != want:
             return f"{key}={r.get(key)!r} but {what} (line {line}) is {want!r}"
@@ -209,7 +210,7 @@ def judged_fields(rows: list[dict], lines: list[int], path: str, info: dict) -> 
     from its prediction by the task's scorer (teacher-forced rows: from their top-1 agreement), the engine's own
     fields on an hf run's rows, a KL on every row of a variant once any has one. Each names file:line."""
     want, engine = scoring.expected(task_config(info)), backend_of(info)
-    forced = bool(task_config(info).get("teacher_forced"))
+    forced = scoring.teacher_forced(task_config(info))
     with_kl = {r["variant"] for r in rows if r.get("kl_mean") is not None}
     out = []
     for r, n in zip(rows, lines, strict=True):

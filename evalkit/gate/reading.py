@@ -9,6 +9,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from evalkit import scoring
 from evalkit.errors import ConfigError
 from evalkit.gate.evidence import contradictions, judged_fields, row_problem, run_problems, task_config
 from evalkit.gate.summary import is_baseline, merge
@@ -211,7 +212,7 @@ def _samples(rows: list[dict], info: dict, where: str, partial: list[str]) -> li
     """The run's rows against the samples its run.json lists (data.samples): rows of a sample it never drew cannot
     be judged; samples without rows (a run killed, cells never run) make the run unfinished, said in `partial`.
     lm-eval's runs (task external) list no samples: lm-eval draws its documents."""
-    if task_config(info).get("external"):
+    if scoring.external(task_config(info)):
         return []
     listed = (info.get("data") or {}).get("samples")
     if not isinstance(listed, dict) or not listed:

@@ -76,7 +76,7 @@ def verdict_view(run_dirs: list[Path], records: Records, thresholds: Thresholds,
         why_not = _stale(doc, path, run_dirs)
         if not why_not:
             return _from_doc(doc, f"{path} (written by the gate)")
-    verdict = judge(records.rows, records.infos, thresholds, records.problems)
+    verdict = judge(records.rows, records.infos, thresholds, records.problems, records.partial)
     verdict.runs = [str(d) for d in run_dirs]
     doc = verdict_doc(verdict, thresholds)
     given = "the thresholds given with --gate" if explicit else "the gate's default thresholds"

@@ -53,10 +53,23 @@ def score(scorer: dict[str, Any], prediction: str, answers: list[str]) -> float:
     return float(module(name).score(prediction, answers, scorer.get("subtask") or "", scorer.get("extra") or {}))
 
 
+# Tasks whose rows no scorer here scores, by their config's _target_ (the gate cannot import the tasks)
+TEACHER_FORCED = ("evalkit.tasks.fidelity.FidelityTask",)  # scored from logits: score = top-1 agreement
+EXTERNAL = ("evalkit.tasks.lmeval.LmEvalTask",)  # scored by lm-eval's own task code
+
+
+def teacher_forced(task: dict[str, Any]) -> bool:
+    return bool(task.get("teacher_forced")) or task.get("_target_") in TEACHER_FORCED
+
+
+def external(task: dict[str, Any]) -> bool:
+    return bool(task.get("external")) or task.get("_target_") in EXTERNAL
+
+
 def expected(task: dict[str, Any]) -> str | None:
     """The scorer a run's task config implies (run.json config.task), or None where its rows carry no spec: scored
-    from logits (teacher_forced) or by another harness (external, lm-eval)."""
-    if task.get("teacher_forced") or task.get("external"):
+    from logits (teacher-forced) or by another harness (external, lm-eval)."""
+    if teacher_forced(task) or external(task):
         return None
     if "scorer" in task:
         return str(task["scorer"])
