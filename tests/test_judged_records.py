@@ -12,6 +12,7 @@ same and scores 1; a lossy one (snapkv@0.1) changes most answers and loses them.
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from pathlib import Path
 
@@ -42,7 +43,8 @@ def write_jsonl(path: Path, answers: dict[str, str]) -> Path:
     words = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud"]
     with path.open("w") as f:
         for i in range(N):
-            context = " ".join(words[(i * 7 + j * j) % len(words)] for j in range(60))
+            rng = random.Random(i)  # a context of its own for each question
+            context = " ".join(rng.choice(words) for _ in range(60))
             row = {"id": f"q{i}", "context": context, "question": "Say something.", "meta": {"part": i % 3}}
             f.write(json.dumps({**row, "answers": [answers.get(f"q{i}", "x")]}) + "\n")
     return path
@@ -140,14 +142,16 @@ def test_a_score_set_to_1_beside_a_wrong_prediction_is_refused(runs, capsys, tmp
     ids=["prediction-deleted", "prediction-null", "prediction-number", "scorer-deleted", "scorer-other", "answers"],
 )
 def test_a_score_whose_prediction_cannot_be_scored_again_is_refused(runs, capsys, tmp_path, change, message):
-    """The edited row (a lost one, set to score 1 and no flip) with what re-scoring needs removed or changed."""
+    """Every lost row set to score 1 and no flip (believed, a PASS), with what re-scoring needs removed or changed."""
     d = copy(runs, "lossy", tmp_path)
     rows = rows_of(d)
     i = _lost(rows)
-    rows[i]["score"], rows[i]["flip"] = 1.0, None
-    change(rows[i])
+    for r in rows:
+        if r["flip"] == "lost":
+            r["score"], r["flip"] = 1.0, None
+            change(r)
     write_rows(d, rows)
-    cannot_judge(capsys, runs, d, f"{d / SAMPLES}:{i + 1}: {message}")
+    cannot_judge(capsys, runs, d, f"{d / SAMPLES}:{i + 1}: ", message)
 
 
 # --- fields the gate judges, deleted -------------------------------------------------------------------------------
@@ -298,24 +302,29 @@ def test_declared_bytes_are_labelled_and_a_pass_on_them_says_so_first(runs, caps
 # --- resume re-derives what it carries ----------------------------------------------------------------------------
 
 
+def _variant_scored_0(rows: list[dict], **fields) -> None:
+    """Line 2 (sample q0's none@1.0 row) given score 0, a lost flip that agrees with it, and `fields`."""
+    rows[1].update(score=0.0, flip="lost", **fields)
+
+
 @pytest.mark.parametrize(
-    ("change", "message"),
+    ("change", "line", "message"),
     [
-        (lambda r: r.pop("score"), "has no score"),
-        (lambda r: r.update(score=0.0, prediction=None), "prediction=None, not the text its score was given for"),
-        (lambda r: (r.update(score=0.0), r.pop("prediction")), "prediction=None, not the text"),
-        (lambda r: r.update(score=0.0, prediction=11), "prediction=11, not the text"),
-        (lambda r: r.pop("context_id"), "context_id=None, but the sample's prompt compresses context"),
+        (lambda rows: rows[0].pop("score"), 1, "has no score"),
+        (lambda rows: _variant_scored_0(rows, prediction=None), 2, "prediction=None, not the text its score was"),
+        (lambda rows: (_variant_scored_0(rows), rows[1].pop("prediction")), 2, "prediction=None, not the text"),
+        (lambda rows: _variant_scored_0(rows, prediction=11), 2, "prediction=11, not the text"),
+        (lambda rows: [r.pop("context_id") for r in rows[:2]], 1, "context_id=None, but the sample's prompt"),
     ],
     ids=["baseline-without-score", "prediction-null", "prediction-deleted", "prediction-number", "context-deleted"],
 )
-def test_resume_refuses_a_row_it_cannot_derive_again(runs, tmp_path, change, message):
+def test_resume_refuses_a_row_it_cannot_derive_again(runs, tmp_path, change, line, message):
     """Before: a baseline row without its score was a KeyError (exit 3); an edited score beside a prediction that is
-    null, deleted or a number, and a deleted context_id, were carried into the extended run."""
+    null, deleted or a number, and a context_id deleted from a sample's rows, were carried into the extended run."""
     d = copy(runs, "lossless", tmp_path)
     rows = rows_of(d)
-    change(rows[0])  # line 1: the first baseline row
+    change(rows)
     write_rows(d, rows)
     with pytest.raises(ConfigError, match="resume=true, but a row already written") as err:
         real_run(d, runs["data"], "variants=[none@1.0]", "resume=true")
-    assert f"{d / SAMPLES}:1" in str(err.value) and message in str(err.value), str(err.value)
+    assert f"{d / SAMPLES}:{line}: " in str(err.value) and message in str(err.value), str(err.value)
