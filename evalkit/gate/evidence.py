@@ -9,6 +9,11 @@ The gate believes no number a row claims that it can derive from another row or 
   _layer`, the budget plus the tokens the policy declares protected, evalkit.kv.contract), and its deployed bytes match
   the tokens it holds (dense storage: the baseline's bytes per token and layer times the tokens held; quantized
   storage: at most that);
+- every score is the one the task's scorer gives the row's prediction (evalkit.scoring; the scorer the run's task
+  config names; a teacher-forced row's, its top-1 agreement), and a variant row's answers and scorer are its
+  baseline row's;
+- a row of evalkit's engine carries its context, tokens and deployed bytes, and a variant's rows carry a KL on every
+  row or on none: a deleted field is refused, never a check dropped;
 - run.json carries the resolved config, the model fingerprint and the library versions;
 - a sample is identified across folders by its run's sample identity and its id (evalkit.records.sample_key), so
   that rows of different runs whose ids collide are never taken for the same sample (evalkit.analysis.merge).
