@@ -247,9 +247,9 @@ def test_an_edited_score_stops_the_run_that_would_extend_it(runs, tmp_path):
 
 @pytest.mark.parametrize("deleted", [True, False], ids=["deleted", "null"])
 def test_one_row_without_its_kl_is_refused_not_the_kl_check_dropped(runs, capsys, tmp_path, deleted):
-    """The lossless run with its KL made to fail (every variant row's kl_mean at 5 nats, 50x max_mean_kl) and one
-    row's KL then removed: before, the KL check was dropped for the whole variant (the FAIL became a PASS) or, set
-    to null, the summary's mean crashed (exit 3)."""
+    """The lossless run with its KL made to fail (every variant row's kl_mean at 5 nats, 50x max_mean_kl) and the
+    first variant row's KL then removed: before, deleted, the KL check was dropped for the whole variant (the FAIL
+    became a PASS); set to null, the summary's mean crashed (exit 3)."""
     d = copy(runs, "lossless", tmp_path)
     rows = read_rows(d / "samples.jsonl")
     for r in rows:
@@ -258,9 +258,9 @@ def test_one_row_without_its_kl_is_refused_not_the_kl_check_dropped(runs, capsys
     (d / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     code, out, _ = judge(capsys, d)  # the control: every row with its KL, a FAIL on it
     assert code == 1 and "mean KL" in out, out
-    rows[3].pop("kl_mean") if deleted else rows[3].update(kl_mean=None)  # line 4, a variant row
+    rows[1].pop("kl_mean") if deleted else rows[1].update(kl_mean=None)  # line 2, the first none@1.0 row
     (d / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cannot_judge(capsys, d, f"{d / 'samples.jsonl'}:4: has no kl_mean, which the other rows of its variant")
+    cannot_judge(capsys, d, f"{d / 'samples.jsonl'}:2: has no kl_mean, which the other rows of its variant")
 
 
 def test_a_teacher_forced_score_that_is_not_its_agreement_is_refused(runs, capsys, tmp_path):
