@@ -211,6 +211,23 @@ def config_differences(old: dict[str, Any], new: dict[str, Any], prefix: str = "
     return diffs
 
 
+# The gate and the logger read the records, they do not change them, and results_root is where the folder lies,
+# not what it measured: a resumed run may differ in them (a copied or moved folder resumes).
+NOT_IDENTITY = ("resume", "gate", "logger", "results_root")
+
+
+def experiment_config(config: dict) -> dict:
+    """A run's config less what does not change what it measures (NOT_IDENTITY) and how many samples its task draws
+    (SAMPLE_COUNT: samples are generated the same whatever the count, and their digests prove it, so resume=true
+    with a larger count extends a run): two runs with equal ones are the same experiment."""
+    out = {k: v for k, v in config.items() if k not in NOT_IDENTITY}
+    if out.get("backend") == {"name": "hf"}:  # runs written before backends existed ran on hf
+        del out["backend"]
+    if isinstance(out.get("task"), dict):
+        out["task"] = {k: v for k, v in out["task"].items() if k not in SAMPLE_COUNT}
+    return out
+
+
 def sample_identity(info: dict) -> str:
     """What makes a run's sample ids mean the same samples: the task's config less its sample count, the seed and the
     digests of the input files (12 hex digits of their sha256)."""

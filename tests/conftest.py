@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import random
+from fractions import Fraction
 
 # Triton reads this when it is first imported: run its kernels on the CPU (the interpreter) throughout the tests.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -238,3 +239,41 @@ def report_runs(tmp_path_factory) -> dict[str, Path]:
         _, err = proc.communicate(timeout=900)
         assert proc.returncode == 0, f"{name}: {err.decode()[-3000:]}"
     return {name: tmp / name for name in argv}
+
+
+# --- hand-built records, as evalkit's engine writes them -----------------------------------------------------------
+
+
+def scored(score: float) -> dict:
+    """A prediction, its answers and its scorer such that the scorer gives exactly `score`: contains_all over k
+    answers of which the prediction holds m, m / k = score (the gate scores every prediction again)."""
+    share = Fraction(score).limit_denominator(1000)
+    assert abs(float(share) - score) < 1e-12, f"no m/k <= 1000 is {score}"
+    answers = [f"<{j}>" for j in range(share.denominator)]
+    prediction = " ".join(answers[: share.numerator]) or "-"
+    scorer = {"name": "contains_all", "subtask": "", "extra": {}}
+    return {"prediction": prediction, "answers": answers, "scorer": scorer}
+
+
+def as_written(rows: list[dict]) -> list[dict]:
+    """Hand-built rows completed with what every row of evalkit's engine carries and the gate re-derives: a
+    prediction that scores the row's score, the tokens held (the bytes over the baseline's, of context_tokens, in one
+    layer), bytes as deployed, a context (one per sample). Fields a row already has are kept."""
+    out = []
+    for r in rows:
+        tokens = round(r.get("context_tokens", 100) * r["kv_bytes"] / r["kv_bytes_baseline"])
+        engine = {
+            "tokens_held_per_layer": [tokens],
+            "tokens_allowed_per_layer": [tokens],
+            "kv_bytes_deployed": r["kv_bytes"],
+            "kv_bytes_baseline_deployed": r["kv_bytes_baseline"],
+            "context_id": f"c-{r['sample_id']}",
+        }
+        out.append({**engine, **scored(r["score"]), **r})
+    return out
+
+
+def drew(info: dict, rows: list[dict]) -> dict:
+    """run.json `info` with the samples its run drew (data.samples): those of the baseline's rows."""
+    ids = {str(r["sample_id"]): "0" * 16 for r in rows if r.get("variant") == "baseline"}
+    return {**info, "data": {**(info.get("data") or {}), "samples": ids}}

@@ -253,3 +253,35 @@ def test_an_edited_score_stops_the_run_that_would_extend_it(runs, tmp_path):
     (d / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(ConfigError, match=rf"{d / 'samples.jsonl'}:4: baseline_score=0.5 but the baseline row"):
         real_run(d, f"task.samples_per_cell={N + 2}", "variants=[streaming_llm@0.25]", "resume=true")
+
+
+# --- a field the gate judges, missing from one row ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("deleted", [True, False], ids=["deleted", "null"])
+def test_one_row_without_its_kl_is_refused_not_the_kl_check_dropped(runs, capsys, tmp_path, deleted):
+    """The lossless run with its KL made to fail (every variant row's kl_mean at 5 nats, 50x max_mean_kl) and the
+    first variant row's KL then removed: before, deleted, the KL check was dropped for the whole variant (the FAIL
+    became a PASS); set to null, the summary's mean crashed (exit 3)."""
+    d = copy(runs, "lossless", tmp_path)
+    rows = read_rows(d / "samples.jsonl")
+    for r in rows:
+        if r["variant"] != "baseline":
+            r["kl_mean"] = 5.0
+    (d / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, out, _ = judge(capsys, d)  # the control: every row with its KL, a FAIL on it
+    assert code == 1 and "mean KL" in out, out
+    rows[1].pop("kl_mean") if deleted else rows[1].update(kl_mean=None)  # line 2, the first none@1.0 row
+    (d / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cannot_judge(capsys, d, f"{d / 'samples.jsonl'}:2: has no kl_mean, which the other rows of its variant")
+
+
+def test_a_teacher_forced_score_that_is_not_its_agreement_is_refused(runs, capsys, tmp_path):
+    """A fidelity row's score is its top-1 agreement with the baseline's logits: every lossy row raised to 1."""
+    d = copy(runs, "seed0", tmp_path)
+    rows = read_rows(d / "samples.jsonl")
+    for r in rows:
+        r["score"] = 1.0
+    (d / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    line = next(i for i, r in enumerate(rows, 1) if r["top1_agreement"] < 1)
+    cannot_judge(capsys, d, f"{d / 'samples.jsonl'}:{line}: score=1.0 but its top1_agreement is")

@@ -12,7 +12,7 @@ from evalkit.gate.judge import judge
 from evalkit.gate.stats import flip_cause, mcnemar_exact
 from evalkit.gate.summary import paired, summarize
 from evalkit.gate.thresholds import Thresholds, load_thresholds
-from tests.conftest import run_cli
+from tests.conftest import as_written, drew, run_cli
 
 
 def rows(base: list[float], pol: list[float], variant="snapkv@0.25", cell=None, kv=(25, 100), retained=None):
@@ -49,7 +49,7 @@ def rows(base: list[float], pol: list[float], variant="snapkv@0.25", cell=None, 
                 "evidence_retained_per_layer": retained(i) if retained else None,
             }
         )
-    return out
+    return as_written(out)
 
 
 def test_paired_statistics_on_known_records():
@@ -130,7 +130,7 @@ def test_gate_cannot_judge_degenerate_records(records, message):
 def write_run(folder, records, run_id="r1"):
     folder.mkdir(parents=True)
     (folder / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (folder / "run.json").write_text(json.dumps(run_info(run_id)))
+    (folder / "run.json").write_text(json.dumps(drew(run_info(run_id), records)))
     return folder
 
 

@@ -18,7 +18,7 @@ from evalkit.gate import cli as gate_cli
 from evalkit.gate.cli import main
 from evalkit.records import read_rows
 from evalkit.report import cli as report_module
-from tests.conftest import compose_config, run_cli
+from tests.conftest import as_written, compose_config, drew, run_cli
 
 N = 24  # samples: enough for a FAIL or CANNOT JUDGE; a PASS needs 74 at the default margin (N_PASS)
 N_PASS = 74
@@ -55,7 +55,7 @@ def healthy(base=lambda i: 1.0, pol=lambda i: 1.0, ids=range(N), run_id=RUN_ID) 
         policy = {"name": "snapkv", "budget": 0.25, "window": 32}
         flip = None if p == b else ("lost" if p < b else "gained")
         out.append({**common, "variant": "snapkv@0.25", "policy": policy, "score": p, "kv_bytes": 250, "flip": flip})
-    return out
+    return as_written(out)
 
 
 def lines(rows: list[dict]) -> str:
@@ -68,8 +68,21 @@ def folder(tmp_path: Path, rows: list[dict] | None = None, text: str | None = No
     d.mkdir()
     (d / "samples.jsonl").write_text(text if text is not None else lines(healthy() if rows is None else rows))
     if info is not None:
-        (d / "run.json").write_text(info if isinstance(info, str) else json.dumps(info))
+        written = rows if rows is not None else healthy() if text is None else _parsed(text)
+        (d / "run.json").write_text(info if isinstance(info, str) else json.dumps(drew(info, written)))
     return d
+
+
+def _parsed(text: str) -> list[dict]:
+    """The rows of a samples.jsonl's text that are JSON objects (a corrupt line is the test's subject)."""
+    out = []
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        out += [row] if isinstance(row, dict) else []
+    return out
 
 
 def gate(capsys, d: Path, *args: str) -> tuple[int, str, str]:

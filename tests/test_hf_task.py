@@ -14,7 +14,7 @@ from datasets import Dataset
 from evalkit.errors import ConfigError
 from evalkit.kv.variant import Variant
 from evalkit.run.engine import compress_context, decode, run_sample
-from evalkit.tasks import infinitebench, longbench, loogle, needle_in_haystack, ruler, zero_scrolls
+from evalkit.scoring import infinitebench, longbench, loogle, needle_in_haystack, ruler, zero_scrolls
 from evalkit.tasks.hf import HfTask
 from evalkit.tasks.prompt import build_prompt
 from tests.conftest import policy, run_cli

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from evalkit.report.cli import pareto, report
-from tests.conftest import compose_config
+from tests.conftest import compose_config, drew
 from tests.test_gate import rows, run_info
 
 
@@ -29,7 +29,7 @@ def needle_rows():
 def write_run(path, records, info=None):
     path.mkdir(parents=True)
     (path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (path / "run.json").write_text(json.dumps(info or run_info("r1")))
+    (path / "run.json").write_text(json.dumps(drew(info or run_info("r1"), records)))
     return path
 
 

@@ -21,6 +21,7 @@ from evalkit.gate.decide import min_samples
 from evalkit.gate.judge import judge
 from evalkit.gate.stats import BCa, adjust, binary_bounds, paired_drop, tango_z
 from evalkit.gate.thresholds import Thresholds, thresholds
+from tests.conftest import drew
 from tests.test_gate import rows, run_info
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -244,8 +245,9 @@ def test_verdict_lists_every_cell(tmp_path):
     folder = tmp_path / "run"
     folder.mkdir()
     cells = lambda i: {"position": i % 3}  # noqa: E731
-    (folder / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows([1] * 30, [1] * 30, cell=cells)))
-    (folder / "run.json").write_text(json.dumps(run_info("r1")))
+    written = rows([1] * 30, [1] * 30, cell=cells)
+    (folder / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in written))
+    (folder / "run.json").write_text(json.dumps(drew(run_info("r1"), written)))
     assert main([str(folder)]) == 2
     doc = json.loads((folder / "verdict.json").read_text())
     assert doc["verdict"] == "INCONCLUSIVE" and len(doc["cells"]) == 3

@@ -93,6 +93,7 @@ def rows(run_info: dict, task: Any, sample: Any, prompt: Any, results: list[Resu
                 "question": sample.question,
                 "prediction": res.prediction,
                 "answers": sample.answers,
+                "scorer": task.scorer_spec(sample),
                 **res.fields,
                 "kv_bytes_baseline": base.fields["kv_bytes"],
                 "kv_bytes_baseline_deployed": base.fields["kv_bytes_deployed"],

@@ -32,6 +32,7 @@ from evalkit.backends.agreement import top_tokens
 from evalkit.backends.kvbytes import CACHE_TYPES, DECLARED, declared_bytes, per_element
 from evalkit.errors import ConfigError
 from evalkit.fields import check_fields
+from evalkit.gate.evidence import shared_endpoints
 from evalkit.plan.arch import ELEMENT, Arch, arch_from_config
 from evalkit.plan.sources import read_source
 
@@ -106,6 +107,12 @@ class OpenAI:
                 raise ConfigError(
                     f"backend.endpoints.{name}={url!r} is not an http(s) URL; give e.g. http://HOST:PORT/v1"
                 )
+        shared = shared_endpoints(self.endpoints)
+        if shared:
+            raise ConfigError(
+                f"backend.endpoints: {shared}: a server compared with itself shows no difference whatever its KV "
+                "cache holds; give each variant the server started with its own KV setting"
+            )
         unknown = sorted(set(self.kv_dtypes) - set(self.endpoints))
         if unknown:
             raise ConfigError(f"backend.kv_dtypes names {unknown}, which backend.endpoints lacks")

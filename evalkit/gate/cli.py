@@ -10,7 +10,9 @@ at the gate's one-sided confidence (evalkit.decide). FAIL: a threshold is shown 
 not achieved, or runs whose model weights, protocol or library versions differ. INCONCLUSIVE: neither, with the
 samples that would settle it. CANNOT JUDGE, never a PASS: records that cannot support a verdict (torn, corrupt or
 repeated rows, several runs in one file, no policy rows, a variant not run on the baseline's samples, a missing
-run.json, a baseline too weak for the task). Writes verdict.json and report.md either way."""
+run.json, a baseline too weak for the task, a score its prediction does not earn, a field the gate judges deleted, two
+folders of one experiment that disagree). An unfinished run never PASSes unless gate.allow_partial. Writes
+verdict.json and report.md either way."""
 
 from __future__ import annotations
 
@@ -61,7 +63,7 @@ def _judged(run_dirs: list[Path], folders: list[Path], thresholds: Thresholds) -
     """The verdict on the runs, its look appended to every folder's looks.jsonl (the caller holds the locks)."""
     records = read_runs(run_dirs)
     recorded = looks.read(folders, records.infos)
-    verdict = judge(records.rows, records.infos, thresholds, records.problems, recorded)
+    verdict = judge(records.rows, records.infos, thresholds, records.problems, recorded, records.partial)
     verdict.runs = [str(d) for d in run_dirs]
     if verdict.status != "CANNOT JUDGE":
         verdict.not_judged += looks.append(folders, verdict.look, verdict.history)

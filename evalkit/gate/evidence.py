@@ -12,6 +12,11 @@ The gate believes no number a row claims that it can derive from another row or 
   _layer`, the budget plus the tokens the policy declares protected, evalkit.kv.contract), and its deployed bytes match
   the tokens it holds (dense storage: the baseline's bytes per token and layer times the tokens held; quantized
   storage: at most that);
+- every score is the one the task's scorer gives the row's prediction (evalkit.scoring; the scorer the run's task
+  config names; a teacher-forced row's, its top-1 agreement), and a variant row's answers and scorer are its
+  baseline row's;
+- a row of evalkit's engine carries its context, tokens and deployed bytes, and a variant's rows carry a KL on every
+  row or on none: a deleted field is refused, never a check dropped;
 - run.json carries the resolved config, the model fingerprint and the library versions;
 - a sample is identified across folders by its run's sample identity and its id (evalkit.records.sample_key), so
   that rows of different runs whose ids collide are never taken for the same sample (evalkit.analysis.merge).
@@ -24,6 +29,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from evalkit import scoring
 from evalkit.records import BASELINE
 
 SCORE_RANGE = (0.0, 1.0)  # every evalkit scorer's, and what the gate's bounds assume
@@ -69,6 +75,41 @@ def row_problem(row: dict) -> str | None:
             return f"has {key}={v!r}, not a number in [{lo}, {hi}]"
     if not isinstance(row["cell"], dict):
         return f"has cell={row['cell']!r}, not an object"
+    return _shape(row)
+
+
+# Fields the gate reads beyond ROW_FIELDS, each with what it must be when present: (test, what it is, an example)
+SHAPES = {
+    "variant": (lambda v: isinstance(v, str) and v != "", "a variant's name", '"snapkv@0.25"'),
+    "policy": (lambda v: isinstance(v, dict), "an object, the policy's settings", '{"name": "h2o", "budget": 0.25}'),
+    "quant": (lambda v: v is None or isinstance(v, dict), "an object or null", "null"),
+    "prefill": (lambda v: v is None or isinstance(v, dict), "an object or null", '{"mode": "oneshot"}'),
+    "context_tokens": (lambda v: v is None or (_count(v) and v > 0), "a whole number of tokens > 0", "128"),
+    "prefill_peak_tokens": (lambda v: v is None or _count(v), "a whole number of tokens", "128"),
+    "prefill_bound_tokens": (lambda v: v is None or _count(v), "a whole number of tokens or null", "null"),
+    "evidence_retained_per_layer": (
+        lambda v: v is None or (isinstance(v, list) and all(_number(x) and 0 <= x <= 1 for x in v)),
+        "a list of shares in [0, 1], one a layer, or null",
+        "[1.0, 0.5, 1.0]",
+    ),
+}
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _shape(row: dict) -> str | None:
+    """A field the gate reads that is not what evalkit writes there (a string for the policy's settings, a list
+    with a null in it): named, with what it should be."""
+    for key, (fits, what, example) in SHAPES.items():
+        if key in row and not fits(row[key]):
+            return f"has {key}={row[key]!r}, not {what} (e.g. {example})"
+    if row.get("prefill_bound_tokens") is not None and row.get("prefill_peak_tokens") is None:
+        return (
+            f"has prefill_bound_tokens={row['prefill_bound_tokens']!r} but no prefill_peak_tokens: the bound of a "
+            "chunked prefill is checked against the peak it held"
+        )
     return None
 
 
@@ -133,7 +174,7 @@ def _against_baseline(r: dict, b: dict, line: int) -> str | None:
     ]
     if "kv_bytes_baseline_deployed" in r and "kv_bytes_deployed" in b:
         checks.append(("kv_bytes_baseline_deployed", b["kv_bytes_deployed"], "the baseline row's kv_bytes_deployed"))
-    for key in ("context_id", "document_id"):
+    for key in ("context_id", "document_id", "answers", "scorer"):  # one sample: one context, document, reference
         if key in r or key in b:
             checks.append((key, b.get(key), f"the baseline row's {key}"))
     for key, want, what in checks:
@@ -181,6 +222,86 @@ def _bytes(r: dict, b: dict) -> str | None:
     return None
 
 
+# What every row of evalkit's own engine records (hf: the run's loop and lm-eval's): without them the bytes a row
+# claims could not be set against the tokens it held, nor its context against the baseline's
+HF_FIELDS = (
+    "tokens_held_per_layer",
+    "tokens_allowed_per_layer",
+    "kv_bytes_deployed",
+    "kv_bytes_baseline_deployed",
+    "context_id",
+)
+MISSING = "a field the gate judges was deleted: restore the run's own rows, or rerun it"
+
+
+def backend_of(info: dict) -> str:
+    """The engine a run's config names (config.backend.name); runs written before backends existed ran on hf."""
+    backend = (info.get("config") or {}).get("backend")
+    return str(backend.get("name")) if isinstance(backend, dict) and backend.get("name") else "hf"
+
+
+def task_config(info: dict) -> dict:
+    task = (info.get("config") or {}).get("task")
+    return task if isinstance(task, dict) else {}
+
+
+def judged_fields(rows: list[dict], lines: list[int], path: str, info: dict) -> list[str]:
+    """What one run's rows must carry for the gate to judge them, and what it re-derives from them: every score
+    from its prediction by the task's scorer (teacher-forced rows: from their top-1 agreement), the engine's own
+    fields on an hf run's rows, a KL on every row of a variant once any has one. Each names file:line."""
+    want, engine = scoring.expected(task_config(info)), backend_of(info)
+    forced = scoring.teacher_forced(task_config(info))
+    with_kl = {r["variant"] for r in rows if r.get("kl_mean") is not None}
+    out = []
+    for r, n in zip(rows, lines, strict=True):
+        why = (
+            _engine(r, engine)
+            or (_forced(r) if forced else _rescored(r, want))
+            or _kl(r, forced or r["variant"] in with_kl)
+        )
+        if why:
+            out.append(f"{path}:{n}: {why}")
+    return out[:LISTED] + ([f"{path}: {len(out) - LISTED} more rows like these"] if len(out) > LISTED else [])
+
+
+LISTED = 3  # rows named per file; the rest are counted
+
+
+def _engine(r: dict, engine: str) -> str | None:
+    if r.get("backend") is not None and r["backend"] != engine:
+        return f"has backend={r['backend']!r} but its run.json ran backend {engine!r}; {EDITED}"
+    missing = [k for k in HF_FIELDS if r.get(k) is None] if engine == "hf" else []
+    if missing:
+        return f"has no {', '.join(missing)} (every row evalkit's engine writes has them); {MISSING}"
+    return None
+
+
+def _rescored(r: dict, want: str | None) -> str | None:
+    why = scoring.problem(r, want)
+    return f"{why}; {EDITED}" if why else None
+
+
+def _forced(r: dict) -> str | None:
+    """A teacher-forced row's score is its top-1 agreement with the baseline's logits (the baseline's own: 1)."""
+    agreement = r.get("top1_agreement")
+    if agreement is None:
+        return f"has no top1_agreement: a teacher-forced row's score is its top-1 agreement; {MISSING}"
+    if r["score"] != agreement:
+        return (
+            f"score={r['score']!r} but its top1_agreement is {agreement!r} (a teacher-forced row scores it); {EDITED}"
+        )
+    return None
+
+
+def _kl(r: dict, needed: bool) -> str | None:
+    if needed and r.get("kl_mean") is None:
+        return (
+            "has no kl_mean, which the other rows of its variant (or of a teacher-forced task) carry: the KL check "
+            f"would be dropped for all of them; {MISSING}"
+        )
+    return None
+
+
 def run_problems(info: dict, path: str) -> list[str]:
     """What a run.json lacks that the gate needs: its config, the model fingerprint, the library versions."""
     missing = []
@@ -190,9 +311,30 @@ def run_problems(info: dict, path: str) -> list[str]:
             node = node.get(part) if isinstance(node, dict) else None
         if not isinstance(node, kind) or not node:
             missing.append(dotted)
-    if not missing:
-        return []
-    return [
-        f"{path}: lacks {', '.join(missing)}: the gate compares runs by their config, model weights and library "
-        "versions; judge the run.json its run wrote, or rerun it"
-    ]
+    out = (
+        []
+        if not missing
+        else [
+            f"{path}: lacks {', '.join(missing)}: the gate compares runs by their config, model weights and library "
+            "versions; judge the run.json its run wrote, or rerun it"
+        ]
+    )
+    engine = info.get("engine")
+    shared = shared_endpoints(engine.get("endpoints")) if isinstance(engine, dict) else None
+    if shared:
+        out.append(f"{path}: {shared}: a server compared with itself shows nothing; rerun, each variant on its server")
+    return out
+
+
+def shared_endpoints(endpoints: Any) -> str | None:
+    """Where two variants of a backend=openai run name one server (the same URL, a trailing slash aside), which
+    variants; None when each has its own."""
+    if not isinstance(endpoints, dict):
+        return None
+    seen: dict[str, str] = {}
+    for name, url in endpoints.items():
+        key = str(url).strip().rstrip("/").lower()
+        if key in seen:
+            return f"endpoints {seen[key]!r} and {name!r} are the same server ({url})"
+        seen[key] = name
+    return None

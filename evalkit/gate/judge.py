@@ -20,6 +20,7 @@ from evalkit.gate.decide import (
     unjudged_cells,
     variant_decisions,
 )
+from evalkit.gate.evidence import backend_of
 from evalkit.gate.reading import check_rows
 from evalkit.gate.summary import BASELINE, chunked_vs_oneshot, is_baseline, summarize
 from evalkit.gate.thresholds import Thresholds
@@ -40,6 +41,8 @@ class Verdict:
     look: dict[str, Any] = field(default_factory=dict)  # this judgement's record for looks.jsonl (evalkit.looks)
     history: looks.History = field(default_factory=looks.History)
     digest: str | None = None  # what it judged, rows and thresholds (evalkit.looks.digest): verdict.json carries it
+    partial: list[str] = field(default_factory=list)  # unfinished runs, each said in a line (gate.allow_partial)
+    declared: list[str] = field(default_factory=list)  # variants whose KV bytes were declared, never observed
 
     @property
     def passed(self) -> bool:
@@ -83,10 +86,12 @@ def judge(
     t: Thresholds,
     problems: list[str] | None = None,
     recorded: looks.Recorded | None = None,
+    partial: list[str] | None = None,
 ) -> Verdict:
     """Every reason a variant fails, in words; PASS only when there is none. `problems`: why the records cannot be
     judged, found while reading them (read_runs); None checks `rows` here, as the rows of one records file.
-    `recorded`: the looks the run folders hold (evalkit.looks.read), for this look's number and their check."""
+    `recorded`: the looks the run folders hold (evalkit.looks.read), for this look's number and their check.
+    `partial`: the runs that are unfinished (read_runs), which never PASS unless gate.allow_partial."""
     recorded = recorded or looks.Recorded()
     reasons = run_reasons(infos)
     cannot = check_rows(rows, "the records") if problems is None else list(problems)
@@ -123,6 +128,12 @@ def judge(
         inconclusive += d.open
     status = "FAIL" if reasons else "INCONCLUSIVE" if inconclusive else "PASS"
     advice, extend = _advice(decisions, summary, infos, cells) if status == "INCONCLUSIVE" else (None, None)
+    if partial and status == "PASS" and not t.allow_partial:
+        status, advice = "INCONCLUSIVE", UNFINISHED
+        inconclusive.append(f"{UNFINISHED} (gate.allow_partial is false)")
+    declared = declared_variants(policies, infos)
+    for name in declared:
+        summary[name]["kv_ratio_basis"] = "declared"
     return Verdict(
         status,
         reasons + inconclusive,
@@ -136,6 +147,22 @@ def judge(
         look=looks.entry(history, key, status, t, runs, now),
         history=history,
         digest=key,
+        partial=list(partial or []),
+        declared=declared,
+    )
+
+
+UNFINISHED = "the run is unfinished: finish it with resume=true, or judge it as it is with gate.allow_partial=true"
+
+
+def declared_variants(policies: dict[str, list[dict]], infos: list[dict]) -> list[str]:
+    """Variants whose KV bytes no engine observed: declared from a dtype (backend=openai: a server does not report
+    its cache; the rows say kv_bytes_source `declared: ...`, their run.json backend openai)."""
+    runs = {str(i.get("run_id")) for i in infos if backend_of(i) == "openai"}
+    return sorted(
+        name
+        for name, rs in policies.items()
+        if any(str(r.get("run_id")) in runs or str(r.get("kv_bytes_source", "")).startswith("declared") for r in rs)
     )
 
 

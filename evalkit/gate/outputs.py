@@ -50,13 +50,33 @@ def verdict_doc(verdict: Verdict, t: Thresholds) -> dict[str, Any]:
         "chunked_vs_oneshot": verdict.chunked,
         "look": verdict.look,
         "digest": verdict.digest,
+        "unfinished": verdict.partial,
+        "declared_bytes": verdict.declared,
     }
+
+
+def headline(verdict: Verdict) -> str:
+    """The verdict's first line: the status, and for a PASS on KV bytes no engine observed, that it is one."""
+    if verdict.status == "PASS" and verdict.declared:
+        return (
+            f"PASS on declared KV bytes ({', '.join(verdict.declared)}: the bytes follow from the KV dtype declared "
+            "for each server, never observed)"
+        )
+    return verdict.status
+
+
+def notes(verdict: Verdict) -> list[str]:
+    """What the verdict stands on that a reader must know: unfinished runs, bytes declared rather than observed."""
+    return verdict.partial + [
+        f"{name}: KV bytes declared from the server's KV dtype (backend=openai), not observed"
+        for name in verdict.declared
+    ]
 
 
 def write_outputs(verdict: Verdict, out_dir: Path, t: Thresholds) -> None:
     output_folder(out_dir)
     write_text(out_dir / VERDICT, to_json(verdict_doc(verdict, t), indent=2) + "\n")
-    lines = [f"# evalkit gate: {verdict.status}", ""]
+    lines = [f"# evalkit gate: {headline(verdict)}", ""]
     if verdict.status == "CANNOT JUDGE":
         lines += ["These records cannot be judged (exit code 2); the tables below, if any, are not a verdict.", ""]
     if verdict.status == "INCONCLUSIVE":
@@ -67,6 +87,7 @@ def write_outputs(verdict: Verdict, out_dir: Path, t: Thresholds) -> None:
             "",
             *([f"To extend the run: `{verdict.extend}`", ""] if verdict.extend else []),
         ]
+    lines += [f"- note: {n}" for n in notes(verdict)]
     lines += [f"- {r}" for r in verdict.reasons] or [
         f"Every threshold is shown to hold at {t.confidence:.0%} one-sided confidence ({t.multiplicity} across "
         f"variants), at look {verdict.look.get('look', 1)} of this run (the confidence holds over all its looks)."
@@ -174,7 +195,9 @@ def cell_table(cells: list[dict[str, Any]], t: Thresholds) -> list[str]:
 
 def print_verdict(verdict: Verdict) -> None:
     look = verdict.look.get("look")
-    print(f"\nevalkit gate: {verdict.status}" + (f" (look {look} of this run)" if look else ""))
+    print(f"\nevalkit gate: {headline(verdict)}" + (f" (look {look} of this run)" if look else ""))
+    for note in notes(verdict):
+        print(f"  - note: {note}")
     for reason in verdict.reasons:
         print(f"  - {reason}")
     for cell in verdict.not_judged:

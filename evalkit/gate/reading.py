@@ -9,10 +9,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from evalkit import scoring
 from evalkit.errors import ConfigError
-from evalkit.gate.evidence import contradictions, row_problem, run_problems, undocumented
+from evalkit.gate.evidence import contradictions, judged_fields, row_problem, run_problems, task_config, undocumented
 from evalkit.gate.summary import is_baseline, merge
-from evalkit.records import RUN, SAMPLES, scan_rows, torn_line
+from evalkit.records import RUN, SAMPLES, experiment_config, scan_rows, torn_line
 
 
 @dataclass
@@ -22,6 +23,7 @@ class Records:
     rows: list[dict]  # the rows that could be read, each (sample, variant) once
     infos: list[dict]  # the run.json of every run that has a readable one
     problems: list[str] = field(default_factory=list)  # each names the file (and line) and the fix
+    partial: list[str] = field(default_factory=list)  # runs whose rows hold fewer samples than their run.json
 
 
 # What the gate reads from every row, and must be numbers
@@ -44,7 +46,7 @@ def read_runs(run_dirs: list[Path]) -> Records:
     """All rows and run.json files under the given folders (a Hydra multirun folder holds several runs), the rows
     merged into one table with variant labels that keep different measurements apart (see analysis.merge), and every
     reason, file by file, why they cannot be judged."""
-    runs, infos, problems = [], [], []
+    runs, infos, problems, partial = [], [], [], []
     for d in run_dirs:
         for run in run_folders([d]):
             info, problem = read_info(run / RUN)
@@ -58,11 +60,12 @@ def read_runs(run_dirs: list[Path]) -> Records:
             problems += (
                 bad
                 or check_rows(rows, where, info.get("run_id"))
-                or contradictions(rows, lines, where)
+                or contradictions(rows, lines, where) + judged_fields(rows, lines, where, info)
                 or undocumented(rows, where)
+                or ([] if problem else _samples(rows, info, str(run / RUN), partial))
             )
             runs.append((run.resolve(), info, _once(rows)))
-    return Records(merge(runs), infos, problems)
+    return Records(merge(runs), infos, problems + _same_experiment(runs), partial)
 
 
 def run_folders(run_dirs: list[Path]) -> list[Path]:
@@ -213,3 +216,61 @@ def _coverage(rows: list[dict], where: str) -> list[str]:
                 "the run with resume=true, or rerun it"
             )
     return out
+
+
+def _samples(rows: list[dict], info: dict, where: str, partial: list[str]) -> list[str]:
+    """The run's rows against the samples its run.json lists (data.samples): rows of a sample it never drew cannot
+    be judged; samples without rows (a run killed, cells never run) make the run unfinished, said in `partial`.
+    lm-eval's runs (task external) list no samples: lm-eval draws its documents."""
+    if scoring.external(task_config(info)):
+        return []
+    listed = (info.get("data") or {}).get("samples")
+    if not isinstance(listed, dict) or not listed:
+        return [
+            f"{where}: lacks data.samples, the samples the run drew: without it an unfinished run looks finished; "
+            "judge the run.json its run wrote, or rerun it"
+        ]
+    have = {str(r["sample_id"]) for r in rows if is_baseline(r["variant"])}
+    extra, missing = have - set(listed), set(listed) - have
+    if extra:
+        return [
+            f"{where}: the rows hold {_n(len(extra), 'sample')} this run never drew ({_some(extra)}): rows of another "
+            "run were added; give each run its own folder, or rerun it"
+        ]
+    if missing:
+        cells = {json.dumps(r["cell"], sort_keys=True) for r in rows}
+        partial.append(
+            f"{where}: the run is unfinished: {len(have)} of the {len(listed)} samples it drew have rows "
+            f"({len(missing)} missing, e.g. {_some(missing)}; {_n(len(cells), 'cell')} with rows): finish it with "
+            "resume=true, or judge what it has with gate.allow_partial=true"
+        )
+    return []
+
+
+def _same_experiment(runs: list[tuple[Path, dict, list[dict]]]) -> list[str]:
+    """Folders of one experiment (the same config less its sample count, the same model) whose rows disagree on a
+    sample: which of them counts would decide the verdict, so neither is judged. Folders that agree on every sample
+    they share are one measurement (merge keeps each sample once)."""
+    groups: dict[str, list[tuple[Path, dict]]] = defaultdict(list)
+    for folder, info, rows in runs:
+        if isinstance(info.get("config"), dict):
+            key = json.dumps([experiment_config(info["config"]), (info.get("model") or {}).get("fingerprint")],
+                             sort_keys=True, default=str)  # fmt: skip
+            groups[key].append((folder, {(str(r["sample_id"]), r["variant"]): _answer(r) for r in rows}))
+    out = []
+    for members in groups.values():
+        for i, (a, rows_a) in enumerate(members):
+            for b, rows_b in members[i + 1 :]:
+                differ = sorted(k for k in set(rows_a) & set(rows_b) if rows_a[k] != rows_b[k])
+                if differ:
+                    sid, variant = differ[0]
+                    out.append(
+                        f"{a} and {b} are the same experiment (same config, seed and model) but disagree on "
+                        f"{_n(len(differ), 'row')} (e.g. sample {sid!r}, {variant}): one measurement cannot have two "
+                        "answers; judge one folder, or rerun into one"
+                    )
+    return out
+
+
+def _answer(row: dict) -> str:
+    return json.dumps([row.get("score"), row.get("prediction")], default=str)

@@ -204,7 +204,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             # samples whose context is shorter than the token budget: the variant kept everything there
             "budget_clipped": sum(bool(r.get("budget_clipped")) for r in rs),
             "kv_bytes_per_token": _mean([deployed(r)[0] / r["context_tokens"] for r in rs if r.get("context_tokens")]),
-            **{k: _mean([r[k] for r in rs]) for k in FIDELITY if k in rs[0]},
+            # over the rows that carry one: a row without it is refused by the gate (evidence.judged_fields)
+            **{k: _mean([r[k] for r in rs if r.get(k) is not None]) for k in FIDELITY if k in rs[0]},
             "splits": _grouped(rs, lambda r: r["cell"].get("split")),
             "cells": _grouped(rs, lambda r: cell_key(r["cell"])),
         }

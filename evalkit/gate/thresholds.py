@@ -32,6 +32,7 @@ class Thresholds:
     graded_flip_delta: float = GRADED_FLIP_DELTA  # a graded score counts as lost when it falls by more than this
     min_compression: float = 0.99  # a compressing variant must hold less than this share of the baseline's bytes
     capacity: dict[str, float] = field(default_factory=lambda: {"gpu_gib": 80, "context": 32768})  # report only
+    allow_partial: bool = False  # judge an unfinished run (fewer rows than its run.json's samples) as it is
 
 
 def load_thresholds(name_or_path: str) -> Thresholds:
@@ -112,6 +113,8 @@ def thresholds(node, where: str) -> Thresholds:
     t = Thresholds(**cfg)
     for key in RANGES:
         check_threshold(key, getattr(t, key))
+    if not isinstance(t.allow_partial, bool):
+        raise ConfigError(f"gate.allow_partial={t.allow_partial!r}: give true or false, e.g. false")
     if t.multiplicity not in MULTIPLICITY:
         raise ConfigError(f"gate.multiplicity={t.multiplicity!r} is not one of {list(MULTIPLICITY)}")
     cap = t.capacity

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import platform
 import subprocess
 import sys
@@ -19,14 +20,16 @@ import torch
 import transformers
 
 import evalkit
+from evalkit import scoring
 from evalkit.embedded import file_sha256
 from evalkit.errors import ConfigError
 from evalkit.gate.evidence import contradictions, row_problem
+from evalkit.gate.reading import ROW_FIELDS
 from evalkit.records import (
     RUN,
-    SAMPLE_COUNT,
     SAMPLES,
     config_differences,
+    experiment_config,
     scan_rows,
     write_json,
 )
@@ -37,22 +40,18 @@ from evalkit.tasks.prompt import Prompt
 
 def check_written(path: Path, task: Task, samples: list[Sample], prompts: list[Prompt]) -> None:
     """Before a run is resumed or extended, the rows already written must be what this run would have written:
-    each consistent with its baseline row (evalkit.evidence), its score re-derived from its prediction by the task's
-    scorer (teacher-forced rows, scored from logits, excepted), its context_id and document_id the sample's prompt's.
-    An edited row is refused, naming file:line, rather than carried into the extended run."""
+    each a row the gate can read (evalkit.gate.reading.ROW_FIELDS, evidence.row_problem), consistent with its
+    baseline row (evalkit.evidence), its score re-derived from its prediction by the task's scorer (teacher-forced
+    rows, scored from logits, excepted), its context_id and document_id the sample's prompt's. An edited row is
+    refused, naming file:line, rather than carried into the extended run."""
     if not path.exists():
         return
-    rows, _, _, _, lines = scan_rows(path)
-    problems = contradictions(rows, lines, str(path))
+    rows, problems, _, _, lines = scan_rows(path, ROW_FIELDS, row_problem)
+    problems += contradictions(rows, lines, str(path))
     by_id = {s.id: (s, p) for s, p in zip(samples, prompts, strict=True)}
     for row, n in zip(rows, lines, strict=True):
-        try:
-            why = row_problem(row)
-        except KeyError as err:
-            why = f"lacks {err.args[0]}"
         sample, prompt = by_id.get(row["sample_id"], (None, None))
-        if why is None and sample is not None:
-            why = _rederived(row, task, sample, prompt)
+        why = _rederived(row, task, sample, prompt) if sample is not None else None
         if why:
             problems.append(f"{path}:{n}: {why}")
     if problems:
@@ -64,33 +63,22 @@ def check_written(path: Path, task: Task, samples: list[Sample], prompts: list[P
 
 
 def _rederived(row: dict, task: Task, sample: Sample, prompt: Prompt) -> str | None:
-    if row.get("context_id") is not None and row["context_id"] != prompt.context_id:
-        return f"context_id={row['context_id']!r}, but the sample's prompt compresses context {prompt.context_id!r}"
+    if row.get("context_id") != prompt.context_id:
+        return f"context_id={row.get('context_id')!r}, but the sample's prompt compresses context {prompt.context_id!r}"
     if row.get("document_id") is not None and row["document_id"] != prompt.document_id:
         return f"document_id={row['document_id']!r}, but the sample's document is {prompt.document_id!r}"
-    if task.teacher_forced or not isinstance(row.get("prediction"), str):
+    if task.teacher_forced:
         return None
-    score = task.score(row["prediction"], sample)
-    if score != row["score"]:
-        return f"score={row['score']!r}, but its prediction {row['prediction'][:60]!r} scores {score!r}"
+    prediction = row.get("prediction")
+    if not isinstance(prediction, str):
+        return f"prediction={prediction!r}, not the text its score was given for"
+    score = task.score(prediction, sample)
+    if not math.isclose(score, row["score"], abs_tol=scoring.TOLERANCE):
+        return f"score={row['score']!r}, but its prediction {prediction[:60]!r} scores {score!r}"
     return None
 
 
-# The gate and the logger read the records, they do not change them, and results_root is where the folder lies,
-# not what it measured: a resumed run may differ in them (a copied or moved folder resumes).
-NOT_IDENTITY = ("resume", "gate", "logger", "results_root")
-
-
-# How many samples a task generates (records.SAMPLE_COUNT) is not part of the identity either: samples are generated
-# the same whatever the count, and their digests prove it (_check_samples_unchanged), so resume=true with a larger
-# count extends a run.
-def _identity(config: dict) -> dict:
-    out = {k: v for k, v in config.items() if k not in NOT_IDENTITY}
-    if out.get("backend") == {"name": "hf"}:  # issue 25: runs written before backends existed ran on hf
-        del out["backend"]
-    if isinstance(out.get("task"), dict):
-        out["task"] = {k: v for k, v in out["task"].items() if k not in SAMPLE_COUNT}
-    return out
+_identity = experiment_config  # what must not change for resume=true to continue a run (evalkit.records)
 
 
 def _start(out_dir: Path, config: dict, resume: bool, task: Task) -> dict[str, Any]:

@@ -81,6 +81,7 @@ def _row(
         "quant": dataclasses.asdict(variant.quant) if variant is not None and variant.quant else None,
         "prediction": prediction_text(loaded, outcome),
         "answers": sample.answers,
+        **scorer_field(task, sample),
         "question": sample.question,  # what was asked of the context: the report shows it beside a lost sample
         **kv_fields(outcome, variant, prompt.n_context),
         **baseline_fields(baseline),
@@ -97,6 +98,12 @@ def _row(
         "decoded_like": outcome.decoded_like,
         **task.row_fields(sample),  # what a task records of each sample beyond these (task=hf: its truncation)
     }
+
+
+def scorer_field(task: Task, sample: Sample) -> dict[str, Any]:
+    """The scorer of a generated answer (evalkit.scoring.spec), with which the gate and resume score it again;
+    nothing for a teacher-forced row (scored from logits)."""
+    return {} if task.teacher_forced else {"scorer": task.scorer_spec(sample)}
 
 
 def budget_clipped(variant: Variant | None, prompt: Prompt) -> bool | None:

@@ -7,8 +7,10 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from evalkit import scoring
 from evalkit.errors import ConfigError
 from evalkit.fields import check_fields
+from evalkit.scoring import contains_all, contains_any  # noqa: F401 - the tasks' scorers, named here too
 
 
 @dataclass
@@ -50,7 +52,12 @@ class Task:
             raise ConfigError(f"task.max_new_tokens={self.max_new_tokens}: the answer needs at least {least} token(s)")
 
     def score(self, prediction: str, sample: Sample) -> float:
-        return contains_all(prediction, sample.answers)
+        return scoring.score(self.scorer_spec(sample), prediction, sample.answers)
+
+    def scorer_spec(self, sample: Sample) -> dict[str, Any]:
+        """The spec of the scorer of this sample's predictions (evalkit.scoring.spec), recorded in its rows so that
+        the gate can score them again."""
+        return scoring.spec("contains_all")
 
     def answer_tokens(self, sample: Sample) -> int:
         """The most tokens to generate for this sample (a dataset may set it per row, task=hf)."""
@@ -60,16 +67,3 @@ class Task:
         """Fields added to each of this sample's rows in samples.jsonl (task=hf: where its row came from, how its
         context was truncated)."""
         return {}
-
-
-def contains_any(prediction: str, answers: list[str]) -> float:
-    """1.0 if any reference answer occurs in the prediction (case-insensitive), else 0.0 (RULER string_match_part)."""
-    text = prediction.lower()
-    return float(any(a.lower() in text for a in answers))
-
-
-def contains_all(prediction: str, answers: list[str]) -> float:
-    """The share of reference answers that occur in the prediction, case-insensitive (RULER string_match_all):
-    1.0 only when every one is there."""
-    text = prediction.lower()
-    return sum(a.lower() in text for a in answers) / len(answers)

@@ -22,14 +22,14 @@ import math
 import random
 import re
 from dataclasses import dataclass, field, replace
-from importlib import import_module
 from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from evalkit import scoring
 from evalkit.errors import ConfigError
-from evalkit.tasks import Sample, Task, contains_all, contains_any
+from evalkit.tasks import Sample, Task
 from evalkit.tasks.hf_load import load
 from evalkit.tasks.jsonl import MAX_REPORTED, _row_errors
 from evalkit.tasks.needle_in_haystack import insert
@@ -52,15 +52,7 @@ COLUMNS = {
 REQUIRED = ("context", "question", "answers")
 
 
-SCORERS = ("contains_all", "contains_any", "ruler", "longbench", "infinitebench", "loogle", "zero_scrolls", "needle")
-
-
 TRUNCATE = ("middle", "refuse")
-
-
-def scorer_module(name: str):
-    module = {"needle": "needle_in_haystack"}.get(name, name)
-    return import_module(f"evalkit.tasks.{module}")
 
 
 def _answers(value: Any) -> Any:
@@ -119,8 +111,8 @@ class HfTask(Task):
                 "task=hf needs task.path: a Hub id (task.path=simonjegou/ruler task.data_dir=4096), a save_to_disk "
                 "folder, or a parquet/JSON/CSV file"
             )
-        if self.scorer not in SCORERS:
-            raise ConfigError(f"task.scorer={self.scorer!r} is not one of {list(SCORERS)}")
+        if self.scorer not in scoring.SCORERS:
+            raise ConfigError(f"task.scorer={self.scorer!r} is not one of {list(scoring.SCORERS)}")
         if self.truncate not in TRUNCATE:
             raise ConfigError(f"task.truncate={self.truncate!r} is not one of {list(TRUNCATE)}")
         if self.limit is not None and self.limit < 1:
@@ -175,7 +167,7 @@ class HfTask(Task):
         indices = self._subset(len(ds))
         table = ds.select(indices).to_list() if len(indices) < len(ds) else ds.to_list()
         rows, problems, first = [], [], {}
-        module = scorer_module(self.scorer) if self.scorer not in ("contains_all", "contains_any") else None
+        module = scoring.module(self.scorer) if self.scorer not in ("contains_all", "contains_any") else None
         for index, raw in zip(indices, table, strict=True):
             row, errors = self._row(index, raw, mapping, module)
             problems += [f"row {index}: {e}" for e in errors]
@@ -377,15 +369,11 @@ class HfTask(Task):
             "truncation": self._truncation.get(sample.id),
         }
 
-    def score(self, prediction: str, sample: Sample) -> float:
-        if self.scorer == "contains_all":
-            return contains_all(prediction, sample.answers)
-        if self.scorer == "contains_any":
-            return contains_any(prediction, sample.answers)
+    def scorer_spec(self, sample: Sample) -> dict[str, Any]:
+        """The dataset's scorer, with the row's subtask and what else it needs (the needle's depth is not scored)."""
         row = self._by_id.get(sample.id)
-        return scorer_module(self.scorer).score(
-            prediction, sample.answers, sample.cell.get("subtask") or "", row.extra if row else {}
-        )
+        extra = {k: v for k, v in (row.extra if row else {}).items() if k != "depth"}
+        return scoring.spec(self.scorer, sample.cell.get("subtask") or "", extra)
 
 
 def _tokenizer_window(tokenizer: PreTrainedTokenizerBase) -> int | None:

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
+from evalkit import scoring
 from evalkit.errors import ConfigError
-from evalkit.tasks import Sample, Task, contains_all, contains_any
+from evalkit.tasks import Sample, Task
 from evalkit.tasks.haystack import HAYSTACKS
 
 NEEDLE = "The special magic number is {value}."
@@ -100,7 +101,7 @@ _WORDS = [
     "zeppelin",
 ]
 VALUE_TYPES = ("number", "word", "uuid")
-SCORING = {"all": contains_all, "any": contains_any}
+SCORING = ("all", "any")  # RULER string_match_all and string_match_part (evalkit.scoring)
 
 
 @dataclass(kw_only=True)
@@ -143,7 +144,7 @@ class NeedleTask(Task):
         if self.value_type not in VALUE_TYPES:
             raise ConfigError(f"task.value_type={self.value_type!r} is not one of {list(VALUE_TYPES)}")
         if self.scoring not in SCORING:
-            raise ConfigError(f"task.scoring={self.scoring!r} is not one of {sorted(SCORING)}")
+            raise ConfigError(f"task.scoring={self.scoring!r} is not one of {list(SCORING)}")
         if not 1 <= self.queries <= self.keys or self.values_per_key < 1:
             raise ConfigError(
                 f"task.queries={self.queries}, task.keys={self.keys}, task.values_per_key={self.values_per_key}: "
@@ -154,8 +155,8 @@ class NeedleTask(Task):
         if not 1 <= self.digits <= 30:
             raise ConfigError(f"task.digits={self.digits}: give a number of digits from 1 to 30, e.g. task.digits=7")
 
-    def score(self, prediction: str, sample: Sample) -> float:
-        return SCORING[self.scoring](prediction, sample.answers)
+    def scorer_spec(self, sample: Sample) -> dict:
+        return scoring.spec(f"contains_{self.scoring}")
 
     def samples(self, tokenizer: PreTrainedTokenizerBase) -> list[Sample]:
         out = []

@@ -4,16 +4,12 @@ kvpress's evaluation/benchmarks/needle_in_haystack on `alessiodevoto/paul_graham
 The needle (the dataset's `needle` column) is inserted into the essay at each depth (percent of the context, in
 tokens) of a context cut to `context_length` tokens less the needle and 150 tokens of room, as kvpress's
 insert_needle_in_haystack does, and wrapped in "This is a very long story book: <book> {context} </book>.".
-Score: ROUGE-L recall of the needle in the prediction (rouge-score), the share of the needle's words said in order.
-kvpress reports the `rouge` package's scores with the needle passed as the hypothesis: the same quantity is its
-ROUGE-L "p" (summary-level LCS there, so the last digits may differ).
+Score: ROUGE-L recall of the needle in the prediction (evalkit.scoring.needle_in_haystack).
 """
 
 from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
-
-from evalkit.tasks.longbench import rouge
 
 WRAPPER = "This is a very long story book: <book> {context} </book>."
 ROOM = 150  # tokens kvpress leaves for the template and the question
@@ -31,12 +27,3 @@ def insert(
     at = int(len(ids) * depth / 100)
     text = WRAPPER.format(context=tokenizer.decode(ids[:at] + needle_ids + ids[at:], skip_special_tokens=True))
     return text, context_length if len(ids) >= room else len(ids) + len(needle_ids) + ROOM
-
-
-def check(subtask: str) -> str | None:
-    return None
-
-
-def score(prediction: str, answers: list[str], subtask: str, extra: dict | None = None) -> float:
-    """ROUGE-L recall of the needle (answers[0], the best over the answers) in the prediction."""
-    return max(rouge(prediction, a, "rougeL", "recall") for a in answers)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ast
 import json
 
-from evalkit.tasks.longbench import rouge
+from evalkit.scoring.longbench import rouge
 
 TASKS = ("shortdep_qa", "longdep_qa", "longdep_summarization", "shortdep_cloze")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from evalkit.tasks import contains_all, contains_any
+from evalkit.scoring import contains_all, contains_any
 
 CONTROL = re.compile(r"[\x00-\x1f]")
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 import string
 
-from evalkit.tasks.longbench import normalize_answer, rouge, token_f1
+from evalkit.scoring.longbench import normalize_answer, rouge, token_f1
 
 SEPARATORS = ["\n", ":", '"', "'", ".", ",", "?", "!", "{", "}"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from evalkit.tasks.longbench import normalize_answer, qa_f1, rouge
+from evalkit.scoring.longbench import normalize_answer, qa_f1, rouge
 
 SUMMARIES = ("gov_report", "summ_screen_fd", "qmsum", "squality")
 QA = ("qasper", "narrative_qa", "musique")
