@@ -29,6 +29,7 @@ from evalkit.gate.pipeline import write_ci
 from evalkit.gate.power import samples_advice
 from evalkit.gate.reading import read_runs
 from evalkit.gate.thresholds import Thresholds, load_thresholds
+from evalkit.gate.tracked import log_verdict
 
 
 def gate(
@@ -37,12 +38,14 @@ def gate(
     out_dir: Path | None = None,
     junit: Path | None = None,
     summary: Path | None = None,
+    wandb: bool = False,
 ) -> Verdict:
     """Judge the runs and write verdict.json and report.md into `out_dir` (default: the first run folder); return a
     PASS or FAIL verdict for the caller to print. INCONCLUSIVE, or records that cannot be judged: the outputs are
     written (where the folder is writable), the reasons printed (print_verdict), then CannotJudge is raised (exit
     code 2) with the samples that would settle it, or what is wrong with the records. `junit`, `summary`: where the
-    verdict goes for a CI system too (evalkit.gate.pipeline), whatever it is."""
+    verdict goes for a CI system too (evalkit.gate.pipeline), whatever it is; `wandb`: and to the W&B runs of the
+    runs judged (evalkit.gate.tracked)."""
     records = read_runs(run_dirs)
     verdict = judge(records.rows, records.infos, thresholds, records.problems)
     verdict.runs = [str(d) for d in run_dirs]
@@ -51,6 +54,8 @@ def gate(
         verdict.not_judged += looks.record(folders, verdict.look, verdict.history)
     out = out_dir or run_dirs[0]
     write_ci(verdict_doc(verdict, thresholds), junit, summary)
+    if wandb:
+        log_verdict(records.infos, verdict_doc(verdict, thresholds))
     if verdict.status in ("PASS", "FAIL"):
         write_outputs(verdict, out, thresholds)
         return verdict
@@ -90,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--out", type=Path, help="where verdict.json and report.md go (default: the first run)")
         ap.add_argument("--junit", type=Path, help="also write JUnit XML: a case per variant and check")
         ap.add_argument("--summary", type=Path, help="also append a Markdown summary (e.g. $GITHUB_STEP_SUMMARY)")
+        ap.add_argument("--wandb", action="store_true", help="also log the verdict to the W&B runs of the runs")
         ap.add_argument("--plan", action="store_true", help="print the samples a PASS needs, and judge nothing")
         ap.add_argument("--variants", type=int, default=1, help="with --plan: variants judged together")
         ap.add_argument("--cells", type=int, default=1, help="with --plan: cells per variant")
@@ -103,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_OK
         if not args.runs:
             raise ConfigError("give one or more run folders to judge (or --plan to size a run)")
-        verdict = gate(args.runs, load_thresholds(args.gate), args.out, args.junit, args.summary)
+        verdict = gate(args.runs, load_thresholds(args.gate), args.out, args.junit, args.summary, args.wandb)
         print_verdict(verdict)
         return EXIT_OK if verdict.passed else EXIT_FAIL
 
