@@ -13,6 +13,7 @@ import pytest
 from evalkit.gate.cli import main as gate_main
 from evalkit.gate.summary import summarize
 from evalkit.gate.tracked import label_of
+from tests.conftest import run_cli
 from tests.test_gate import run_info
 from tests.test_report import needle_rows, write_run
 
@@ -143,3 +144,31 @@ def test_a_variant_is_found_under_the_label_a_merge_gave_it():
     assert label_of("h2o@0.5", ["baseline", "smollm2/h2o@0.5"]) == "smollm2/h2o@0.5"
     assert label_of("snapkv@0.25", ["needle/snapkv@0.25 [job1]"]) == "needle/snapkv@0.25 [job1]"
     assert label_of("h2o@0.25", labels) is None
+
+
+def test_a_sweep_logs_each_jobs_variants_and_its_merged_verdict_to_the_same_runs(tmp_path, offline):
+    """Two jobs with logger=wandb: each logs its baseline and its policy; the sweep's one gate adds the merged verdict
+    to those four W&B runs, found again by the ids each job recorded in its wandb.json."""
+    sweep = tmp_path / "sweep"
+    result = run_cli(
+        "-m", "model=tiny-random", "task.context_lengths=[128]", "task.depths=[0.5]", "policy=h2o,streaming_llm",
+        "policy.budget=0.25", "gate=default", "gate.min_baseline_accuracy=null", "logger=wandb", "logger.mode=offline",
+        f"hydra.sweep.dir={sweep}",
+    )  # fmt: skip
+    verdict = json.loads((sweep / "verdict.json").read_text())
+    assert result.returncode == {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 2}[verdict["verdict"]], result.stderr
+    jobs = [p.parent for p in sorted(sweep.rglob("wandb.json"))]
+    assert len(jobs) == 2
+    for job in jobs:
+        recorded = json.loads((job / "wandb.json").read_text())
+        assert recorded["group"] == "needle" and recorded["mode"] == "offline"
+        policy = next(v for v in recorded["runs"] if v != "baseline")
+        written = defaultdict(list)
+        for local in (job / "wandb").glob("offline-run-*"):
+            written[local.name.rsplit("-", 1)[1]].append(local)
+        assert set(written) == set(recorded["runs"].values())  # the job's two runs, and no other
+        newest = {i: read_back(max(v, key=lambda p: p.stat().st_mtime_ns)) for i, v in written.items()}
+        gated = newest[recorded["runs"][policy]]["summary"]
+        assert gated["verdict"] == verdict["verdict"]
+        assert gated["gate_status"] == verdict["variants"][policy]["gate"]["status"]
+        assert newest[recorded["runs"]["baseline"]]["summary"]["verdict"] == verdict["verdict"]

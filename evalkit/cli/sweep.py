@@ -52,7 +52,7 @@ class MergeJobs(Callback):
         if not gated:
             return
         try:
-            verdict = gate([sweep], limits)
+            verdict = gate([sweep], limits, wandb=config.logger.name == "wandb")
         except ConfigError as err:  # CannotJudge (the gate printed its reasons), or no records at all
             exit_code = error(err)
             return
