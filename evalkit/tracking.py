@@ -74,9 +74,7 @@ def log_to_run(
 ) -> Path:
     """Open (or resume) the W&B run `wandb_id`, add the config, summary fields, media and an artifact; return its
     local folder. `media` and `artifact` are the caller's, built with the `wandb` package."""
-    import wandb
-
-    run = wandb.init(
+    run = wandb_package().init(
         id=wandb_id,
         resume="allow",
         project=target.project,
@@ -96,3 +94,14 @@ def log_to_run(
     local = Path(run.dir).parent
     run.finish()
     return local
+
+
+def wandb_package():
+    """The `wandb` package, imported only when something is logged to W&B (it is optional, and slow to import)."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError(
+            "logging to W&B needs the wandb package: pip install wandb (or drop logger=wandb / --wandb)"
+        ) from None
+    return wandb

@@ -5,6 +5,7 @@ as an artifact; `python -m evalkit.gate --wandb` adds the verdict to the very sa
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections import defaultdict
 
@@ -172,3 +173,12 @@ def test_a_sweep_logs_each_jobs_variants_and_its_merged_verdict_to_the_same_runs
         assert gated["verdict"] == verdict["verdict"]
         assert gated["gate_status"] == verdict["variants"][policy]["gate"]["status"]
         assert newest[recorded["runs"]["baseline"]]["summary"]["verdict"] == verdict["verdict"]
+
+
+def test_gate_wandb_without_the_package_is_one_line_and_exit_2_before_judging(tmp_path, monkeypatch, capsys):
+    run_dir = write_run(tmp_path / "run", needle_rows(), run_info("r1"))
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what `import wandb` meets where the package is not installed
+    assert gate_main([str(run_dir), "--wandb"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pip install wandb" in err and "Traceback" not in err
+    assert not (run_dir / "verdict.json").exists()  # stopped before judging

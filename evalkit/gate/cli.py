@@ -30,6 +30,7 @@ from evalkit.gate.power import samples_advice
 from evalkit.gate.reading import read_runs
 from evalkit.gate.thresholds import Thresholds, load_thresholds
 from evalkit.gate.tracked import log_verdict
+from evalkit.tracking import wandb_package
 
 
 def gate(
@@ -55,7 +56,12 @@ def gate(
     out = out_dir or run_dirs[0]
     write_ci(verdict_doc(verdict, thresholds), junit, summary)
     if wandb:
-        log_verdict(records.infos, verdict_doc(verdict, thresholds))
+        logged = log_verdict(records.infos, verdict_doc(verdict, thresholds))
+        print(
+            f"evalkit gate: the verdict logged to {len(logged)} W&B run(s)"
+            if logged
+            else "evalkit gate: no W&B run to log the verdict to (no readable run.json and rows)"
+        )
     if verdict.status in ("PASS", "FAIL"):
         write_outputs(verdict, out, thresholds)
         return verdict
@@ -109,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_OK
         if not args.runs:
             raise ConfigError("give one or more run folders to judge (or --plan to size a run)")
+        if args.wandb:
+            wandb_package()  # a missing package is said before anything is judged or written
         verdict = gate(args.runs, load_thresholds(args.gate), args.out, args.junit, args.summary, args.wandb)
         print_verdict(verdict)
         return EXIT_OK if verdict.passed else EXIT_FAIL

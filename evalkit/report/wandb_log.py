@@ -18,7 +18,7 @@ from evalkit.gate.summary import summarize
 from evalkit.gate.tracked import verdict_fields
 from evalkit.records import SAMPLES, read_rows
 from evalkit.report.cli import report
-from evalkit.tracking import Target, log_to_run, run_id, save_target
+from evalkit.tracking import Target, log_to_run, run_id, save_target, wandb_package
 
 DECLARED = "declared"  # evalkit.backends.kvbytes.DECLARED: how a row's kv_bytes_source names declared bytes
 VERDICT = "verdict.json"  # evalkit.gate.outputs.VERDICT
@@ -95,8 +95,7 @@ def log_run(
     thresholds: dict | None = None,
 ) -> list[Path]:
     """Log an evalkit run folder to W&B, a run per variant; returns their local W&B folders."""
-    import wandb
-
+    wandb = wandb_package()
     rows, info = read_rows(out_dir / SAMPLES), json.loads((out_dir / "run.json").read_text())
     summary = summarize(rows)
     page = report([out_dir], out_dir / "report")[0]
