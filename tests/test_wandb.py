@@ -5,6 +5,7 @@ as an artifact; `python -m evalkit.gate --wandb` adds the verdict to the very sa
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections import defaultdict
@@ -182,3 +183,16 @@ def test_gate_wandb_without_the_package_is_one_line_and_exit_2_before_judging(tm
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "pip install wandb" in err and "Traceback" not in err
     assert not (run_dir / "verdict.json").exists()  # stopped before judging
+
+
+def test_a_verdict_older_than_the_last_row_is_not_logged(tmp_path, offline):
+    """A resumed run has rows the old verdict.json never judged: neither its status nor the file goes to W&B."""
+    from evalkit.report.wandb_log import log_run
+
+    run_dir = write_run(tmp_path / "run", [r for r in needle_rows() if r["variant"] != "snapkv@0.5"], run_info("r2"))
+    (run_dir / "verdict.json").write_text(json.dumps({"verdict": "PASS", "reasons": [], "variants": {}}))
+    then = (run_dir / "samples.jsonl").stat().st_mtime - 60
+    os.utime(run_dir / "verdict.json", (then, then))
+    for r in map(read_back, log_run(run_dir, "evalkit", mode="offline")):
+        assert "verdict" not in r["summary"] and r["summary"]["n"] == 12
+        assert r["artifacts"]["evalkit-r2"] == {"samples.jsonl", "report.html"}

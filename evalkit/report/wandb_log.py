@@ -116,7 +116,8 @@ def log_run(
         table = wandb.Table(columns=COLUMNS, data=[[_cell(r.get(c)) for c in COLUMNS] for r in own])
         media = {"samples": table, "report": wandb.Html(page.read_text(), inject=False)}
         config = variant_config(own, info, thresholds)
-        artifact = files_artifact(wandb, info["run_id"], [out_dir / SAMPLES, out_dir / VERDICT, page])
+        files = [out_dir / SAMPLES, page, *([out_dir / VERDICT] if verdict else [])]  # never a stale verdict
+        artifact = files_artifact(wandb, info["run_id"], files)
         local.append(log_to_run(target, ids[variant], f"{out_dir.name}/{variant}", config, fields, media, artifact))
     return local
 
@@ -125,8 +126,7 @@ def files_artifact(wandb, identity: str, paths: list[Path]):
     """The run's records and report as one versioned W&B artifact (the same files: the same version)."""
     artifact = wandb.Artifact(f"evalkit-{identity}", type="evalkit-run")
     for path in paths:
-        if path.exists():
-            artifact.add_file(str(path), name=path.name)
+        artifact.add_file(str(path), name=path.name)
     return artifact
 
 
