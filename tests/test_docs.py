@@ -172,8 +172,8 @@ def test_gate_commands_parse(argv, monkeypatch, capsys):
     class Passed:
         passed = True
 
-    def judged(runs, thresholds, out=None, junit=None, summary=None):
-        seen.update(runs=runs, thresholds=thresholds, out=out, junit=junit, summary=summary)
+    def judged(runs, thresholds, out=None, junit=None, summary=None, wandb=False):
+        seen.update(runs=runs, thresholds=thresholds, out=out, junit=junit, summary=summary, wandb=wandb)
         return Passed()
 
     monkeypatch.setattr(gate, "gate", judged)
@@ -187,6 +187,7 @@ def test_gate_commands_parse(argv, monkeypatch, capsys):
         assert seen["runs"] == [Path(a) for i, a in enumerate(argv) if not a.startswith("-") and i not in values]
         if "--junit" in argv:
             assert seen["junit"] == Path(argv[argv.index("--junit") + 1])
+        assert seen["wandb"] == ("--wandb" in argv)
 
 
 @pytest.mark.parametrize("argv", BY_MODULE["evalkit.report"], ids=_id)

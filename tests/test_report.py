@@ -1,15 +1,12 @@
-"""Reports (Markdown, PNG plots, the page) and the W&B offline round trip."""
+"""Reports: Markdown, PNG plots and the page (W&B: tests/test_wandb.py)."""
 
 from __future__ import annotations
 
 import json
 import re
-import time
-
-import pytest
 
 from evalkit.report.cli import pareto, report
-from tests.conftest import compose_config, drew
+from tests.conftest import drew
 from tests.test_gate import rows, run_info
 
 
@@ -102,61 +99,6 @@ def test_report_writes_markdown_html_and_plots_merging_runs(tmp_path, capsys):
     page = (out / "report.html").read_text()  # the page: tests/test_report_page.py reads it, the browser test opens it
     assert "Plotly" in page and not re.search(r'<(script|link|img)[^>]+(src|href)="(https?:)?//', page)  # offline
     assert "Warnings" not in md and "warning" not in capsys.readouterr().err  # healthy records: no warnings
-
-
-def wandb_records(path):
-    """The records of an offline W&B run file: a 7-byte header, then LevelDB-style log blocks of protobufs."""
-    from wandb.proto import wandb_internal_pb2
-
-    data, pos, block, pending = path.read_bytes(), 7, 32768, b""
-    assert data[:4] == b":W&B"
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
-        if left < 7 or (length == 0 and kind == 0):  # block trailer or padding
-            pos += left
-            continue
-        if pos + 7 + length > len(data):  # a record still being written
-            return
-        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
-        pending = chunk if kind in (1, 2) else pending + chunk
-        if kind in (1, 4):  # a full record, or the last piece of one
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            yield record
-
-
-def test_wandb_offline_round_trip(tmp_path, monkeypatch):
-    pytest.importorskip("wandb", reason="pip install wandb for logger=wandb")
-    from evalkit.report.wandb_log import log_run
-
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    run_dir = write_run(tmp_path / "run", needle_rows())
-    cfg = compose_config("logger=wandb", "model=tiny-random")
-    local = log_run(cfg, run_dir)
-    assert local.name.startswith("offline-run-")
-    (log,) = local.glob("run-*.wandb")
-    deadline = time.time() + 60  # W&B's writer process may still be flushing the file when finish() returns
-    while time.time() < deadline and "exit" not in {r.WhichOneof("record_type") for r in wandb_records(log)}:
-        time.sleep(0.5)
-    summary, config = {}, {}
-    for record in wandb_records(log):
-        kind = record.WhichOneof("record_type")
-        if kind == "history":  # what run.log wrote, as written
-            summary.update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
-        if kind == "run":
-            config.update({u.key: json.loads(u.value_json) for u in record.run.config.update})
-            group = record.run.run_group
-    assert summary["streaming_llm@0.25/accuracy"] == pytest.approx(8 / 12)
-    assert summary["snapkv@0.5/kv_ratio"] == pytest.approx(0.5)
-    assert config["model"]["name"] == "tiny-random" and group == "needle"
-    (table,) = (local / "files" / "media" / "table").glob("samples_*.table.json")
-    assert len(json.loads(table.read_text())["data"]) == len(needle_rows())
-    assert {p.name.split("_")[0] for p in (local / "files" / "media" / "images" / "plots").glob("*.png")} >= {
-        "heatmaps",
-        "tradeoff",
-    }
 
 
 def test_merging_runs_of_two_models_keeps_their_variants_apart(tmp_path):

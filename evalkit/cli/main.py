@@ -109,13 +109,16 @@ def _job(cfg: DictConfig) -> None:
         if cfg.logger.name == "wandb":
             from evalkit.report.wandb_log import log_run
 
-            print(f"evalkit: W&B run written to {log_run(cfg, out_dir)}")
+            lg = cfg.logger
+            gate_t = OmegaConf.to_container(cfg.gate, resolve=True) if cfg.gate.name != "none" else None
+            local = log_run(out_dir, lg.project, lg.get("group"), lg.get("entity"), lg.get("mode") or "auto", gate_t)
+            print(f"evalkit: W&B runs written to {', '.join(map(str, local))}")
         if cfg.gate.name != "none" and not in_sweep:  # a sweep is gated once, on all its jobs (evalkit.sweep)
             from evalkit.gate.cli import gate
             from evalkit.gate.outputs import print_verdict
             from evalkit.gate.thresholds import thresholds
 
-            verdict = gate([out_dir], thresholds(cfg.gate, repr(cfg.gate.name)))
+            verdict = gate([out_dir], thresholds(cfg.gate, repr(cfg.gate.name)), wandb=cfg.logger.name == "wandb")
             print_verdict(verdict)
             sys.exit(0 if verdict.passed else 1)
     except ConfigError as err:

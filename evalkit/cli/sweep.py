@@ -41,17 +41,18 @@ class MergeJobs(Callback):
             exit_code = error(err)
             return
         if limits is not None:
-            exit_code = self._judge(sweep, limits)
+            exit_code = self._judge(sweep, limits, config.logger.name == "wandb")
         self._report(sweep)
 
     @staticmethod
-    def _judge(sweep: Path, limits) -> int:
-        """The sweep judged once, by the gate (its one look): the exit code."""
+    def _judge(sweep: Path, limits, wandb: bool) -> int:
+        """The sweep judged once, by the gate (its one look): the exit code. `wandb`: the verdict logged to every
+        job's W&B runs too."""
         from evalkit.gate.cli import gate
         from evalkit.gate.outputs import print_verdict
 
         try:
-            verdict = gate([sweep], limits)
+            verdict = gate([sweep], limits, wandb=wandb)
         except ConfigError as err:  # CannotJudge (the gate printed its reasons), or no records at all
             return error(err)
         print_verdict(verdict)

@@ -30,7 +30,9 @@ from evalkit.gate.pipeline import write_ci
 from evalkit.gate.power import samples_advice
 from evalkit.gate.reading import read_runs, run_folders
 from evalkit.gate.thresholds import Thresholds, load_thresholds
+from evalkit.gate.tracked import log_verdict
 from evalkit.lock import RunLock
+from evalkit.tracking import wandb_package
 
 WAIT = 60.0  # seconds a gate waits for another process's lock on a run folder (another gate's look)
 
@@ -41,13 +43,15 @@ def gate(
     out_dir: Path | None = None,
     junit: Path | None = None,
     summary: Path | None = None,
+    wandb: bool = False,
 ) -> Verdict:
     """Judge the runs and write verdict.json and report.md into `out_dir` (default: the first run folder); return a
     PASS or FAIL verdict for the caller to print. INCONCLUSIVE, or records that cannot be judged: the outputs are
     written (where the folder is writable), the reasons printed (print_verdict), then CannotJudge is raised (exit
     code 2) with the samples that would settle it, or what is wrong with the records. The runs are read, judged
     and their look recorded under their folders' locks (evalkit.lock): gates run at once take turns. `junit`,
-    `summary`: where the verdict goes for a CI system too (evalkit.gate.pipeline), whatever it is."""
+    `summary`: where the verdict goes for a CI system too (evalkit.gate.pipeline), whatever it is; `wandb`: and to
+    the W&B runs of the runs judged (evalkit.gate.tracked)."""
     folders = run_folders(run_dirs)
     with ExitStack() as held:
         for folder in sorted(set(folders)):  # one order for every gate: two never wait on each other
@@ -55,19 +59,27 @@ def gate(
                 held.enter_context(RunLock(folder, wait=WAIT))
             except OSError:  # a read-only folder: judged, its look said not recorded (looks.append)
                 pass
-        verdict = _judged(run_dirs, folders, thresholds)
+        verdict, infos = _judged(run_dirs, folders, thresholds)
+        if wandb:
+            logged = log_verdict(infos, verdict_doc(verdict, thresholds))
+            print(
+                f"evalkit gate: the verdict logged to {len(logged)} W&B run(s)"
+                if logged
+                else "evalkit gate: no W&B run to log the verdict to (no readable run.json and rows)"
+            )
         return _finish(verdict, run_dirs, thresholds, out_dir, junit, summary)
 
 
-def _judged(run_dirs: list[Path], folders: list[Path], thresholds: Thresholds) -> Verdict:
-    """The verdict on the runs, its look appended to every folder's looks.jsonl (the caller holds the locks)."""
+def _judged(run_dirs: list[Path], folders: list[Path], thresholds: Thresholds) -> tuple[Verdict, list[dict]]:
+    """The verdict on the runs, its look appended to every folder's looks.jsonl (the caller holds the locks), and
+    the runs' run.json as read."""
     records = read_runs(run_dirs)
     recorded = looks.read(folders, records.infos)
     verdict = judge(records.rows, records.infos, thresholds, records.problems, recorded, records.partial)
     verdict.runs = [str(d) for d in run_dirs]
     if verdict.status != "CANNOT JUDGE":
         verdict.not_judged += looks.append(folders, verdict.look, verdict.history)
-    return verdict
+    return verdict, records.infos
 
 
 def _finish(
@@ -120,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--out", type=Path, help="where verdict.json and report.md go (default: the first run)")
         ap.add_argument("--junit", type=Path, help="also write JUnit XML: a case per variant and check")
         ap.add_argument("--summary", type=Path, help="also append a Markdown summary (e.g. $GITHUB_STEP_SUMMARY)")
+        ap.add_argument("--wandb", action="store_true", help="also log the verdict to the W&B runs of the runs")
         ap.add_argument("--plan", action="store_true", help="print the samples a PASS needs, and judge nothing")
         ap.add_argument("--variants", type=int, default=1, help="with --plan: variants judged together")
         ap.add_argument("--cells", type=int, default=1, help="with --plan: cells per variant")
@@ -133,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_OK
         if not args.runs:
             raise ConfigError("give one or more run folders to judge (or --plan to size a run)")
-        verdict = gate(args.runs, load_thresholds(args.gate), args.out, args.junit, args.summary)
+        if args.wandb:
+            wandb_package()  # a missing package is said before anything is judged or written
+        verdict = gate(args.runs, load_thresholds(args.gate), args.out, args.junit, args.summary, args.wandb)
         print_verdict(verdict)
         return EXIT_OK if verdict.passed else EXIT_FAIL
 

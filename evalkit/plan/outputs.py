@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from evalkit.errors import ConfigError
 from evalkit.plan import page as plan_page
 from evalkit.records import to_json, write_atomic
-from evalkit.report.wandb_log import mode
+from evalkit.tracking import resolved_mode
 from evalkit.units import fmt_bytes
 
 OUTPUTS = ("plan.json", "plan.md", "plan.html", "plan_pressure.png")
@@ -175,7 +175,7 @@ def log_wandb(cfg: DictConfig, p: dict[str, Any], out: Path) -> Path:
         entity=cfg.logger.get("entity"),
         group=cfg.logger.get("group") or "plan",
         name=f"plan-{p['model']}",
-        mode=mode(cfg.logger),
+        mode=resolved_mode(cfg.logger.get("mode") or "auto"),
         dir=str(out),
         config=OmegaConf.to_container(cfg, resolve=True),
         reinit="finish_previous",

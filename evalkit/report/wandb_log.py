@@ -1,24 +1,29 @@
-"""Weights & Biases: one W&B run per evalkit run, grouped by experiment, so runs compare in the W&B UI.
+"""Weights & Biases: one W&B run per (evalkit run, variant), the baseline included, in a group per experiment.
 
-Logs the resolved config, summary metrics per variant (`<variant>/accuracy`, `/drop`, `/kv_ratio`, ...), the
-per-sample table and the report's plots. Offline unless an API key is configured (`wandb sync` uploads later).
+Each run's config says what was compared (task, model, backend, policy, budget, quantization, prefill, protocol, the
+gate's thresholds) and its summary what came out (accuracy, the paired drop with its bounds, lost / gained, the KV
+ratio and whether its bytes were measured or declared, and the gate's verdict where it judged), so the W&B UI groups
+by policy, plots accuracy against budget and filters by verdict. Each run also holds its per-sample table, the report
+page as an HTML panel and, as a versioned artifact, samples.jsonl, verdict.json and the page. Run ids are derived
+(evalkit.tracking.run_id), so `python -m evalkit.gate --wandb` adds its verdict to the same runs.
 """
 
 from __future__ import annotations
 
-import os
+import json
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
 from evalkit.gate.summary import summarize
+from evalkit.gate.tracked import verdict_fields
 from evalkit.records import SAMPLES, read_rows
 from evalkit.report.cli import report
+from evalkit.tracking import Target, log_to_run, run_id, save_target, wandb_package
 
+DECLARED = "declared"  # evalkit.backends.kvbytes.DECLARED: how a row's kv_bytes_source names declared bytes
+VERDICT = "verdict.json"  # evalkit.gate.outputs.VERDICT
 COLUMNS = [
     "sample_id",
-    "variant",
     "cell",
     "score",
     "baseline_score",
@@ -30,54 +35,99 @@ COLUMNS = [
 ]
 
 
-def mode(cfg: DictConfig) -> str:
-    """`online` only when asked for and an API key is configured; offline otherwise."""
-    wanted = cfg.get("mode") or "auto"
-    if wanted == "auto":
-        return "online" if os.environ.get("WANDB_API_KEY") else "offline"
-    return wanted
+def variant_config(rows: list[dict], info: dict, thresholds: dict | None) -> dict[str, Any]:
+    """What one variant's rows were measured with, as flat fields the W&B UI groups and plots by."""
+    first = rows[0]
+    policy, quant = first.get("policy") or {}, first.get("quant") or {}
+    config = info.get("config") or {}
+    return {
+        "variant": first["variant"],
+        "task": first.get("task") or (config.get("task") or {}).get("name"),
+        "model": (info.get("model") or {}).get("name") or (config.get("model") or {}).get("name"),
+        "backend": first.get("backend") or "hf",
+        "policy": policy.get("name"),
+        "budget": policy.get("budget"),
+        "quantization": quant.get("name") or "none",
+        "prefill": (first.get("prefill") or {}).get("mode", "oneshot"),
+        "protocol": first.get("protocol") or info.get("protocol"),
+        "policy_settings": policy,
+        "evalkit_run_id": info.get("run_id"),
+        "gate": thresholds,
+    }
 
 
-def log_run(cfg: DictConfig, out_dir: Path) -> Path:
-    """Log an evalkit run folder to W&B; returns the local W&B run folder."""
-    import wandb
+def variant_summary(s: dict[str, Any], rows: list[dict]) -> dict[str, Any]:
+    """The variant's results: accuracy beside the baseline's, the paired drop and its bounds, flips and KV ratio."""
+    p = s["paired"]
+    declared = any(str(r.get("kv_bytes_source", "")).startswith(DECLARED) for r in rows)
+    return {
+        "n": s["n"],
+        "accuracy": s["accuracy"],
+        "baseline_accuracy": s["baseline_accuracy"],
+        "drop": p["drop"],
+        "drop_lower": p["drop_bounds"][0],
+        "drop_upper": p["drop_bounds"][1],
+        "mcnemar_p": p["mcnemar_p"],
+        "lost": s["lost"],
+        "gained": s["gained"],
+        "kv_ratio": s["kv_ratio"],
+        "kv_ratio_basis": s["kv_ratio_basis"],
+        f"kv_ratio_{DECLARED if declared else 'measured'}": s["kv_ratio_measured"],
+        "kv_bytes_are": DECLARED if declared else "measured",
+        "kv_bytes": s["kv_bytes"],
+    }
 
-    rows = read_rows(out_dir / SAMPLES)
+
+def current_verdict(out_dir: Path) -> dict[str, Any] | None:
+    """verdict.json when the gate wrote it after the last row (an older one judged fewer samples)."""
+    verdict, samples = out_dir / VERDICT, out_dir / SAMPLES
+    if not verdict.exists() or verdict.stat().st_mtime < samples.stat().st_mtime:
+        return None
+    return json.loads(verdict.read_text())
+
+
+def log_run(
+    out_dir: Path,
+    project: str,
+    group: str | None = None,
+    entity: str | None = None,
+    mode: str = "auto",
+    thresholds: dict | None = None,
+) -> list[Path]:
+    """Log an evalkit run folder to W&B, a run per variant; returns their local W&B folders."""
+    wandb = wandb_package()
+    rows, info = read_rows(out_dir / SAMPLES), json.loads((out_dir / "run.json").read_text())
     summary = summarize(rows)
-    images = [p for p in report([out_dir], out_dir / "report") if p.suffix == ".png"]
-    logger = cfg.logger
-    run = wandb.init(
-        project=logger.project,
-        entity=logger.get("entity"),
-        group=logger.get("group") or cfg.task.name,
-        name=out_dir.name,
-        mode=mode(logger),
+    page = report([out_dir], out_dir / "report")[0]
+    verdict = current_verdict(out_dir)
+    target = Target(
+        project=project,
+        group=group or str((info.get("config") or {}).get("task", {}).get("name")),
         dir=str(out_dir),
-        config=OmegaConf.to_container(cfg, resolve=True),
-        reinit="finish_previous",
+        entity=entity,
+        mode=mode,
     )
-    metrics = {}
+    ids = {v: run_id(info["run_id"], v) for v in summary}
+    save_target(out_dir, target, ids)
+    local = []
     for variant, s in summary.items():
-        for key in (
-            "accuracy",
-            "baseline_accuracy",
-            "lost",
-            "gained",
-            "kv_ratio",
-            "kv_ratio_measured",
-            "kv_bytes",
-            "kl_mean",
-        ):
-            if key in s:
-                metrics[f"{variant}/{key}"] = s[key]
-        metrics[f"{variant}/drop"] = s["paired"]["drop"]
-        metrics[f"{variant}/drop_upper_bound"] = s["paired"]["drop_bounds"][1]
-        metrics[f"{variant}/mcnemar_p"] = s["paired"]["mcnemar_p"]
-    table = wandb.Table(columns=COLUMNS, data=[[_cell(r.get(c)) for c in COLUMNS] for r in rows])
-    run.log({**metrics, "samples": table, **{f"plots/{p.stem}": wandb.Image(str(p)) for p in images}})
-    local = Path(run.dir).parent
-    run.finish()
+        own = [r for r in rows if r["variant"] == variant]
+        fields = variant_summary(s, own) | (verdict_fields(verdict, variant) if verdict else {})
+        table = wandb.Table(columns=COLUMNS, data=[[_cell(r.get(c)) for c in COLUMNS] for r in own])
+        media = {"samples": table, "report": wandb.Html(page.read_text(), inject=False)}
+        config = variant_config(own, info, thresholds)
+        files = [out_dir / SAMPLES, page, *([out_dir / VERDICT] if verdict else [])]  # never a stale verdict
+        artifact = files_artifact(wandb, info["run_id"], files)
+        local.append(log_to_run(target, ids[variant], f"{out_dir.name}/{variant}", config, fields, media, artifact))
     return local
+
+
+def files_artifact(wandb, identity: str, paths: list[Path]):
+    """The run's records and report as one versioned W&B artifact (the same files: the same version)."""
+    artifact = wandb.Artifact(f"evalkit-{identity}", type="evalkit-run")
+    for path in paths:
+        artifact.add_file(str(path), name=path.name)
+    return artifact
 
 
 def _cell(value: Any) -> Any:

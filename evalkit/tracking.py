@@ -1,0 +1,107 @@
+"""Weights & Biases runs: one per (evalkit run, variant), with ids a later command derives again.
+
+A run's W&B id comes from its evalkit identity (run.json's `run_id`, kept across resumes) and the variant's name, so
+`python -m evalkit.gate --wandb` logs its verdict to the very runs `logger=wandb` created. Where they went (project,
+entity, group, mode, folder) is written beside the records, in `wandb.json`. Plain values only: no config objects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from evalkit.errors import ConfigError
+from evalkit.records import finite, write_json
+
+SETTINGS = "wandb.json"
+MODES = ("auto", "online", "offline", "disabled")
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a run's W&B runs go; `dir` holds W&B's local files (its `wandb/` folder)."""
+
+    project: str
+    group: str
+    dir: str
+    entity: str | None = None
+    mode: str = "auto"
+
+
+def run_id(identity: str, variant: str) -> str:
+    """The W&B run id of one variant of one evalkit run: the same on every call, distinct across runs and variants."""
+    return hashlib.sha256(f"{identity}\0{variant}".encode()).hexdigest()[:16]
+
+
+def resolved_mode(mode: str) -> str:
+    """`auto`: online when an API key is configured, offline otherwise (`wandb sync` uploads later)."""
+    if mode not in MODES:
+        raise ConfigError(f"logger.mode={mode!r}: give one of {', '.join(MODES)}")
+    if mode == "auto":
+        return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    return mode
+
+
+def save_target(folder: Path, target: Target, runs: dict[str, str]) -> None:
+    """Record in the run folder where its W&B runs went, and each variant's run id."""
+    write_json(folder / SETTINGS, {**asdict(target), "runs": runs})
+
+
+def load_target(folder: Path) -> Target | None:
+    """The Target `save_target` recorded in the run folder, or None when the run was never logged to W&B."""
+    path = folder / SETTINGS
+    if not path.exists():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+        return Target(**{k: doc[k] for k in ("project", "group", "dir", "entity", "mode")})
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"{path} cannot be read ({err}); remove it to log to new W&B runs") from None
+
+
+def log_to_run(
+    target: Target,
+    wandb_id: str,
+    name: str,
+    config: dict[str, Any] | None = None,
+    summary: dict[str, Any] | None = None,
+    media: dict[str, Any] | None = None,
+    artifact: Any = None,
+) -> Path:
+    """Open (or resume) the W&B run `wandb_id`, add the config, summary fields, media and an artifact; return its
+    local folder. `media` and `artifact` are the caller's, built with the `wandb` package."""
+    run = wandb_package().init(
+        id=wandb_id,
+        resume="allow",
+        project=target.project,
+        entity=target.entity,
+        group=target.group,
+        name=name,
+        mode=resolved_mode(target.mode),
+        dir=target.dir,
+        config=finite(config or {}),
+        reinit="finish_previous",
+    )
+    run.summary.update(finite(summary or {}))
+    if media:
+        run.log(media)
+    if artifact is not None:
+        run.log_artifact(artifact)
+    local = Path(run.dir).parent
+    run.finish()
+    return local
+
+
+def wandb_package():
+    """The `wandb` package, imported only when something is logged to W&B (it is optional, and slow to import)."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError(
+            "logging to W&B needs the wandb package: pip install wandb (or drop logger=wandb / --wandb)"
+        ) from None
+    return wandb
