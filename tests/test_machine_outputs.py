@@ -9,12 +9,15 @@ import math
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from evalkit.gate.cli import main as gate_main
 from evalkit.gate.pipeline import step_summary
 from evalkit.records import NOT_FINITE, finite, to_json
-from tests.conftest import run_cli
+from tests.conftest import ROOT, run_cli
+
+VERDICT_SCHEMA = jsonschema.Draft202012Validator(json.loads((ROOT / "docs" / "verdict.schema.json").read_text()))
 
 
 def strict(text: str):
@@ -95,7 +98,29 @@ def test_every_file_of_a_judged_run_parses_strictly(tiny_runs, tmp_path, kind):
         lines = path.read_text().splitlines() if path.suffix == ".jsonl" else [path.read_text()]
         for line in lines:
             strict(line)  # raises on NaN / Infinity
-    assert strict((out / "verdict.json").read_text())["verdict"] == status
+    verdict = strict((out / "verdict.json").read_text())
+    assert verdict["verdict"] == status and verdict["schema"] == "evalkit.verdict/1"
+    VERDICT_SCHEMA.validate(verdict)  # the published schema describes every kind of verdict
+
+
+def test_the_verdict_schema_refuses_what_it_does_not_describe(tiny_runs, tmp_path):
+    gate_file = tmp_path / "gate.yaml"
+    gate_file.write_text("name: x\nmin_baseline_accuracy: null\n")
+    gate_main([str(tiny_runs["lossy"]), "--gate", str(gate_file), "--out", str(tmp_path)])
+    good = strict((tmp_path / "verdict.json").read_text())
+    VERDICT_SCHEMA.validate(good)
+    name = next(n for n, v in good["variants"].items() if "gate" in v)
+    for edit in (
+        lambda d: d.update(verdict="MAYBE"),
+        lambda d: d.pop("reasons"),
+        lambda d: d.update(extra=1),
+        lambda d: d["variants"][name]["gate"]["checks"]["drop"].update(holds="yes"),
+        lambda d: d["cells"][0].update(p_not_finite="NaN"),
+    ):
+        bad = json.loads(json.dumps(good))
+        edit(bad)
+        with pytest.raises(jsonschema.ValidationError):
+            VERDICT_SCHEMA.validate(bad)
 
 
 def junit_cases(path: Path) -> tuple[ET.Element, dict[tuple[str, str], str]]:

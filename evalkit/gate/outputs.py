@@ -13,6 +13,7 @@ from evalkit.records import to_json, write_atomic
 from evalkit.units import fmt_bytes
 
 VERDICT, REPORT = "verdict.json", "report.md"
+SCHEMA = "evalkit.verdict/1"  # verdict.json's version: docs/verdict.schema.json describes it
 
 
 def output_folder(out: Path) -> Path:
@@ -36,8 +37,9 @@ def write_text(path: Path, text: str) -> None:
 
 def verdict_doc(verdict: Verdict, t: Thresholds) -> dict[str, Any]:
     """verdict.json: what the gate decided, why, at which thresholds and look, and the command that extends an
-    INCONCLUSIVE run (the report shows the same document)."""
+    INCONCLUSIVE run (the report shows the same document); docs/verdict.schema.json is its JSON Schema."""
     return {
+        "schema": SCHEMA,
         "verdict": verdict.status,
         "reasons": verdict.reasons,
         "not_judged": verdict.not_judged,
