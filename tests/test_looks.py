@@ -21,7 +21,7 @@ from evalkit.gate.thresholds import Thresholds
 from evalkit.lock import RunLock
 from evalkit.plan.measured import measured_variants
 from evalkit.report.cli import main as report_main
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, drew, run_cli
 from tests.test_gate import rows, run_info
 
 THETAS = (1, 0.8, 0.6, 0.4)  # evalkit.betting's bets, weighted 1/4 each
@@ -34,11 +34,12 @@ def drop_wealth(lost: int, n: int, margin: float = 0.05) -> float:
 
 
 def _write(folder: Path, base: list[float], pol: list[float], cell=None) -> Path:
-    """The run folder holding these rows (its run.json written once, as a run writes it)."""
+    """The run folder holding these rows (its run.json's samples extended as resume=true extends them)."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(base, pol, cell=cell)))
-    if not (folder / "run.json").exists():
-        (folder / "run.json").write_text(json.dumps(run_info("r1")))
+    written = rows(base, pol, cell=cell)
+    (folder / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in written))
+    info = json.loads((folder / "run.json").read_text()) if (folder / "run.json").exists() else run_info("r1")
+    (folder / "run.json").write_text(json.dumps(drew(info, written)))
     return folder
 
 

@@ -126,15 +126,17 @@ def lost_in(runs: list[Path]) -> set[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def report_page(report_runs, tmp_path_factory) -> tuple[Path, str, int, set]:
-    """The report of the three real runs (three tasks) as the CLI writes it, with what the gate says of them."""
-    runs = [report_runs[name] for name in ("lcc", "needle", "ruler")]
+    """The report of the three real runs (three tasks) as the CLI writes it, after the gate judged them (the report
+    shows the gate's verdict.json, which it finds beside the first run's rows). Copies of the runs: the gate records
+    its look in the folders it judges, and the runs are shared with other tests."""
     out = tmp_path_factory.mktemp("report")
+    runs = [shutil.copytree(report_runs[name], out / name) for name in ("lcc", "needle", "ruler")]
+    gate = [sys.executable, "-m", "evalkit.gate", *map(str, runs)]
+    subprocess.run(gate, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    verdict = json.loads((runs[0] / "verdict.json").read_text())["verdict"]
     cmd = [sys.executable, "-m", "evalkit.report", *map(str, runs), "--out", str(out / "page")]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    gate = [sys.executable, "-m", "evalkit.gate", *map(str, runs), "--out", str(out / "gate")]
-    subprocess.run(gate, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    verdict = json.loads((out / "gate" / "verdict.json").read_text())["verdict"]
     variants = sum(len({r["variant"] for r in records(run)}) for run in runs)
     lost = lost_in(runs)
     assert {v for v, _ in lost} == {"hf/streaming_llm@0.25", "hf/snapkv@0.5"}, lost  # the graded run loses samples

@@ -11,7 +11,7 @@ import traceback
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from evalkit.errors import EXIT_FAIL, EXIT_OK, ConfigError
 from evalkit.exits import error, internal
@@ -41,7 +41,7 @@ class MergeJobs(Callback):
             exit_code = error(err)
             return
         if limits is not None:
-            exit_code = self._judge(sweep, limits, config.logger.name == "wandb")
+            exit_code = self._judge(sweep, limits, OmegaConf.select(config, "logger.name") == "wandb")
         self._report(sweep)
 
     @staticmethod
