@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from evalkit.records import to_json
+
 LOOKS_FILE = "looks.jsonl"
 LEGACY = "looks"  # the list an older run.json held
 VERDICTS = ("PASS", "FAIL", "INCONCLUSIVE")
@@ -180,7 +182,7 @@ def append(folders: list[Path], look: dict[str, Any], h: History) -> list[str]:
     The caller holds the folders' locks. Returns a line for every folder where it could not be written."""
     if h.repeat:
         return []
-    line = json.dumps(look, sort_keys=True, allow_nan=False) + "\n"
+    line = to_json(look) + "\n"
     problems = []
     for folder in folders:
         path = folder / LOOKS_FILE

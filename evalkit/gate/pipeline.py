@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from evalkit.errors import ConfigError
+from evalkit.gate.decide import SHOWN_TO_FAIL
 from evalkit.gate.summary import is_baseline
 
-SHOWN_TO_FAIL = "shown to fail"  # decide.SHOWN_TO_FAIL, as verdict.json spells it
 SUITE = "evalkit.gate"
 
 
