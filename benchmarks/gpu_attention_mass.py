@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
+from evalkit.attention.fused import attention_mass
 from evalkit.kernels import naive
 from evalkit.kernels.attention_mass import attention_with_mass
-from evalkit.kv.attention import attention_mass
 
 
 def timings(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype) -> tuple[float, float, float]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from omegaconf import OmegaConf
 
-from evalkit.kv.attention import causal_tail_mask, observe
+from evalkit.attention.sdpa import causal_tail_mask, observe
 from evalkit.kv.cache import full_attention_layers, share
 from evalkit.run import models
 from evalkit.run.engine import PREVIOUS_IDS, prefill, reconstruct

@@ -5,7 +5,7 @@ softmax over key blocks, the output written once) and leaves each query's log-su
 blocks again and adds each block's column sums of exp(q.k * scale - lse), the exact probabilities, to the key's mass
 (per KV head: the query heads of a group add into the same row, atomically). The (Tq x Tk) matrix never exists. The
 reference with the same signature is `naive.attention_with_mass`; on the CPU evalkit computes the same thing in query
-chunks (evalkit.kv.fused). Run on a GPU: `python benchmarks/gpu_attention_mass.py`.
+chunks (evalkit.attention.fused). Run on a GPU: `python benchmarks/gpu_attention_mass.py`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """KV-cache policies: each decides which cached tokens every KV head keeps.
 
 A policy scores tokens; the base class turns scores into kept indices once, for every policy. The engine
-(`evalkit.kv.cache`), not the policy, owns caches, gathers and positions.
+(`evalkit.kv.cache`), not the policy, owns caches, gathers and positions. What a policy needs observed in attention it
+declares as objects (`needs()`, evalkit.attention.observation) and reads back from its LayerView by the same objects.
 """
 
 from __future__ import annotations
@@ -9,31 +10,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import ClassVar, Protocol
 
 import torch
 from torch import Tensor
 
+from evalkit.attention.observation import Observation
 from evalkit.errors import ConfigError, PolicyError
 from evalkit.fields import check_fields
-
-
-class Need(str, Enum):
-    """What a policy needs observed in attention, besides the keys and values it holds (evalkit.kv.attention)."""
-
-    ATTN_MASS = "attn_mass"  # per token: the attention it has received, summed over queries (H2O)
-    WINDOW_QUERIES = "window_queries"  # per layer: the last `observation_window()` queries it has seen (SnapKV, TOVA)
-    # per layer: the attention each context key gets while the model repeats the context in a second pass (KVzip);
-    # the policy names its pass by a `reconstruction()` method returning (sinks, chunk) (policies/kvzip.py)
-    RECONSTRUCTION = "reconstruction"
-    # per layer: mean and covariance of the pre-RoPE context queries from position `query_stats_from()` on, which
-    # the policy returns from a method of that name, and the RoPE frequencies (ExpectedAttention)
-    QUERY_STATS = "query_stats"
-
-
-# Needs carried per held token and gathered with the keys; the others are per layer.
-PER_TOKEN = frozenset({Need.ATTN_MASS})
 
 
 @dataclass
@@ -65,9 +49,20 @@ class LayerView:
     keys: Tensor  # (B, Hkv, T, D) post-RoPE keys as held
     values: Tensor  # (B, Hkv, T, D)
     positions: Tensor  # (B, Hkv, T) absolute position of each held token
-    state: dict[str, Tensor] = field(default_factory=dict)  # per held token (B, Hkv, T), e.g. attn_mass
-    observations: dict[str, Tensor] = field(default_factory=dict)  # per layer, e.g. window_queries (B, Hq, W, D)
+    state: dict[Observation, Tensor] = field(default_factory=dict)  # per-token observations (B, Hkv, T)
+    observations: dict[Observation, object] = field(default_factory=dict)  # per-layer observations
     valid: Tensor | None = None  # (B, Hkv, T) False on the padding slots of a ragged layer (positions -1); None: none
+
+    def observed(self, obs: Observation):
+        """The value of `obs` (one of the policy's `needs()`) at this layer, per held token or per layer."""
+        if obs in self.state:
+            return self.state[obs]
+        if obs not in self.observations:
+            raise ValueError(
+                f"layer {self.layer_idx} holds no {obs}: the engine records what the policy's needs() returns, "
+                "during the prefill (and a second pass) that the compressed cache came from"
+            )
+        return self.observations[obs]
 
     @property
     def real(self) -> Tensor:
@@ -89,7 +84,6 @@ class KVPolicy:
     decode_interval: int = 1  # with decode=true: evict after every N-th forward (kvpress DecodingPress's interval)
 
     # What the engine and the config checks read; a new policy declares them and nothing else changes.
-    needs: ClassVar[frozenset[Need]] = frozenset()  # observed in attention, beyond the held keys and values
     chunkable: ClassVar[bool] = True  # can evict chunk by chunk in a chunked prefill (prefill=chunked)
     decodable: ClassVar[bool] = True  # can keep its budget while decoding (decode=true)
     ragged: ClassVar[bool] = False  # KV heads of a layer may keep different counts (select pads with -1)
@@ -99,8 +93,13 @@ class KVPolicy:
     # all, DuoAttention's budget is a share of heads) and every protected token counts; evalkit's own policies only.
     budget_counts_tokens: ClassVar[bool] = True
 
+    def needs(self) -> tuple[Observation, ...]:
+        """What the engine must record in attention for it, beyond the held keys and values (H2O's mass, SnapKV's
+        window queries, KVzip's reconstruction pass); each value is read back by `view.observed(obs)`."""
+        return ()
+
     def observation_window(self) -> int:
-        """Context queries the policy scores with (Need.WINDOW_QUERIES); 0 when it needs none."""
+        """Context queries the policy scores with (a chunk of a chunked prefill must hold them); 0 when none."""
         return 0
 
     def prepare(self, model, probes: Probes) -> dict | None:
@@ -155,10 +154,8 @@ class KVPolicy:
     def select(self, view: LayerView, k: int) -> Tensor:
         """(B, Hkv, k) ascending indices of the tokens each KV head keeps."""
         scores = checked_scores(self, self.score(view), view)
-        protected = self.protected(view, k)
+        protected = kept_protected(self, view, k)
         if protected is not None:
-            if int(protected.sum(-1).max()) > k:
-                raise ValueError(f"{self.name}: {int(protected.sum(-1).max())} protected tokens exceed the {k} kept")
             scores = scores.masked_fill(protected, math.inf)
         return scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
 
@@ -240,9 +237,8 @@ class Wrapper(KVPolicy):
         if "(" not in self.name:
             self.name = f"{self.name}({self.inner.name})"
 
-    @property
-    def needs(self) -> frozenset[Need]:  # type: ignore[override]
-        return self.inner.needs
+    def needs(self) -> tuple[Observation, ...]:
+        return self.inner.needs()
 
     @property
     def chunkable(self) -> bool:  # type: ignore[override]
@@ -305,12 +301,13 @@ def checked_scores(policy: KVPolicy, scores: object, view: LayerView) -> Tensor:
     return scores
 
 
-def scorer(policy: KVPolicy, method: str) -> KVPolicy:
-    """The policy that defines `method` (e.g. KVzip's `reconstruction`), looking through wrappers (`inner`) to the
-    scorer they wrap, however deep: adakv(chunkkv(kvzip)) -> kvzip."""
-    while not hasattr(policy, method):
-        policy = policy.inner
-    return policy
+def kept_protected(policy: KVPolicy, view: LayerView, k: int) -> Tensor | None:
+    """(B, Hkv, T) the tokens `policy` protects when keeping k (a wrapper's are its inner policy's), or None; a
+    ValueError, named by the policy, when a head protects more than the k it keeps."""
+    protected = policy.protected(view, k)
+    if protected is not None and int(protected.sum(-1).max()) > k:
+        raise ValueError(f"{policy.name}: {int(protected.sum(-1).max())} protected tokens exceed the {k} kept")
+    return protected
 
 
 def padded_indices(kept: Tensor) -> Tensor:
@@ -330,16 +327,14 @@ def gather_tokens(x: Tensor, idx: Tensor) -> Tensor:
 
 
 __all__ = [
-    "PER_TOKEN",
     "KVPolicy",
     "LayerView",
     "Probe",
     "Probes",
-    "Need",
     "SinkPolicy",
     "Wrapper",
     "checked_scores",
     "gather_tokens",
+    "kept_protected",
     "padded_indices",
-    "scorer",
 ]

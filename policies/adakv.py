@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from evalkit.errors import ConfigError
-from evalkit.policies import LayerView, Wrapper, checked_scores, padded_indices
+from evalkit.policies import LayerView, Wrapper, checked_scores, kept_protected, padded_indices
 
 
 @dataclass(kw_only=True)
@@ -49,10 +49,8 @@ class AdaKV(Wrapper):
         counts, k x Hkv in all)."""
         scores = checked_scores(self.inner, self.inner.score(view), view)  # (B, Hkv, T)
         b, h, t = scores.shape
-        protected = self.inner.protected(view, k)
+        protected = kept_protected(self, view, k)
         if protected is not None:
-            if int(protected.sum(-1).max()) > k:
-                raise ValueError(f"{self.name}: {int(protected.sum(-1).max())} protected tokens exceed the {k} kept")
             scores = scores.masked_fill(protected, math.inf)
         if view.valid is not None:
             scores = scores.masked_fill(~view.valid, -math.inf)

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from evalkit.errors import ConfigError
-from evalkit.policies import LayerView, Wrapper, checked_scores
+from evalkit.policies import LayerView, Wrapper, checked_scores, kept_protected
 
 
 @dataclass(kw_only=True)
@@ -53,11 +53,9 @@ class ChunkKV(Wrapper):
     def select(self, view: LayerView, k: int) -> Tensor:
         scores = checked_scores(self.inner, self.inner.score(view), view)  # (B, Hkv, T)
         b, h, t = scores.shape
-        protected = self.inner.protected(view, k)
+        protected = kept_protected(self, view, k)
         if protected is None:
             protected = torch.zeros_like(scores, dtype=torch.bool)
-        if int(protected.sum(-1).max()) > k:
-            raise ValueError(f"{self.name}: {int(protected.sum(-1).max())} protected tokens exceed the {k} kept")
         candidate = ~protected
         chunk = torch.div(view.positions, self.chunk_size, rounding_mode="floor").long()  # (B, Hkv, T)
         n_chunks = math.ceil(view.seen / self.chunk_size)

@@ -35,8 +35,9 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from evalkit.attention.observation import Attended
+from evalkit.attention.sdpa import observe
 from evalkit.errors import ConfigError
-from evalkit.kv.attention import observe
 from evalkit.policies import KVPolicy, LayerView, Probes, padded_indices
 
 
@@ -179,8 +180,8 @@ def calibrate(model, probes: Probes, n: int, context: int, sink: int, recent: in
     for probe in probes.needles(context, depths)[:n]:
         observer = NeedleAttention(probe.evidence, probe.question_tokens)
         cache = DynamicCache(config=model.config)
-        with observe(observer, cache):
-            model(input_ids=probe.ids.to(model.device), cache=cache, use_cache=True, logits_to_keep=1)
+        ids = probe.ids.to(model.device)
+        model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1, **observe(observer, cache))
         for layer, per_head in observer.mass.items():
             scores[layer] += per_head / n
     return scores
@@ -188,15 +189,20 @@ def calibrate(model, probes: Probes, n: int, context: int, sink: int, recent: in
 
 class NeedleAttention:
     """Per full-attention layer and KV head: the attention the last `n_queries` queries put on the `evidence`
-    positions, summed over the queries of each KV group and averaged over the queries."""
+    positions, summed over the queries of each KV group and averaged over the queries: a recorder of its own
+    (evalkit.attention.observation.Recorder)."""
 
     def __init__(self, evidence: list[int], n_queries: int):
         self.evidence, self.n_queries = evidence, n_queries
         self.mass: dict[int, np.ndarray] = {}
 
-    def record(self, layer_idx: int, layer, query: Tensor, key: Tensor, scaling: float) -> None:
+    def wants_mass(self, layer_idx: int, layer) -> bool:
+        return False
+
+    def record(self, layer_idx: int, layer, at: Attended) -> None:
         if getattr(layer, "is_sliding", False):
             return
+        query, key, scaling = at.query, at.key, at.scaling
         b, hq, tq, _ = query.shape
         hkv, tk = key.shape[1], key.shape[2]
         q = query[:, :, -self.n_queries :].float() * scaling

@@ -11,6 +11,10 @@ normalised by a softmax over the held keys other than the sinks, per query head;
 averaged, and the result is rescaled by the value norm, (score + epsilon) * ||v||. The first `n_sink` tokens are
 always kept (kvpress gives them the top score). Like kvpress, it compresses the prompt once (decode=false), and the
 statistics are the whole prompt's, so it does not evict chunk by chunk.
+
+The statistics are this file's own observation (`QueryStats`), recorded by the engine at every full-attention layer
+of the prefill: the post-RoPE queries the attention sees are rotated back by their positions, the cos and sin
+computed as transformers' rotary embeddings do, with the model's own RoPE frequencies.
 """
 
 from __future__ import annotations
@@ -22,8 +26,69 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from evalkit.attention.observation import Attended, Observation
 from evalkit.errors import ConfigError
-from evalkit.policies import LayerView, Need, SinkPolicy
+from evalkit.policies import LayerView, SinkPolicy
+
+
+@dataclass
+class Stats:
+    """One layer's pre-RoPE query statistics and the RoPE they are rotated by again."""
+
+    mean: Tensor  # (B, Hq, D)
+    cov: Tensor  # (B, Hq, D, D), divided by the count
+    inv_freq: Tensor  # (D/2,) the RoPE's frequencies
+    scaling: float  # the RoPE's attention scaling
+
+
+@dataclass(frozen=True)
+class QueryStats(Observation):
+    """Per layer: the mean and covariance (divided by the count, not count - 1) of the pre-RoPE context queries at
+    positions `start` on, and the model's RoPE."""
+
+    start: int
+
+    def prefill(self, at: Attended) -> Stats | None:
+        """Two passes (mean, then centred products) over `chunk` queries at a time: memory O(chunk x D) beyond the
+        statistics. None when no query of this forward is at `start` or after."""
+        inv_freq, attn_scaling = rope(at.model)
+        query, tk, chunk = at.query, at.key.shape[-2], 1024
+        b, hq, tq, d = query.shape
+        if 2 * inv_freq.shape[-1] != d:
+            raise ValueError(f"query statistics: RoPE over {2 * inv_freq.shape[-1]} of {d} head dims is not supported")
+        inv_freq = inv_freq.to(query.device, torch.float32)
+
+        def pre_rope(lo: int, hi: int) -> Tensor:  # (B, Hq, hi - lo, D): queries lo..hi-1 of this forward
+            pos = torch.arange(tk - tq + lo, tk - tq + hi, device=query.device, dtype=torch.float32)
+            angles = pos[:, None] * inv_freq[None, :]
+            cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
+            q = query[:, :, lo:hi].float()
+            q_half = torch.cat([q[..., d // 2 :], -q[..., : d // 2]], dim=-1)  # the inverse of rotate_half
+            return (q * cos + q_half * sin) / attn_scaling
+
+        first = max(0, self.start - (tk - tq))
+        n = tq - first
+        if n < 1:
+            return None
+        spans = [(lo, min(lo + chunk, tq)) for lo in range(first, tq, chunk)]
+        mean = sum(pre_rope(lo, hi).sum(dim=2) for lo, hi in spans) / n  # (B, Hq, D)
+        cov = query.new_zeros(b, hq, d, d, dtype=torch.float32)
+        for lo, hi in spans:
+            centred = pre_rope(lo, hi) - mean[:, :, None]
+            cov += centred.transpose(-1, -2) @ centred
+        return Stats(mean, cov / n, inv_freq, float(attn_scaling))
+
+
+def rope(model: torch.nn.Module | None) -> tuple[Tensor, float]:
+    """The RoPE frequencies (D/2,) and attention scaling of a model's rotary embedding (`model.model.rotary_emb`, or
+    `model.rotary_emb`); with one RoPE per layer type (Gemma 3), the full-attention layers'."""
+    rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
+    if rotary is None:
+        raise ValueError("query statistics: the model has no rotary embedding (rotary_emb) to undo its RoPE with")
+    inv_freq = getattr(rotary, "inv_freq", None)
+    if inv_freq is None:
+        return rotary.full_attention_inv_freq, rotary.full_attention_attention_scaling
+    return inv_freq, getattr(rotary, "attention_scaling", 1.0)
 
 
 def averaged_rotation(inv_freq: Tensor, scaling: float, start: int, n: int) -> Tensor:
@@ -50,20 +115,17 @@ class ExpectedAttention(SinkPolicy):
     use_vnorm: bool = True
     epsilon: float = 0.0
     decode: bool = False  # as published: compress the prompt once
-    needs: ClassVar[frozenset[Need]] = frozenset({Need.QUERY_STATS})
     chunkable: ClassVar[bool] = False  # the statistics are those of the whole prompt's queries
     decodable: ClassVar[bool] = False  # the future positions are those after the prompt
 
-    def query_stats_from(self) -> int:
-        """The first position whose query counts in the statistics: the sinks' queries are left out."""
-        return self.n_sink
+    def needs(self) -> tuple[QueryStats]:
+        """The statistics of the queries from position n_sink on: the sinks' queries are left out."""
+        return (QueryStats(self.n_sink),)
 
     def score(self, view: LayerView) -> Tensor:
-        obs = view.observations
-        if f"query_mean:{self.n_sink}" not in obs:
-            raise ValueError(f"{self.name}: layer {view.layer_idx} has no query statistics from position {self.n_sink}")
-        mean, cov = obs[f"query_mean:{self.n_sink}"], obs[f"query_cov:{self.n_sink}"]  # (B, Hq, D), (B, Hq, D, D)
-        rot = averaged_rotation(obs["rope_inv_freq"], float(obs["rope_scaling"]), view.seen, self.n_future_positions)
+        stats: Stats = view.observed(QueryStats(self.n_sink))
+        mean, cov = stats.mean, stats.cov  # (B, Hq, D), (B, Hq, D, D)
+        rot = averaged_rotation(stats.inv_freq, stats.scaling, view.seen, self.n_future_positions)
         mean = mean @ rot.T
         cov = rot @ cov @ rot.T
         b, hkv, t, d = view.keys.shape

@@ -9,12 +9,14 @@ outside the recent window is evicted whenever the budget is exceeded.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 from torch import Tensor
 
+from evalkit.attention.observation import AttentionMass
 from evalkit.errors import ConfigError
-from evalkit.policies import KVPolicy, LayerView, Need
+from evalkit.policies import KVPolicy, LayerView
+
+MASS = AttentionMass()
 
 
 @dataclass(kw_only=True)
@@ -27,10 +29,12 @@ class H2O(KVPolicy):
     # True: the mass divided by the number of queries that saw the key (seen - position, causally), as kvpress's
     # ObservedAttentionPress scores; the choice is recorded with the policy in every row.
     normalize: bool = False
-    needs: ClassVar[frozenset[Need]] = frozenset({Need.ATTN_MASS})
+
+    def needs(self) -> tuple[AttentionMass]:
+        return (MASS,)
 
     def score(self, view: LayerView) -> Tensor:
-        mass = view.state["attn_mass"]
+        mass = view.observed(MASS)
         if not self.normalize:
             return mass
         return mass / (view.seen - view.positions).to(mass.dtype)

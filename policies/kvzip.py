@@ -11,9 +11,9 @@ As in the reference code (NVIDIA kvpress `KVzipPress`, after snu-mllab/KVzip): t
 of `chunk_size` tokens (2048); later chunks are prompted with "Repeat the part of the previous context exactly,
 starting with" and the previous chunk's last 8 tokens. Each chunk's softmax runs over the first `n_sink` cached keys,
 the chunk's cached keys and the pass's own keys. The chat template's opening (system turn, user header) is not
-reconstructed and scores 0, except the first `n_sink` (4) tokens, which are always kept. The pass is the engine's
-(`evalkit.run.engine.reconstruct`, every chunk one block of a single forward); its time is recorded as
-`seconds.reconstruct`.
+reconstructed and scores 0, except the first `n_sink` (4) tokens, which are always kept. The pass is this policy's
+observation (`Reconstruction`, policies/kvzip_pass.py: every chunk one block of a single forward), which the engine
+runs after the prefill; its time is recorded as `seconds.reconstruct`.
 
 The budget is global, as published (kvpress `layerwise=False`, the default): the k x Hkv x layers highest scores of
 all layers and KV heads together are kept, so layers and heads keep different counts (ragged storage, as Ada-KV).
@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 
 from evalkit.errors import ConfigError
-from evalkit.kv.attention import reconstruction_key
-from evalkit.policies import LayerView, Need, SinkPolicy, padded_indices
+from evalkit.policies import LayerView, SinkPolicy, padded_indices
+from evalkit.policies.kvzip_pass import Reconstruction
 
 
 @dataclass(kw_only=True)
@@ -47,23 +47,16 @@ class KVzip(SinkPolicy):
     layerwise: bool = False  # true: k x Hkv per layer, shared by its heads; false (published): ranked over all layers
     plus: bool = False  # KVzip+ normalisation (kvpress kvzip_plus_normalization)
     decode: bool = False  # as published: compress the prompt once
-    needs: ClassVar[frozenset[Need]] = frozenset({Need.RECONSTRUCTION})
     chunkable: ClassVar[bool] = False  # its scores need the whole context, reconstructed
     decodable: ClassVar[bool] = False  # no scores for the tokens added after the prompt
     ragged: ClassVar[bool] = True  # heads keep different counts
 
-    def reconstruction(self) -> tuple[int, int, bool]:
-        """(sinks, chunk, KVzip+) of the reconstruction pass it scores with (evalkit.run.engine.reconstruct)."""
-        return self.n_sink, self.chunk_size, self.plus
+    def needs(self) -> tuple[Reconstruction]:
+        """The reconstruction pass it scores with."""
+        return (Reconstruction(self.n_sink, self.chunk_size, self.plus),)
 
     def score(self, view: LayerView) -> Tensor:
-        key = reconstruction_key(*self.reconstruction())
-        if key not in view.observations:
-            raise ValueError(
-                f"{self.name}: layer {view.layer_idx} has no reconstruction scores; the engine's run_sample runs "
-                "the reconstruction pass (evalkit.run.engine.reconstruction) before compressing"
-            )
-        scores = view.observations[key]  # (B, Hkv, tokens prefilled)
+        scores = view.observed(self.needs()[0])  # (B, Hkv, tokens prefilled)
         return scores.gather(-1, view.positions.clamp(min=0))
 
     def ranked(self, view: LayerView) -> Tensor:

@@ -10,21 +10,22 @@ avg or max, zero padding counted in the average); each KV head keeps its own top
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from evalkit.attention.observation import Window, WindowQueries
 from evalkit.errors import ConfigError
-from evalkit.policies import KVPolicy, LayerView, Need
+from evalkit.policies import KVPolicy, LayerView
 
 
 def window_attention(view: LayerView, window: int) -> Tensor:
     """(B, Hkv, T) attention of the last `window` context queries on each held key, summed over the queries
     and the query heads that share the KV head. Memory O(window x T)."""
-    q = view.observations["window_queries"][:, :, -window:]  # (B, Hq, W, D), already scaled
-    q_pos = view.observations["window_positions"][-window:]  # (W,) absolute positions of those queries
+    held: Window = view.observed(WindowQueries(window))
+    q = held.queries[:, :, -window:]  # (B, Hq, W, D), already scaled
+    q_pos = held.positions[-window:]  # (W,) absolute positions of those queries
     b, hq, w, _ = q.shape
     hkv, t = view.keys.shape[1], view.keys.shape[2]
     group = hq // hkv
@@ -46,7 +47,9 @@ class SnapKV(KVPolicy):
     kernel: int = 5
     pooling: str = "avg"
     decode: bool = False  # as published: compress the prompt once
-    needs: ClassVar[frozenset[Need]] = frozenset({Need.WINDOW_QUERIES})
+
+    def needs(self) -> tuple[WindowQueries]:
+        return (WindowQueries(self.window),)
 
     def observation_window(self) -> int:
         return self.window

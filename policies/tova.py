@@ -12,12 +12,12 @@ always keeps it; its own attention weight is usually high).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from evalkit.policies import KVPolicy, LayerView, Need
+from evalkit.attention.observation import WindowQueries
+from evalkit.policies import KVPolicy, LayerView
 from evalkit.policies.snapkv import window_attention
 
 
@@ -26,7 +26,9 @@ class TOVA(KVPolicy):
     """Top-k by the last query's attention, averaged over every query head of the layer; one set per layer."""
 
     name: str = "tova"
-    needs: ClassVar[frozenset[Need]] = frozenset({Need.WINDOW_QUERIES})
+
+    def needs(self) -> tuple[WindowQueries]:
+        return (WindowQueries(1),)  # the current query only
 
     def observation_window(self) -> int:
         return 1  # the current query only
@@ -36,5 +38,5 @@ class TOVA(KVPolicy):
         if not torch.equal(pos, pos[:, :1].expand_as(pos)):
             raise ValueError(f"{self.name}: the KV heads of layer {view.layer_idx} hold different tokens")
         attn = window_attention(view, 1)  # (B, Hkv, T): the last query, summed over each group's query heads
-        n_heads = view.observations["window_queries"].shape[1]
+        n_heads = view.observed(WindowQueries(1)).queries.shape[1]
         return (attn.sum(dim=1, keepdim=True) / n_heads).expand_as(attn)  # the mean over all heads of the layer

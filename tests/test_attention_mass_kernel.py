@@ -1,6 +1,6 @@
 """The fused attention-plus-mass Triton kernel (kernels/attention_mass.py) against its plain reference
-(kernels/naive.py) and evalkit's CPU path (evalkit.kv.fused), under TRITON_INTERPRET=1 on the CPU at small sizes; on a
-CUDA machine the last test runs it on the GPU."""
+(kernels/naive.py) and evalkit's CPU path (evalkit.attention.fused), under TRITON_INTERPRET=1 on the CPU at small sizes;
+on a CUDA machine the last test runs it on the GPU."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
+from evalkit.attention.fused import attend_with_mass
 from evalkit.kernels import naive
-from evalkit.kv.fused import attend_with_mass
 
 kernel = pytest.importorskip("evalkit.kernels.attention_mass", reason="triton is not installed")
 

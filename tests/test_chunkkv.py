@@ -95,10 +95,10 @@ def test_protected_tokens_first_and_partial_chunks_ranked_by_their_mean():
 def test_wrapper_takes_needs_window_protection_and_modes_from_its_inner_policy():
     snap = ChunkKV(inner=SnapKV(window=8), budget=0.25)
     assert snap.name == "chunkkv(snapkv)" and snap.chunk_size == 10  # the paper's default chunk
-    assert snap.needs == SnapKV.needs and snap.observation_window() == 8 and snap.min_tokens() == 9
+    assert snap.needs() == SnapKV(window=8).needs() and snap.observation_window() == 8 and snap.min_tokens() == 9
     assert snap.decode is False and snap.inner.budget == 0.25  # the inner policy takes the wrapper's budget
     h2o = ChunkKV(inner=H2O(), budget=40)
-    assert h2o.needs == H2O.needs and h2o.decode is True and h2o.inner.budget == 40
+    assert h2o.needs() == H2O().needs() and h2o.decode is True and h2o.inner.budget == 40
     pyramid = policy("chunkkv", 0.25, inner="pyramidkv")
     assert not pyramid.decodable and not pyramid.chunkable
     with pytest.raises(ConfigError, match=r"chunkkv\(pyramidkv\) compresses once"):

@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 import torch
 
+from evalkit.attention.observation import Attended, PrefillRecorder
 from evalkit.errors import ConfigError
-from evalkit.kv.attention import PrefillObserver
 from evalkit.kv.cache import compress
 from evalkit.kv.variant import Variant
-from evalkit.policies import LayerView, Need
-from evalkit.policies.expected_attention import ExpectedAttention
+from evalkit.policies import LayerView
+from evalkit.policies.expected_attention import ExpectedAttention, QueryStats, Stats
 from evalkit.run.engine import prefill
 from tests.conftest import CTX, compressed, policy
 
@@ -43,12 +43,13 @@ def view(keys, mean, cov, seen=6, values=None, n_sink=1, inv_freq=W, scaling=1.0
     t = k.shape[2]
     pos = torch.tensor(positions) if positions is not None else torch.arange(seen - t, seen)
     v = torch.tensor(values if values is not None else [[1.0, 0.0]] * t, dtype=torch.float32)[None, None]
-    obs = {
-        f"query_mean:{n_sink}": torch.tensor(mean, dtype=torch.float32)[None],
-        f"query_cov:{n_sink}": torch.tensor(cov, dtype=torch.float32)[None],
-        "rope_inv_freq": torch.tensor([inv_freq]),
-        "rope_scaling": torch.tensor(scaling),
-    }
+    stats = Stats(
+        torch.tensor(mean, dtype=torch.float32)[None],
+        torch.tensor(cov, dtype=torch.float32)[None],
+        torch.tensor([inv_freq]),
+        float(torch.tensor(scaling)),
+    )
+    obs = {QueryStats(n_sink): stats}
     return LayerView(0, 1, seen, k, v, pos.view(1, 1, t), {}, obs)
 
 
@@ -159,14 +160,16 @@ def test_the_observer_recovers_the_pre_rope_mean_and_covariance_from_position_n_
         [pre[:, 0] * np.cos(ang) - pre[:, 1] * np.sin(ang), pre[:, 1] * np.cos(ang) + pre[:, 0] * np.sin(ang)], 1
     )
     query = torch.tensor(post, dtype=torch.float32)[None, None]  # (1, 1, 9, 2)
-    obs = PrefillObserver(query_stats=(0, 2), rotary=Rotary([0.7], 1.5))
-    obs.record(0, object(), query, torch.zeros(1, 1, 9, 2), 1.0)
+    model = torch.nn.Module()
+    model.rotary_emb = Rotary([0.7], 1.5)
+    obs = PrefillRecorder((QueryStats(0), QueryStats(2)), model)
+    obs.record(0, object(), Attended(None, query, torch.zeros(1, 1, 9, 2), 1.0, 9))
     for s in (0, 2):
         q = pre[s:]
         mu = q.mean(0)
-        np.testing.assert_allclose(obs.observations[0][f"query_mean:{s}"][0, 0].numpy(), mu, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(obs.observations[0][QueryStats(s)].mean[0, 0].numpy(), mu, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(
-            obs.observations[0][f"query_cov:{s}"][0, 0].numpy(), (q - mu).T @ (q - mu) / len(q), rtol=1e-5, atol=1e-5
+            obs.observations[0][QueryStats(s)].cov[0, 0].numpy(), (q - mu).T @ (q - mu) / len(q), rtol=1e-5, atol=1e-5
         )
 
 
@@ -204,9 +207,9 @@ def test_observed_statistics_on_the_tiny_model_equal_those_of_the_pre_rope_queri
         q = q[0, :, 4:].double()  # (Hq, 92, D)
         mu = q.mean(dim=1)
         c = q - mu[:, None]
-        torch.testing.assert_close(obs[layer_idx]["query_mean:4"][0].double(), mu, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(obs[layer_idx][QueryStats(4)].mean[0].double(), mu, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(
-            obs[layer_idx]["query_cov:4"][0].double(), c.transpose(-1, -2) @ c / 92, rtol=1e-4, atol=1e-5
+            obs[layer_idx][QueryStats(4)].cov[0].double(), c.transpose(-1, -2) @ c / 92, rtol=1e-4, atol=1e-5
         )
 
 
@@ -241,7 +244,7 @@ def test_several_sink_counts_in_one_prefill_each_get_their_own_statistics(tiny, 
     after a prefill of its own."""
     a, b = policy("expected_attention", BUDGET), policy("expected_attention", BUDGET, n_sink=8)
     full, obs = prefill(tiny.model, ids[:, :CTX], [a, b])
-    assert {"query_mean:4", "query_mean:8", "query_cov:4", "query_cov:8"} <= set(obs[0])
+    assert {QueryStats(4), QueryStats(8)} <= set(obs[0])
     for pol in (a, b):
         alone = compressed(tiny.model, ids, pol)[1]
         shared = compress(full, pol, obs)
@@ -255,7 +258,7 @@ def test_several_sink_counts_in_one_prefill_each_get_their_own_statistics(tiny, 
 
 def test_it_declares_its_needs_and_compresses_once():
     pol = policy("expected_attention", 0.25)
-    assert (pol.needs, pol.observation_window(), pol.query_stats_from()) == (frozenset({Need.QUERY_STATS}), 0, 4)
+    assert (pol.needs(), pol.observation_window()) == ((QueryStats(4),), 0)
     assert (pol.chunkable, pol.decodable, pol.decode) == (False, False, False)
     assert (pol.n_future_positions, pol.n_sink, pol.use_covariance, pol.use_vnorm, pol.epsilon) == (
         512,

@@ -1,5 +1,6 @@
-"""H2O's attention mass and the attention output from one set of probabilities per query chunk (evalkit.kv.fused): the
-output must be SDPA's, the mass the column sums of the materialised softmax, on small inputs and on the model."""
+"""H2O's attention mass and the attention output from one set of probabilities per query chunk
+(evalkit.attention.fused): the output must be SDPA's, the mass the column sums of the materialised softmax, on small
+inputs and on the model."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from evalkit.kv import attention
-from evalkit.kv.attention import PrefillObserver, causal_tail_mask, mask_padding, observe
-from evalkit.kv.fused import CHUNK_ELEMENTS, attend_with_mass, query_chunk
+from evalkit.attention import observation
+from evalkit.attention.fused import CHUNK_ELEMENTS, attend_with_mass, query_chunk
+from evalkit.attention.observation import AttentionMass, PrefillRecorder
+from evalkit.attention.sdpa import causal_tail_mask, mask_padding, observe
 from tests.conftest import CTX, by_kv_head
 
 SCALE = 0.25
@@ -56,7 +58,7 @@ def test_output_and_mass_equal_the_materialised_softmax(tq, tk, chunk_elements):
 
 
 def test_a_per_head_padding_mask_and_an_additive_mask_are_applied():
-    """A ragged layer's mask (evalkit.kv.attention.mask_padding: causal and, per KV head, only its real slots) and an
+    """A ragged layer's mask (evalkit.attention.sdpa.mask_padding: causal and, per KV head, only its real slots) and an
     additive float mask (0 attended, -inf not) must give the materialised result; a padded slot gets no mass."""
     q, k, v = inputs(6, 20, seed=1)
     valid = torch.ones(1, 2, 20, dtype=torch.bool)
@@ -73,26 +75,25 @@ def test_a_per_head_padding_mask_and_an_additive_mask_are_applied():
 
 def test_h2o_prefill_keeps_sdpa_logits_and_takes_the_mass_from_the_same_pass(tiny, eager, ids, monkeypatch):
     """On the tiny model, observing H2O's mass must leave the logits those of plain SDPA (within float tolerance),
-    give eager attention's column sums, and not run the second QK^T pass (attention.attention_mass) at all."""
+    give eager attention's column sums, and not run the second QK^T pass (observation.attention_mass) at all."""
 
     def second_pass(*args, **kwargs):
         raise AssertionError("the mass was computed in a second pass")
 
-    monkeypatch.setattr(attention, "attention_mass", second_pass)
+    monkeypatch.setattr(observation, "attention_mass", second_pass)
     context = ids[:, :CTX]
-    observer = PrefillObserver(mass=True)
+    observer = PrefillRecorder((AttentionMass(),))
     plain = copy.deepcopy(tiny.model)
     plain.set_attn_implementation("sdpa")
     with torch.inference_mode():
         cache = DynamicCache(config=tiny.model.config)
-        with observe(observer, cache):
-            got = tiny.model(input_ids=context, cache=cache, use_cache=True).logits
+        got = tiny.model(input_ids=context, cache=cache, use_cache=True, **observe(observer, cache)).logits
         want = plain(input_ids=context).logits
         attn = eager(input_ids=context, output_attentions=True).attentions
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     hkv = tiny.model.config.num_key_value_heads
     for layer, a in enumerate(attn):
-        torch.testing.assert_close(observer.observations[layer]["attn_mass"], by_kv_head(a.sum(dim=2), hkv))
+        torch.testing.assert_close(observer.observations[layer][AttentionMass()], by_kv_head(a.sum(dim=2), hkv))
 
 
 def test_scores_per_chunk_stay_within_the_budget():

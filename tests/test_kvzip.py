@@ -11,12 +11,11 @@ import torch
 from omegaconf import OmegaConf
 
 from evalkit.errors import ConfigError
-from evalkit.kv.attention import reconstruction_key
 from evalkit.kv.cache import compress, kv_bytes, select
 from evalkit.kv.quantized import QuantSpec
-from evalkit.kv.reconstruct import block_attention
 from evalkit.policies import LayerView
 from evalkit.policies.kvzip import KVzip
+from evalkit.policies.kvzip_pass import Reconstruction, block_attention
 from evalkit.run import models
 from evalkit.run.engine import Variant, prefill, reconstruction, run_sample
 from evalkit.tasks import Sample
@@ -151,7 +150,7 @@ def test_scores_equal_eager_reconstruction(tiny, eager, prompt, chunk_size, plus
     full, obs = prefill(tiny.model, context, [pol])
     reconstruction(tiny.model, full, context, prompt.repeat, [pol], obs)
     want = eager_scores(eager, context, prompt.repeat, 4, chunk_size, plus)
-    key = reconstruction_key(4, chunk_size, plus)
+    key = Reconstruction(4, chunk_size, plus)
     for layer, ref in want.items():
         torch.testing.assert_close(obs[layer][key][0], ref, rtol=1e-4, atol=1e-6)
     assert (context.shape[1] - prompt.repeat.start) > 2 * 40, "the 40-token chunks must split the context twice"
@@ -197,7 +196,7 @@ def view_of(scores: list[list[float]], layer: int = 0) -> LayerView:
         k,
         k,
         torch.arange(s.shape[-1]).expand(s.shape),
-        observations={reconstruction_key(1, 2048): s},
+        observations={Reconstruction(1, 2048): s},
     )
 
 
@@ -280,7 +279,7 @@ def test_one_forward_on_a_hybrid_model_matches_eager_per_chunk_passes():
     eager.set_attn_implementation("eager")
     want = eager_scores(eager, context, rep, 4, 24)
     assert list(want) == [2] and set(obs) == {2}
-    torch.testing.assert_close(obs[2][reconstruction_key(4, 24)][0], want[2], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(obs[2][Reconstruction(4, 24)][0], want[2], rtol=1e-4, atol=1e-6)
 
 
 def test_baseline_and_full_cache_unchanged_beside_kvzip(tiny, prompt):

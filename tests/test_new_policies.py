@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
-from evalkit.kv.attention import StepObserver
+from evalkit.attention.observation import Attended, StepRecorder, Window, WindowQueries
 from evalkit.kv.cache import EvictingLayer, enforce, held_per_layer
 from evalkit.policies import LayerView
 from evalkit.policies.keydiff import KeyDiff
@@ -139,7 +139,7 @@ TOVA_W = [[4, 1, 1, 1, 3], [0.5, 1, 5, 1.5, 2]]
 
 def tova_view(w, seen=5):
     keys = [[[math.log(x)] for x in head] for head in w]
-    obs = {"window_queries": torch.ones(1, 4, 1, 1), "window_positions": torch.tensor([seen - 1])}
+    obs = {WindowQueries(1): Window(torch.ones(1, 4, 1, 1), torch.tensor([seen - 1]))}
     return layer_view(keys, seen, obs)
 
 
@@ -167,13 +167,14 @@ def test_tova_decode_step_drops_the_token_the_newest_query_attends_to_least_by_h
     and go instead (0 1 2 3)."""
     w = [head[:4] for head in TOVA_W]
     keys = torch.tensor([[[math.log(x)] for x in head] for head in w]).unsqueeze(0)  # (1, 2, 4, 1)
-    obs = {"window_queries": torch.ones(1, 4, 1, 1), "window_positions": torch.tensor([3])}
+    obs = {WindowQueries(1): Window(torch.ones(1, 4, 1, 1), torch.tensor([3]))}
     layer = EvictingLayer(keys, torch.zeros_like(keys), 4, observations=obs)
     cache = Cache(layers=[layer])
     new_key = torch.tensor([math.log(3), math.log(2)]).view(1, 2, 1, 1)
     keys_now, _ = layer.update(new_key, torch.zeros_like(new_key))  # the forward appends the new token ...
-    StepObserver().record(0, layer, torch.ones(1, 4, 1, 1), keys_now, 1.0)  # ... and its attention is observed
-    assert layer.observations["window_positions"].tolist() == [4]
+    at = Attended(None, torch.ones(1, 4, 1, 1), keys_now, 1.0, layer.seen)
+    StepRecorder().record(0, layer, at)  # ... and its attention is observed
+    assert layer.observations[WindowQueries(1)].positions.tolist() == [4]
     enforce(cache, TOVA(budget=4))
     assert layer.positions.tolist() == [[[0, 2, 3, 4], [0, 2, 3, 4]]]
 
@@ -237,11 +238,9 @@ def test_tova_refuses_heads_that_hold_different_tokens():
 
 
 def test_the_new_policies_declare_what_they_need():
-    from evalkit.policies import Need
-
-    assert (TOVA.needs, TOVA().observation_window()) == (frozenset({Need.WINDOW_QUERIES}), 1)
+    assert (TOVA().needs(), TOVA().observation_window()) == ((WindowQueries(1),), 1)
     for cls in (KeyDiff, SlidingWindow):
-        assert (cls.needs, cls().observation_window()) == (frozenset(), 0)
+        assert (cls().needs(), cls().observation_window()) == ((), 0)
     for name in ("tova", "keydiff", "window"):
         pol = policy(name, 0.25)
         assert (pol.chunkable, pol.decodable, pol.decode) == (True, True, True)

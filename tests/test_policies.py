@@ -10,8 +10,10 @@ import math
 import pytest
 import torch
 
+from evalkit.attention.fused import attention_mass
+from evalkit.attention.observation import AttentionMass, Window, WindowQueries
+from evalkit.attention.sdpa import causal_tail_mask
 from evalkit.errors import ConfigError
-from evalkit.kv.attention import attention_mass, causal_tail_mask
 from evalkit.kv.cache import compress, share
 from evalkit.policies.pyramidkv import pyramid
 from evalkit.run.engine import greedy, prefill
@@ -110,7 +112,7 @@ def test_h2o_running_mass_adds_every_new_query_attention(tiny, eager, ids):
     pol = policy("h2o", BUDGET)
     full, obs = prefill(tiny.model, ids[:, :CTX], [pol])
     observed, plain = compress(full, pol, obs), compress(full, pol, obs)
-    before = [layer.state["attn_mass"].clone() for layer in observed.layers]
+    before = [layer.state[AttentionMass()].clone() for layer in observed.layers]
     question = ids[:, CTX:]
     greedy(tiny.model, observed, question, 1, set())  # one forward: the question chunk
     with torch.inference_mode():
@@ -118,16 +120,16 @@ def test_h2o_running_mass_adds_every_new_query_attention(tiny, eager, ids):
     for layer, old, a in zip(observed.layers, before, attn, strict=True):
         hkv = layer.keys.shape[1]
         grown = torch.cat([old, old.new_zeros(1, hkv, QUESTION)], dim=-1)
-        torch.testing.assert_close(layer.state["attn_mass"], grown + by_kv_head(a.sum(dim=2), hkv))
+        torch.testing.assert_close(layer.state[AttentionMass()], grown + by_kv_head(a.sum(dim=2), hkv))
 
 
 def test_h2o_prefill_mass_is_observed_under_sdpa_not_eager(tiny, ids):
     assert tiny.model.config._attn_implementation == "evalkit_sdpa"
     _, obs = prefill(tiny.model, ids[:, :CTX], [policy("h2o", BUDGET)])
     assert set(obs) == set(range(tiny.model.config.num_hidden_layers))
-    assert all(o["attn_mass"].shape == (1, 2, CTX) for o in obs.values())
+    assert all(o[AttentionMass()].shape == (1, 2, CTX) for o in obs.values())
     # every query's attention sums to one, and the mass sums over queries and over the 2 heads of each group
-    total = sum(o["attn_mass"].sum() for o in obs.values())
+    total = sum(o[AttentionMass()].sum() for o in obs.values())
     torch.testing.assert_close(total, torch.tensor(float(CTX * 4 * len(obs))))
 
 
@@ -171,7 +173,7 @@ def test_h2o_normalize_divides_the_mass_by_the_queries_that_saw_each_key():
 
     positions = torch.arange(6).view(1, 1, 6)
     mass = torch.tensor([3.0, 1.0, 0.9, 0.8, 0.5, 0.2]).view(1, 1, 6)
-    view = LayerView(0, 1, 6, torch.zeros(1, 1, 6, 4), torch.zeros(1, 1, 6, 4), positions, {"attn_mass": mass})
+    view = LayerView(0, 1, 6, torch.zeros(1, 1, 6, 4), torch.zeros(1, 1, 6, 4), positions, {AttentionMass(): mass})
     assert H2O(budget=2, recent=0.0).select(view, 2).tolist() == [[[0, 1]]]
     assert H2O(budget=2, recent=0.0, normalize=True).select(view, 2).tolist() == [[[0, 3]]]
 
@@ -195,7 +197,7 @@ SNAP_W = [6, 3, 1, 3, 4, 1, 1, 3, 6, 20]
 
 def snap_view():
     keys = [math.log(w) for w in SNAP_W]
-    obs = {"window_queries": torch.ones(1, 1, 2, 1), "window_positions": torch.tensor([8, 9])}
+    obs = {WindowQueries(2): Window(torch.ones(1, 1, 2, 1), torch.tensor([8, 9]))}
     return view(list(range(10)), 10, keys=keys, observations=obs)
 
 
@@ -227,7 +229,7 @@ def test_h2o_keeps_the_recent_share_then_the_heaviest_by_hand():
     H2O code rounds, and three heavy, 0 2 4; rounding up would keep 5 6 7 and 0 2."""
     from evalkit.policies.h2o import H2O
 
-    state = {"attn_mass": torch.tensor([5.0, 1.0, 4.0, 2.0, 3.0, 0.5, 0.1, 0.2]).view(1, 1, 8)}
+    state = {AttentionMass(): torch.tensor([5.0, 1.0, 4.0, 2.0, 3.0, 0.5, 0.1, 0.2]).view(1, 1, 8)}
     v = view(list(range(8)), 8, state=state)
     assert H2O(budget=4).select(v, 4).tolist() == [[[0, 2, 6, 7]]]
     assert H2O(budget=5).select(v, 5).tolist() == [[[0, 2, 4, 6, 7]]]

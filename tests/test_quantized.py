@@ -9,7 +9,6 @@ logits. Dequantized values are bounded per element by the stored scales (half a 
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import replace
 
 import pytest
@@ -18,10 +17,11 @@ from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from evalkit import kernels
+from evalkit.attention.observation import StepRecorder
+from evalkit.attention.sdpa import causal_tail_mask, evalkit_sdpa, observe
 from evalkit.cli.config import quant_spec
 from evalkit.errors import ConfigError
 from evalkit.kernels import naive
-from evalkit.kv.attention import StepObserver, causal_tail_mask, evalkit_sdpa, observe
 from evalkit.kv.cache import EvictingLayer, fp16_bytes, held_per_layer, kv_bytes, share
 from evalkit.kv.quantized import Fp8Layer, QuantizedLayer, QuantSpec, attention_path, quantize_cache
 from evalkit.kv.variant import Variant
@@ -224,8 +224,8 @@ def test_quantized_layers_own_their_attention_observed_or_not(tiny, ids, name):
         with torch.inference_mode():
             out = []
             for x in inputs:
-                with observe(StepObserver(), c) if watch else contextlib.nullcontext():
-                    out.append(tiny.model(input_ids=x, cache=c, use_cache=True).logits[0].float())
+                kw = observe(StepRecorder(), c) if watch else {}
+                out.append(tiny.model(input_ids=x, cache=c, use_cache=True, **kw).logits[0].float())
             return out
 
     got, want, seen = run(cache), run(reference), run(observed, watch=True)

@@ -20,9 +20,10 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
+from evalkit.attention.observation import Observation
+from evalkit.attention.sdpa import VALID
 from evalkit.kv import contract
-from evalkit.kv.attention import VALID
-from evalkit.policies import PER_TOKEN, KVPolicy, LayerView, gather_tokens
+from evalkit.policies import KVPolicy, LayerView, gather_tokens
 
 
 class EvictingLayer(DynamicLayer):
@@ -35,15 +36,15 @@ class EvictingLayer(DynamicLayer):
         keys: Tensor,
         values: Tensor,
         seen: int,
-        state: dict[str, Tensor] | None = None,
-        observations: dict[str, Tensor] | None = None,
+        state: dict[Observation, Tensor] | None = None,
+        observations: dict[Observation, object] | None = None,
     ):
         super().__init__()
         b, h, t, _ = keys.shape
         self.keys, self.values = keys, values  # (B, Hkv, T_held, D)
         self.positions = torch.arange(seen - t, seen, device=keys.device).expand(b, h, t)  # (B, Hkv, T_held)
-        self.state = dict(state or {})  # per held token (B, Hkv, T_held), gathered along with the keys
-        self.observations = observations or {}  # per layer, from the prefill
+        self.state = dict(state or {})  # per-token observations (B, Hkv, T_held), gathered along with the keys
+        self.observations = observations or {}  # per-layer observations, from the prefill
         self.seen = seen
         self.valid: Tensor | None = None  # (B, Hkv, T_held) False on padding slots; None: every slot is a token
         self.allowed: Tensor | None = None  # (B, Hkv) tokens the policy contract allowed at the last eviction
@@ -132,13 +133,15 @@ def full_attention_layers(cache: Cache) -> list[int]:
 def compress(cache: Cache, policy: KVPolicy, observations: dict[int, dict[str, Tensor]] | None = None) -> Cache:
     """A new cache holding what `policy` keeps of the prefilled full `cache`; `cache` itself is unchanged.
 
-    `observations` maps a layer index to what the prefill recorded there (see evalkit.kv.attention).
+    `observations` maps a layer index to what the prefill (and any second pass) recorded there for the variants
+    (evalkit.attention.observation); the new layers hold those the policy needs, per token or per layer.
     """
     layers = [copy.copy(layer) for layer in cache.layers]
+    needs = set(policy.needs())
     for layer_idx in full_attention_layers(cache):
         full, obs = cache.layers[layer_idx], (observations or {}).get(layer_idx, {})
-        state = {k: v for k, v in obs.items() if k in PER_TOKEN and k in policy.needs}
-        rest = {k: v for k, v in obs.items() if k not in PER_TOKEN}
+        state = {o: v for o, v in obs.items() if o in needs and o.per_token}
+        rest = {o: v for o, v in obs.items() if o in needs and not o.per_token}
         layers[layer_idx] = EvictingLayer(full.keys, full.values, full.get_seq_length(), state, rest)
     compressed = Cache(layers=layers)
     enforce(compressed, policy)

@@ -25,8 +25,8 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 from evalkit import kernels
+from evalkit.attention.sdpa import owned
 from evalkit.errors import ConfigError
-from evalkit.kv.attention import owned
 from evalkit.kv.cache import EvictingLayer
 
 CPU_PATHS = ("dequantized-cache", "packed")

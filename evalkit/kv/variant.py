@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch import Tensor
 from transformers.cache_utils import Cache
 
+from evalkit.attention.observation import Observation
 from evalkit.errors import ConfigError
 from evalkit.kv import contract
 from evalkit.kv.cache import (
@@ -71,7 +71,7 @@ class Variant:
         except ConfigError as err:
             raise ConfigError(f"{where} ({n_context} context tokens): {err}") from None
 
-    def apply(self, full: Cache, observations: dict[int, dict[str, Tensor]]) -> Cache:
+    def apply(self, full: Cache, observations: dict[int, dict[Observation, object]]) -> Cache:
         """The variant's cache over a prefilled full cache: the policy's choice, stored as `quant` says."""
         cache = compress(full, self.policy, observations)
         return quantize_cache(cache, self.quant) if self.quant is not None else cache

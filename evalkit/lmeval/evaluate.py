@@ -15,13 +15,12 @@ from evalkit.kv.variant import Variant
 from evalkit.lmeval.metrics import OWN_LENGTH, choose_metrics, doc_score
 from evalkit.lmeval.model import EvalkitLM
 from evalkit.lmeval.registry import task_dir
-from evalkit.policies import Need
 from evalkit.run import models
 
 
 def refuse_reconstruction(variants: list[Variant]) -> None:
     for variant in variants:
-        if Need.RECONSTRUCTION in variant.policy.needs:
+        if any(o.pass_name for o in variant.policy.needs()):  # a pass over the context, read with its prompt
             raise ConfigError(
                 f"{variant.name}: task=lm_eval does not run KVzip's reconstruction pass (its requests are raw "
                 "token ids, without the chat template and context boundary the repeat prompt is built from); "

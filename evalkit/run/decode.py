@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
-from evalkit.kv.attention import StepObserver, causal_tail_mask, evalkit_sdpa, observe, owned
+from evalkit.attention.observation import StepRecorder
+from evalkit.attention.sdpa import causal_tail_mask, evalkit_sdpa, observe, owned
 from evalkit.kv.cache import kv_bytes
 
 
@@ -33,8 +34,7 @@ def step(
 ) -> tuple[Tensor, int]:
     """One forward of `ids` (1, q) over `cache`, observed (H2O's running mass, the sliding window of queries); then
     `after_forward` (eviction). Returns the last position's float32 logits and the KV bytes held before eviction."""
-    with observe(StepObserver(), cache):
-        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1, **observe(StepRecorder(), cache))
     held = kv_bytes(cache)  # before eviction: what the step really held
     if after_forward is not None:
         after_forward()
@@ -121,8 +121,8 @@ class BatchedLayer(DynamicLayer):
         out = []
         for r, (cache, (keys, values)) in enumerate(zip(self.caches, self.rows, strict=True)):
             mask = causal_tail_mask(q, keys.shape[-2], query.device) if q > 1 else None
-            with observe(StepObserver(), cache):
-                out.append(evalkit_sdpa(module, query[r : r + 1], keys, values, mask, **kwargs)[0])
+            watch = observe(StepRecorder(), cache)
+            out.append(evalkit_sdpa(module, query[r : r + 1], keys, values, mask, **kwargs, **watch)[0])
         self.rows = []
         return torch.cat(out, dim=0), None
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +16,8 @@ from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
-from evalkit.kv.attention import PrefillObserver, StepObserver, observe, reconstruction_key
+from evalkit.attention.observation import Observation, PrefillRecorder, StepRecorder
+from evalkit.attention.sdpa import observe
 from evalkit.kv.cache import (
     compress,
     enforce,
@@ -26,87 +26,32 @@ from evalkit.kv.cache import (
     kv_bytes,
     share,
 )
-from evalkit.kv.reconstruct import Block, hidden_norms, reconstruction_cache
 from evalkit.kv.variant import Variant
-from evalkit.policies import KVPolicy, Need, scorer
+from evalkit.policies import KVPolicy
 from evalkit.run.decode import Decoded, greedy, teacher_forced
 from evalkit.run.outcome import Held, Job, Outcome, decode_jobs, outcome
 from evalkit.tasks.prompt import Prompt, Repeat
 
 
+def needed(policies: list[KVPolicy]) -> tuple[Observation, ...]:
+    """The observations any of `policies` needs, each once (equal observations of several variants are one)."""
+    return tuple(dict.fromkeys(o for p in policies for o in p.needs()))
+
+
 @torch.inference_mode()
 def prefill(
     model: torch.nn.Module, ids: Tensor, policies: list[KVPolicy] = ()
-) -> tuple[Cache, dict[int, dict[str, Tensor]]]:
-    """Run the context through the model with a full cache, observing once what any of `policies` needs.
+) -> tuple[Cache, dict[int, dict[Observation, object]]]:
+    """Run the context through the model with a full cache, recording once what any of `policies` needs.
 
-    Returns the cache and, per full-attention layer, the observations (see evalkit.kv.attention).
+    Returns the cache and, per full-attention layer, the observations (see evalkit.attention.observation).
     """
     cache = DynamicCache(config=model.config)
-    needs = set().union(*(p.needs for p in policies))
-    # Need.QUERY_STATS: from which position each policy counts the queries (a wrapper asks its inner policy)
-    stats = sorted({scorer(p, "query_stats_from").query_stats_from() for p in policies if Need.QUERY_STATS in p.needs})
-    observer = PrefillObserver(
-        mass=Need.ATTN_MASS in needs,
-        window=max((p.observation_window() for p in policies), default=0),
-        query_stats=tuple(stats),
-        rotary=getattr(getattr(model, "model", model), "rotary_emb", None) if stats else None,
-    )
-    with observe(observer, cache) if needs else nullcontext():
-        model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-    return cache, observer.observations
-
-
-PREVIOUS_IDS = 8  # the ids of the previous chunk that a later chunk's repeat prompt quotes (kvpress: prev_postfix_size)
-
-
-def pass_inputs(context: Tensor, repeat: Repeat, chunk: int) -> tuple[Tensor, Tensor, list[Block]]:
-    """The ids (1, L) of every chunk's pass side by side, their positions (1, L) (each block from the context length
-    on, where its own pass would start) and the blocks. The chunk [lo, hi) of the context after the template's opening
-    (`repeat.start`) is read after `repeat.first` (the first chunk) or `repeat.part` and the previous chunk's last 8
-    ids, then `repeat.suffix`."""
-    n = context.shape[1]
-    spans = [(lo, min(lo + chunk, n)) for lo in range(repeat.start, n, chunk)]
-    ids, blocks, start = [], [], 0
-    for i, (lo, hi) in enumerate(spans):
-        quote = context[0, max(spans[i - 1][0], lo - PREVIOUS_IDS) : lo].tolist() if i else []
-        head = (repeat.part + quote if i else repeat.first) + repeat.suffix
-        ids.append(torch.cat([torch.tensor([head], dtype=context.dtype, device=context.device), context[:, lo:hi]], 1))
-        blocks.append(Block(start, start + ids[-1].shape[1], lo, hi))
-        start = blocks[-1].end
-    if not ids:
-        return context[:, :0], context[:, :0], []
-    positions = torch.cat([torch.arange(n, n + b.end - b.start, device=context.device) for b in blocks])[None]
-    return torch.cat(ids, dim=1), positions, blocks
-
-
-@torch.inference_mode()
-def reconstruct(
-    model: torch.nn.Module,
-    full: Cache,
-    context: Tensor,
-    repeat: Repeat,
-    sinks: int,
-    chunk: int,
-    plus: bool = False,
-) -> dict[int, Tensor]:
-    """KVzip's second pass (policies/kvzip.py): per full-attention layer, (B, Hkv, n_context) the most attention each
-    prefilled key receives while the model, over the full cache, reads the repeat prompt and then the context again,
-    `chunk` context tokens per pass (the first `repeat.start` tokens, the template's opening, are not repeated and
-    score 0); `plus`: KVzip+'s normalisation. Every chunk's pass is one block of a single forward
-    (evalkit.kv.reconstruct), which reads `full` in place and leaves it unchanged."""
-    ids, positions, blocks = pass_inputs(context, repeat, chunk)
-    cache, scores = reconstruction_cache(full, blocks, sinks)
-    if blocks:
-        with hidden_norms(model, cache) if plus else nullcontext():
-            model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
-    return scores
-
-
-def reconstruction_setting(policy: KVPolicy) -> tuple[int, int, bool]:
-    """(sinks, chunk, KVzip+) of the reconstruction pass a policy that needs one scores with; a wrapper's
-    (chunkkv(kvzip)) are its scorer's."""
-    return scorer(policy, "reconstruction").reconstruction()
+    needs = needed(policies)
+    recorder = PrefillRecorder(needs, model)
+    watch = observe(recorder, cache) if needs else {}
+    model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1, **watch)
+    return cache, recorder.observations
 
 
 def reconstruction(
@@ -115,21 +60,20 @@ def reconstruction(
     context: Tensor,
     repeat: Repeat | None,
     policies: list[KVPolicy],
-    observations: dict[int, dict[str, Tensor]],
-) -> dict[tuple[int, int, bool], float]:
-    """Run `reconstruct` once per distinct (sinks, chunk, KVzip+) setting among the `policies` that need it (none:
-    nothing runs), adding its scores to `observations`; returns the seconds each setting took."""
+    observations: dict[int, dict[Observation, object]],
+) -> dict[Observation, float]:
+    """Run the second pass of every observation among the `policies`' needs that has one (KVzip's reconstruction),
+    each distinct one once, over the prefilled `full` cache, adding its values to `observations`; returns the
+    seconds each took. `repeat`: the task's repeat prompt, which the pass reads (None: a prompt of raw ids)."""
     seconds = {}
-    for policy in policies:
-        if Need.RECONSTRUCTION not in policy.needs:
-            continue
-        setting = reconstruction_setting(policy)
-        if setting in seconds:
+    for obs in needed(policies):
+        if obs.pass_name is None:
             continue
         t = time.perf_counter()
-        for layer_idx, got in reconstruct(model, full, context, repeat or Repeat(), *setting).items():
-            observations.setdefault(layer_idx, {})[reconstruction_key(*setting)] = got
-        seconds[setting] = time.perf_counter() - t
+        with torch.inference_mode():
+            for layer_idx, got in obs.second_pass(model, full, context, repeat).items():
+                observations.setdefault(layer_idx, {})[obs] = got
+        seconds[obs] = time.perf_counter() - t
     return seconds
 
 
@@ -143,19 +87,17 @@ def chunked_prefill(model: torch.nn.Module, ids: Tensor, policy: KVPolicy, chunk
     measured after every chunk's forward, before eviction: at most the budget plus one chunk.
     """
     cache: Cache = DynamicCache(config=model.config)
-    window = policy.observation_window()
     peak_bytes = peak_tokens = 0
     for start in range(0, ids.shape[1], chunk):
         first = start == 0
-        mass = Need.ATTN_MASS in policy.needs
-        observer = PrefillObserver(mass=mass, window=window) if first else StepObserver(window)
-        with observe(observer, cache):
-            model(input_ids=ids[:, start : start + chunk], cache=cache, use_cache=True, logits_to_keep=1)
+        recorder = PrefillRecorder(tuple(policy.needs()), model) if first else StepRecorder()
+        watch = observe(recorder, cache)
+        model(input_ids=ids[:, start : start + chunk], cache=cache, use_cache=True, logits_to_keep=1, **watch)
         peak_bytes = max(peak_bytes, kv_bytes(cache))
         held = held_per_layer(cache)
         peak_tokens = max(peak_tokens, *(held[i] for i in full_attention_layers(cache)))
         if first:
-            cache = compress(cache, policy, observer.observations)
+            cache = compress(cache, policy, recorder.observations)
         else:
             enforce(cache, policy)
     return cache, peak_bytes, peak_tokens
@@ -166,7 +108,7 @@ def evictor(cache: Cache, policy: KVPolicy) -> Callable[[], None] | None:
     evicts back to the budget after every `decode_interval`-th forward (the question's, then each generated token's),
     so the cache holds at most the budget plus decode_interval - 1 new tokens between evictions (kvpress's
     DecodingPress compresses every `compression_interval` steps the same way). The scorer ranks with the queries it
-    keeps observed: its observation window, which slides with every forward (evalkit.kv.attention.StepObserver)."""
+    keeps observed: its observation window, which slides with every forward (evalkit.attention.observation)."""
     if not policy.decode:
         return None
     forwards = 0
@@ -186,7 +128,7 @@ class Stored:
 
     name: str  # "baseline" or the variant's name
     cache: Cache
-    seconds: dict[str, float]  # prefill, compress (and KVzip's reconstruct)
+    seconds: dict[str, float]  # prefill, compress (and each second pass by its name: KVzip's reconstruct)
     prefill_peak: tuple[int, int]  # (bytes, tokens of an evicting layer per KV head) at most while prefilling
     variant: Variant | None = None  # None: the baseline's full cache
 
@@ -206,13 +148,13 @@ def compress_context(
     model: torch.nn.Module, context: Tensor, variants: list[Variant], repeat: Repeat | None = None
 ) -> Compressed:
     """Prefill `context` (1, n) once with a full cache (the baseline's), observing what the one-shot variants need;
-    run KVzip's reconstruction pass where a variant needs it; compress for each variant (a chunked variant prefills
+    run the second passes they need (KVzip's reconstruction); compress for each variant (a chunked variant prefills
     the context itself, chunk by chunk)."""
     t0 = time.perf_counter()
     oneshot = [v.policy for v in variants if v.chunk is None]
     full, observations = prefill(model, context, oneshot)
     prefill_s = time.perf_counter() - t0
-    rebuilt_s = reconstruction(model, full, context, repeat, oneshot, observations)  # KVzip's second pass
+    passes = reconstruction(model, full, context, repeat, oneshot, observations)  # KVzip's second pass
     full_peak = (kv_bytes(full), context.shape[1])
     stored = [Stored("baseline", full, {"prefill": prefill_s, "compress": 0.0}, full_peak)]
     for variant in variants:
@@ -220,8 +162,7 @@ def compress_context(
         if variant.chunk is None:
             cache = variant.apply(full, observations)
             seconds = {"prefill": prefill_s, "compress": time.perf_counter() - t}
-            if Need.RECONSTRUCTION in variant.policy.needs:
-                seconds["reconstruct"] = rebuilt_s[reconstruction_setting(variant.policy)]
+            seconds |= {o.pass_name: passes[o] for o in variant.policy.needs() if o in passes}
             peak = full_peak
         else:
             cache, peak_bytes, peak_tokens = chunked_prefill(model, context, variant.policy, variant.chunk)
@@ -291,8 +232,8 @@ __all__ = [
     "evictor",
     "greedy",
     "outcome",
+    "needed",
     "prefill",
-    "reconstruct",
     "reconstruction",
     "run_sample",
     "teacher_forced",

@@ -21,9 +21,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from evalkit.attention import sdpa
 from evalkit.embedded import byte_tokenizer, converted_folder, file_sha256, gguf_path
 from evalkit.errors import ConfigError
-from evalkit.kv import attention
 
 T = TypeVar("T")
 
@@ -154,7 +154,7 @@ def load(cfg: DictConfig, device: str = "auto") -> LoadedModel:
     check_attention(cfg)
     model, tokenizer, fingerprint, source = loaders[cfg.kind](cfg)
     if model.config._attn_implementation == "sdpa":
-        model.set_attn_implementation(attention.register())  # SDPA that policies can observe
+        model.set_attn_implementation(sdpa.register())  # SDPA that policies can observe
     if not cfg.get("device_map"):
         model.to(pick_device(device))
     model.eval()

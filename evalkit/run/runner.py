@@ -221,7 +221,7 @@ def _check_attention(cfg: DictConfig, variants: list[Variant]) -> None:
     """Before the weights load: what needs evalkit's observed SDPA (attention scores, packed quantized history).
     Whether the implementation itself can run here, models.load checks."""
     impl = cfg.model.get("attn_implementation", "sdpa")
-    needs = sorted({n for v in variants for n in v.policy.needs})
+    needs = sorted({str(o) for v in variants for o in v.policy.needs()})
     if impl != "sdpa" and needs:
         raise ConfigError(
             f"the policies need {needs} observed in attention, which evalkit does through SDPA; "

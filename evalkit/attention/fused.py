@@ -19,6 +19,7 @@ from torch import Tensor
 # softmax (in place), the P @ V product and the column sums.
 CHUNK_ELEMENTS = 1 << 24
 MAX_QUERIES = 48
+MAX_CHUNK = 64  # queries per chunk of attention_mass: 64 measured fastest on CPU at 2k and 8k tokens
 
 
 def query_chunk(batch: int, heads: int, keys: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
@@ -126,3 +127,25 @@ def one_head(
         torch.softmax(probs, dim=-1, out=probs)  # in place: the scores are not needed again
         out[:, start:end] = (probs @ values[:seen]).view(group, n, -1)
         mass[:seen] += probs.sum(dim=0)
+
+
+def attention_mass(query: Tensor, key: Tensor, scaling: float, chunk_elements: int = CHUNK_ELEMENTS) -> Tensor:
+    """(B, Hkv, Tk) attention each key receives from the queries (the last Tq keys), summed over queries and
+    over the query heads of its KV group. Chunked over queries: memory O(chunk x Tk), never O(Tq x Tk); each chunk
+    multiplies only the keys it can see, so the masked upper triangle costs nothing."""
+    b, hq, tq, d = query.shape
+    hkv, tk = key.shape[1], key.shape[2]
+    group, past = hq // hkv, tk - tq
+    chunk = max(1, min(MAX_CHUNK, chunk_elements // (b * hq * tk)))
+    q = query.view(b, hkv, group, tq, d)  # the query heads of each KV group side by side
+    keys_t = key.float().transpose(-1, -2)  # (B, Hkv, D, Tk)
+    mass = torch.zeros(b, hkv, tk, dtype=torch.float32, device=key.device)
+    for start in range(0, tq, chunk):
+        end = min(start + chunk, tq)
+        seen = past + end  # keys visible to the chunk's last query
+        rows = (q[:, :, :, start:end].float() * scaling).reshape(b, hkv, group * (end - start), d)
+        scores = rows @ keys_t[..., :seen]  # (B, Hkv, G*c, seen)
+        visible = torch.arange(seen, device=key.device) <= past + torch.arange(start, end, device=key.device)[:, None]
+        scores.masked_fill_(~visible.repeat(group, 1), float("-inf"))
+        mass[..., :seen] += scores.softmax(dim=-1).sum(dim=2)
+    return mass

@@ -1,29 +1,105 @@
 """KVzip's reconstruction pass (policies/kvzip.py) in one forward, its scores taken from the attention it computes.
 
+The pass is KVzip's own observation (`Reconstruction`): the engine runs it after the prefill, as it runs any
+observation's second pass, and the policy reads its scores back by the same object.
+
 The reference (kvpress's KVzipPress, after snu-mllab/KVzip) runs one forward per chunk of the context: each reads a
-repeat prompt and the chunk over the prefilled cache, and a second QK^T over the sinks, the chunk's cached keys and
-the pass's own keys gives the scores. Here every chunk's pass is one block of a single forward: the blocks lie side
-by side in the input, each at the positions its own pass would have (the cache length onwards), and the cache layers
-of the pass (`ReconstructionLayer`) attend for the model: each block's queries over the prefilled keys, read in place
-(never copied or grown), and over the block's own keys, causally; no block sees another. The probabilities of that
-attention are computed once per query chunk (as for H2O, evalkit.kv.fused), and the scores come from the same logits:
-each query's softmax restricted to the sinks, the chunk's keys and its own keys, its largest value per key kept as
-the pass goes (the max over queries and over the query heads of a KV group). Nothing of the size of the cache is
-allocated per chunk: a query chunk's scores (bounded by evalkit.kv.fused.CHUNK_ELEMENTS) and the scores kept per key.
+repeat prompt and the chunk over the prefilled cache, and a second QK^T over the sinks, the chunk's cached keys and the
+pass's own keys gives the scores. Here every chunk's pass is one block of a single forward: the blocks lie side by side
+in the input, each at the positions its own pass would have (the cache length onwards), and the cache layers of the pass
+(`ReconstructionLayer`) attend for the model: each block's queries over the prefilled keys, read in place (never copied
+or grown), and over the block's own keys, causally; no block sees another. The probabilities of that attention are
+computed once per query chunk (as for H2O, evalkit.attention.fused), and the scores come from the same logits: each
+query's softmax restricted to the sinks, the chunk's keys and its own keys, its largest value per key kept as the pass
+goes (the max over queries and over the query heads of a KV group). Nothing of the size of the cache is allocated per
+chunk: a query chunk's scores (bounded by evalkit.attention.fused.CHUNK_ELEMENTS) and the scores kept per key.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
-from evalkit.kv.attention import owned
-from evalkit.kv.fused import query_chunk
+from evalkit.attention.fused import query_chunk
+from evalkit.attention.observation import Observation
+from evalkit.attention.sdpa import owned
+
+PREVIOUS_IDS = 8  # the ids of the previous chunk that a later chunk's repeat prompt quotes (kvpress: prev_postfix_size)
+
+
+@dataclass
+class RawIds:
+    """The repeat prompt of a prompt made from raw ids (no chat template; the tasks build theirs, with the same
+    fields): every prefilled token reconstructed, with no instruction."""
+
+    start: int = 0  # ids[:, :start] are the template's opening: not reconstructed
+    first: list[int] = field(default_factory=list)  # the first chunk's instruction
+    part: list[int] = field(default_factory=list)  # a later chunk's, before the previous chunk's last ids
+    suffix: list[int] = field(default_factory=list)  # the end of the user turn and the start of the answer
+
+
+@dataclass(frozen=True)
+class Reconstruction(Observation):
+    """Per full-attention layer, (B, Hkv, n_context): the most attention each prefilled key receives while the model,
+    over the full cache, reads the repeat prompt and then the context again, `chunk` context tokens per pass, each
+    softmax over the first `sinks` keys, the chunk's and the pass's own; `plus`: KVzip+'s normalisation."""
+
+    sinks: int
+    chunk: int
+    plus: bool = False
+    pass_name: ClassVar[str] = "reconstruct"
+
+    def second_pass(self, model: torch.nn.Module, full: Cache, context: Tensor, prompt) -> dict[int, Tensor]:
+        return reconstruct(model, full, context, prompt or RawIds(), self.sinks, self.chunk, self.plus)
+
+
+def pass_inputs(context: Tensor, repeat, chunk: int) -> tuple[Tensor, Tensor, list[Block]]:
+    """The ids (1, L) of every chunk's pass side by side, their positions (1, L) (each block from the context length
+    on, where its own pass would start) and the blocks. The chunk [lo, hi) of the context after the template's opening
+    (`repeat.start`) is read after `repeat.first` (the first chunk) or `repeat.part` and the previous chunk's last 8
+    ids, then `repeat.suffix` (`repeat`: the task's repeat prompt, or RawIds)."""
+    n = context.shape[1]
+    spans = [(lo, min(lo + chunk, n)) for lo in range(repeat.start, n, chunk)]
+    ids, blocks, start = [], [], 0
+    for i, (lo, hi) in enumerate(spans):
+        quote = context[0, max(spans[i - 1][0], lo - PREVIOUS_IDS) : lo].tolist() if i else []
+        head = (repeat.part + quote if i else repeat.first) + repeat.suffix
+        ids.append(torch.cat([torch.tensor([head], dtype=context.dtype, device=context.device), context[:, lo:hi]], 1))
+        blocks.append(Block(start, start + ids[-1].shape[1], lo, hi))
+        start = blocks[-1].end
+    if not ids:
+        return context[:, :0], context[:, :0], []
+    positions = torch.cat([torch.arange(n, n + b.end - b.start, device=context.device) for b in blocks])[None]
+    return torch.cat(ids, dim=1), positions, blocks
+
+
+@torch.inference_mode()
+def reconstruct(
+    model: torch.nn.Module,
+    full: Cache,
+    context: Tensor,
+    repeat,
+    sinks: int,
+    chunk: int,
+    plus: bool = False,
+) -> dict[int, Tensor]:
+    """KVzip's second pass: per full-attention layer, (B, Hkv, n_context) the most attention each prefilled key
+    receives while the model, over the full cache, reads the repeat prompt and then the context again, `chunk`
+    context tokens per pass (the first `repeat.start` tokens, the template's opening, are not repeated and score 0);
+    `plus`: KVzip+'s normalisation. Every chunk's pass is one block of a single forward, which reads `full` in place
+    and leaves it unchanged."""
+    ids, positions, blocks = pass_inputs(context, repeat, chunk)
+    cache, scores = reconstruction_cache(full, blocks, sinks)
+    if blocks:
+        with hidden_norms(model, cache) if plus else nullcontext():
+            model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+    return scores
 
 
 @dataclass(frozen=True)
@@ -160,7 +236,7 @@ def subset_probs(probs: Tensor, past: int, scored: tuple[int, int, int], exact) 
 
 class ReconstructionLayer(DynamicLayer):
     """A prefilled cache layer as KVzip's pass reads it: its keys and values stay as they are (the pass's own keys
-    are held for one forward only), and it attends for the model (evalkit.kv.attention.owned): each block of the input
+    are held for one forward only), and it attends for the model (evalkit.attention.sdpa.owned): each block of the input
     over the prefilled keys and its own, never another block's. A full-attention layer scores its keys as it goes
     (`scores`, (B, Hkv, prefilled), the running max); a sliding-window layer only attends, within its window."""
 
