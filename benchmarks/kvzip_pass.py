@@ -3,12 +3,12 @@
     python benchmarks/kvzip_pass.py [--lengths 1024 2048 4096] [--depths 0 0.5 1] [--threads 1] [--clock cpu]
 
 Per needle sample, interleaved: a plain prefill of the context (what every run pays), the pass now
-(`evalkit.run.engine.reconstruct`: every chunk's pass one block of a single forward, the cache layers attending for the
-model and scoring from the same logits, the prefilled cache read in place), and the pass before issue 26
+(`evalkit.policies.kvzip_pass.reconstruct`: every chunk's pass one block of a single forward, the cache layers attending
+for the model and scoring from the same logits, the prefilled cache read in place), and the pass before issue 26
 (`legacy_reconstruct` below, kept only to measure against: one forward per chunk over its own copy of the full cache
 through SDPA with a mask, scored by a second QK^T over the sinks, the chunk and the pass's own keys). Both passes must
-give the same scores (checked on every sample). `--clock cpu` (the default) times the process's CPU seconds, which
-other jobs on a shared machine barely move when torch runs one thread; `--clock wall` times wall seconds.
+give the same scores (checked on every sample). `--clock cpu` (the default) times the process's CPU seconds, which other
+jobs on a shared machine barely move when torch runs one thread; `--clock wall` times wall seconds.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from omegaconf import OmegaConf
 
 from evalkit.attention.sdpa import causal_tail_mask, observe
 from evalkit.kv.cache import full_attention_layers, share
+from evalkit.policies.kvzip_pass import PREVIOUS_IDS, reconstruct
 from evalkit.run import models
-from evalkit.run.engine import PREVIOUS_IDS, prefill, reconstruct
+from evalkit.run.engine import prefill
 from evalkit.tasks.needle import NeedleTask
 from evalkit.tasks.prompt import Repeat, build_prompt
 
@@ -43,9 +44,13 @@ class LegacyObserver:
     end: int
     scores: dict[int, torch.Tensor]
 
-    def record(self, layer_idx: int, layer, query, key, scaling) -> None:
+    def wants_mass(self, layer_idx: int, layer) -> bool:
+        return False
+
+    def record(self, layer_idx: int, layer, at) -> None:
         if getattr(layer, "is_sliding", False):
             return
+        query, key, scaling = at.query, at.key, at.scaling
         tq, s = query.shape[-2], self.sinks
         keys = torch.cat([key[:, :, :s], key[:, :, self.start : self.end], key[:, :, -tq:]], dim=2)
         b, hq, _, d = query.shape
@@ -76,8 +81,8 @@ def legacy_reconstruct(model, full, context: torch.Tensor, repeat: Repeat, sinks
         head = (repeat.part + quote if i else repeat.first) + repeat.suffix
         ids = torch.cat([torch.tensor([head]), context[:, lo:hi]], dim=1)
         cache = share(full)  # grows by the pass's tokens: a copy of every layer's keys and values per chunk
-        with observe(LegacyObserver(min(sinks, lo), lo, hi, scores), cache):
-            model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        watch = observe(LegacyObserver(min(sinks, lo), lo, hi, scores), cache)
+        model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1, **watch)
     return scores
 
 

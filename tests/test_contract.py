@@ -16,11 +16,14 @@ import pytest
 import torch
 from torch import Tensor
 
+from evalkit.attention.observation import AttentionMass
 from evalkit.errors import ConfigError, PolicyError
 from evalkit.kv import contract
 from evalkit.kv.cache import allowed_per_layer, held_per_layer
+from evalkit.kv.variant import Variant
 from evalkit.policies import KVPolicy, LayerView
 from evalkit.policies.chunkkv import ChunkKV
+from evalkit.policies.h2o import H2O
 from evalkit.policies.streaming_llm import StreamingLLM
 from tests.conftest import CTX, compressed
 
@@ -210,3 +213,23 @@ def test_protected_tokens_count_only_as_far_as_min_tokens_states_them(tiny, ids)
 
     with pytest.raises(PolicyError, match="sets budget_counts_tokens = False, which only evalkit's own"):
         contract.check_declared(Unbounded(budget=0.25))
+
+
+@dataclass(kw_only=True)
+class NamesItsNeeds(KVPolicy):
+    """A policy that names what it needs observed by a string, as signals were once named, not by an Observation."""
+
+    name: str = "names"
+
+    def needs(self):
+        return ("attn_mass",)
+
+
+def test_needs_that_are_not_observations_are_refused_before_any_model_loads():
+    """needs() returns Observation objects (equal settings, one recording); a name is refused, also through a
+    wrapper, whose needs are its inner policy's; a policy that needs nothing passes."""
+    for pol in (NamesItsNeeds(budget=0.5), ChunkKV(inner=NamesItsNeeds(), budget=0.5)):
+        with pytest.raises(PolicyError, match=r"needs\(\) returned 'attn_mass', not a tuple of Observation objects"):
+            Variant(pol).validate()
+    Variant(StreamingLLM(budget=0.5)).validate()
+    assert ChunkKV(inner=H2O(), budget=0.5).needs() == (AttentionMass(),)

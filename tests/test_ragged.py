@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 
+from evalkit.attention.observation import Attended
 from evalkit.errors import ConfigError
 from evalkit.kv.cache import allocated_per_layer, deployed_bytes, held_per_layer, kv_bytes
 from evalkit.kv.quantized import QuantSpec
@@ -155,7 +156,7 @@ def test_needle_attention_scores_a_head_by_the_attention_on_the_needle_by_hand()
     obs = NeedleAttention(evidence=[1], n_queries=1)
     query = torch.tensor([1.0, 0.0]).view(1, 2, 1, 1)
     key = torch.tensor([0.0, torch.log(torch.tensor(3.0)), 0.0]).view(1, 1, 3, 1)
-    obs.record(0, object(), query, key, 1.0)
+    obs.record(0, object(), Attended(None, query, key, 1.0, 3))
     assert obs.mass[0].tolist() == pytest.approx([14 / 15])
 
 

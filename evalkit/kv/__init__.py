@@ -1,2 +1,2 @@
-"""KV storage and attention: caches that hold a policy's choice (cache), quantized storage (quantized), what
-attention is observed for the policies (attention), and the policy contract checked at every eviction (contract)."""
+"""KV storage: caches that hold a policy's choice (cache), quantized storage (quantized), a variant (variant), and the
+policy contract checked at every eviction (contract)."""

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from evalkit import sigint
+from evalkit.attention.observation import Observation
 from evalkit.errors import ConfigError, InternalError, JobError, PolicyError
 from evalkit.policies import KVPolicy, LayerView
 
@@ -201,6 +202,18 @@ def check_declared(policy: KVPolicy) -> None:
         raise PolicyError(
             f"{describe(owner)} sets budget_counts_tokens = False, which only evalkit's own none and duo_attention "
             "may: a policy holds at most its budget plus the min_tokens() - 1 tokens it protects; remove it"
+        )
+
+
+def check_needs(policy: KVPolicy) -> None:
+    """Before any model loads: `needs()` returns observations (evalkit.attention.observation.Observation objects)."""
+    with calling(policy, "needs"):
+        needs = policy.needs()
+    wrong = [o for o in needs if not isinstance(o, Observation)] if isinstance(needs, (tuple, list)) else [needs]
+    if wrong:
+        raise PolicyError(
+            f"{describe(policy)}: needs() returned {wrong[0]!r}, not a tuple of Observation objects "
+            "(evalkit.attention.observation: AttentionMass(), WindowQueries(w), or one of its own); fix the policy"
         )
 
 

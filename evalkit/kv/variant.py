@@ -34,6 +34,10 @@ class Variant:
     def validate(self) -> None:
         """ConfigError for a combination that cannot run, whatever the context."""
         contract.check_declared(self.policy)
+        contract.check_needs(self.policy)
+        # asked of every policy, chunked or not: a user's policy whose declaration fails is told before any model loads
+        with contract.calling(self.policy, "observation_window"):
+            window = self.policy.observation_window()
         if self.quant is not None and self.policy.ragged:
             raise ConfigError(
                 f"{self.name}: {self.policy.name} keeps a different number of tokens in each KV head, which quantized "
@@ -55,7 +59,6 @@ class Variant:
             )
         if self.quant is not None:
             raise ConfigError(f"{self.name}: a chunked prefill stores keys in full precision; drop +{self.quant.name}")
-        window = self.policy.observation_window()
         if self.chunk < window:
             raise ConfigError(
                 f"{self.name}: the chunk ({self.chunk} tokens) is shorter than {self.policy.name}'s observation "
