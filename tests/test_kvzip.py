@@ -330,3 +330,13 @@ def test_lm_eval_route_refuses_kvzip():
 
     with pytest.raises(ConfigError, match="reconstruction pass"):
         evaluate(None, None, [Variant(policy("kvzip", 0.25))])
+
+
+def test_lm_eval_refuses_a_variant_whose_observation_needs_a_pass_over_the_prompt():
+    """lm-eval's requests are raw ids: KVzip's pass (an observation with a second pass) cannot build its repeat prompt
+    there, so such a variant is refused, named; a variant whose observations are recorded in the prefill is not."""
+    from evalkit.lmeval.evaluate import refuse_reconstruction
+
+    with pytest.raises(ConfigError, match=r"kvzip@0.25: task=lm_eval does not run KVzip's reconstruction pass"):
+        refuse_reconstruction([Variant(policy("snapkv", 0.25)), Variant(policy("kvzip", 0.25))])
+    refuse_reconstruction([Variant(policy("snapkv", 0.25)), Variant(policy("expected_attention", 0.25))])
