@@ -165,7 +165,7 @@ def test_cfg_cannot_preview_a_sweep(monkeypatch, capsys):
 def test_gate_commands_parse(argv, monkeypatch, capsys):
     """`--plan` runs (it only computes); a command that judges runs gets its folders and thresholds as written, the
     judging itself replaced (the README's folders are examples): an unknown option or gate config exits 2 here."""
-    from evalkit.gate import cli as gate
+    from evalkit.gate import command as gate
 
     seen = {}
 

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from evalkit.gate.cli import main
+from evalkit.gate.command import main
 from evalkit.gate.judge import judge
 from evalkit.gate.thresholds import Thresholds
 from tests.test_gate import rows

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from evalkit.gate import looks
-from evalkit.gate.cli import main
+from evalkit.gate.command import main
 from evalkit.gate.judge import judge
 from evalkit.gate.looks import LOOKS_FILE
 from evalkit.gate.reading import read_runs

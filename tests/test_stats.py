@@ -16,7 +16,7 @@ from scipy.optimize import minimize_scalar
 from scipy.stats import bootstrap
 
 from evalkit.errors import ConfigError
-from evalkit.gate.cli import main
+from evalkit.gate.command import main
 from evalkit.gate.decide import min_samples
 from evalkit.gate.judge import judge
 from evalkit.gate.stats import BCa, adjust, binary_bounds, paired_drop, tango_z
