@@ -57,11 +57,11 @@ def real_run(folder: Path, data: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """The issue's layout, smaller: 20 one-question documents and 60 questions on a 21st (`crowded`, 80 questions);
-    and 75 one-question documents and 5 questions on a 76th (`enough`: 76 documents, enough for a lossless PASS by
-    betting). The tiny random model answers nothing right, so a first run finds what its full cache answers each
-    question (the prompt holds no answer: the same prompts give the same predictions), and the two runs take those
-    answers as the references: a task the full cache does, with nothing given away to the variant."""
+    """A crowded document beside single ones: 20 one-question documents and 60 questions on a 21st (`crowded`, 80
+    questions); and 75 one-question documents and 5 questions on a 76th (`enough`: 76 documents, enough for a
+    lossless PASS by betting). The tiny random model answers nothing right, so a first run finds what its full cache
+    answers each question (the prompt holds no answer: the same prompts give the same predictions), and the two runs
+    take those answers as the references: a task the full cache does, with nothing given away to the variant."""
     root = tmp_path_factory.mktemp("documents")
     union = documents(75, 60)
     first = real_run(root / "first", dataset(root / "first.jsonl", union, {}))

@@ -26,7 +26,7 @@ N = 24  # samples of the lossy runs
 
 
 def real_run(folder: Path, *overrides: str) -> Path:
-    """A run written by evalkit itself (evalkit.run.run, in this process: the same code as the command line)."""
+    """A run written by evalkit itself (evalkit.cli.job.run, in this process: the same code as the command line)."""
     from evalkit.cli.job import run
 
     run(compose_config(*FIDELITY, *overrides), folder)

@@ -34,7 +34,7 @@ INFO = {
 
 
 def healthy(base=lambda i: 1.0, pol=lambda i: 1.0, ids=range(N), run_id=RUN_ID) -> list[dict]:
-    """Two rows per sample, the baseline's then snapkv@0.25's, with the fields the gate reads (evalkit/run.py _row)."""
+    """Two rows per sample, the baseline's then snapkv@0.25's, with the fields the gate reads, as a run writes them."""
     out = []
     for i in ids:
         b, p = base(i), pol(i)

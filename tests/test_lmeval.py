@@ -367,7 +367,7 @@ def test_lm_eval_command_line_keeps_the_exit_code_contract():
     assert result.stderr.strip().splitlines()[-1] == "evalkit: error: lm-eval: Tasks not found: no_such_task_xyz"
 
 
-# -- issue 15, part 4: lm-eval's long-context suites with paired records ---------------------------------------------
+# -- lm-eval's long-context suites with paired records ----------------------------------------------------------------
 
 from lm_eval.api.model import LM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402

@@ -1,4 +1,4 @@
-"""The gate's statistics against published worked examples and by simulation (issues 13 and 23): Tango's interval
+"""The gate's statistics against published worked examples and by simulation: Tango's interval
 for paired 0/1 data, the exact bound with no loss, the BCa bootstrap against scipy's where it holds, Holm's
 correction, and the three outcomes on built records."""
 
@@ -58,7 +58,7 @@ def test_no_loss_is_bounded_exactly():
 
 def test_bca_matches_scipy_where_it_holds_and_betting_bounds_the_rest():
     # BCa only from 100 samples with 30 that differ (the review: at 20 samples with 69% ties its upper bound falls
-    # below the true drop 26.6% of the time); the rest gets the bounded-mean bound of evalkit.betting
+    # below the true drop 26.6% of the time); the rest gets the bounded-mean bound of evalkit.gate.betting
     rng = np.random.default_rng(3)
     base = rng.random(120)
     pol = np.clip(base - rng.normal(0.02, 0.08, 120), 0, 1)
@@ -111,7 +111,7 @@ def _task_run(samples_per_cell: int) -> list[dict]:
 
 
 def lossless_betting_count(alpha: float = 0.05, margin: float = 0.05) -> int:
-    """By hand from evalkit.betting's construction: with nothing lost the mixture's wealth after n contexts is
+    """By hand from evalkit.gate.betting's construction: with nothing lost the mixture's wealth after n contexts is
     sum_j w_j (1 + theta_j margin / (1 - margin))^n, over the bets theta = 1, 0.8, 0.6, 0.4 weighted 1/4 each; the
     anytime-valid test PASSes once it reaches 1 / alpha."""
     n = 1
@@ -162,8 +162,10 @@ def test_zero_lost_of_74_passes_and_a_clear_regression_fails():
 
 
 def cell_wealth(right: int, wrong: int, limit: float = 0.5) -> float:
-    """By hand from evalkit.betting's construction: the mixture wealth of the bet "accuracy below limit" on a cell of
-    0/1 scores; a wrong answer gains theta limit / (1 - limit), a right one loses theta (1 - limit) / (1 - limit)."""
+    """By hand from evalkit.gate.betting's construction: the mixture wealth of the bet "accuracy below limit".
+
+    On a cell of 0/1 scores a wrong answer gains theta limit / (1 - limit), a right one loses theta (1 - limit) /
+    (1 - limit)."""
     return sum(0.25 * (1 + th * limit / (1 - limit)) ** wrong * (1 - th) ** right for th in (1, 0.8, 0.6, 0.4))
 
 
