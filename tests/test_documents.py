@@ -10,7 +10,6 @@ beside them are the same runs, untouched. Expected counts are derived in the com
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from evalkit.records import read_rows
 from evalkit.tasks import Sample
 from evalkit.tasks.prompt import build_prompt
 from tests.conftest import compose_config
+from tests.test_evidence import copy, edit_rows
 from tests.test_gate import rows
 
 FILLER = "The grass is green and the sky is blue. "
@@ -70,18 +70,6 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     for name, (single, questions) in {"crowded": (20, 60), "enough": (75, 5)}.items():
         out[name] = real_run(root / name, dataset(root / f"{name}.jsonl", documents(single, questions), said))
     return out
-
-
-def copy(runs: dict[str, Path], name: str, tmp_path: Path) -> Path:
-    return Path(shutil.copytree(runs[name], tmp_path / name))
-
-
-def edit_rows(folder: Path, change) -> None:
-    """Rewrite samples.jsonl with change(row) applied to every row (it edits the row in place)."""
-    rows_ = read_rows(folder / "samples.jsonl")
-    for r in rows_:
-        change(r)
-    (folder / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_))
 
 
 def gate(capsys, folder: Path) -> tuple[int, str, dict]:

@@ -44,6 +44,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 
 def copy(runs: dict[str, Path], name: str, tmp_path: Path) -> Path:
+    """A copy of the shared run `name` in tmp_path, for a test to edit."""
     return Path(shutil.copytree(runs[name], tmp_path / name))
 
 

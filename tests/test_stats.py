@@ -4,11 +4,8 @@ correction, and the three outcomes on built records."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,8 +20,7 @@ from evalkit.gate.stats import BCa, adjust, binary_bounds, paired_drop, tango_z
 from evalkit.gate.thresholds import Thresholds, thresholds
 from tests.conftest import drew
 from tests.test_gate import rows, run_info
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.test_stats_coverage import bench_module
 
 
 def test_tango_interval_matches_the_published_example():
@@ -78,18 +74,10 @@ def test_bca_matches_scipy_where_it_holds_and_betting_bounds_the_rest():
     assert uniform.method == "betting" and 0.04 < uniform.upper < 0.05
 
 
-def _coverage_module():
-    spec = importlib.util.spec_from_file_location("stats_coverage", ROOT / "benchmarks" / "stats_coverage.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("n", [10, 20, 59, 200])
 @pytest.mark.parametrize(("p_lost", "p_gained"), [(0.0, 0.0), (0.05, 0.0), (0.05, 0.02), (0.10, 0.05), (0.3, 0.1)])
 def test_bounds_cover_the_true_drop(n, p_lost, p_gained):
-    up, lo, both = _coverage_module().coverage(p_lost, p_gained, n, draws=2000)
+    up, lo, both = bench_module().coverage(p_lost, p_gained, n, draws=2000)
     assert min(up, lo, both) >= 0.94, (up, lo, both)
 
 
