@@ -1,5 +1,5 @@
 """On a CUDA GPU: the fused attention-plus-mass Triton kernel (kernels/attention_mass.py) against SDPA alone, for
-H2O's prefill. Not run yet: no GPU was lent to the task that wrote it (issue 26); the kernel is tested against its
+H2O's prefill. Not run yet: no GPU was at hand when it was written; the kernel is tested against its
 reference under TRITON_INTERPRET=1 on the CPU (tests/test_attention_mass_kernel.py).
 
     python benchmarks/gpu_attention_mass.py [--tokens 8192 32768] [--q-heads 32] [--kv-heads 8] [--head-dim 128]

@@ -2,8 +2,9 @@
 
     bash benchmarks/gpu_kernels.sh [--tokens 32768] [--kv-heads 8] [--q-heads 32] [--head-dim 128] [--bits 4]
 
-Shapes default to the issue's: 32k tokens x 8 KV heads x 128 dims, bf16 input. Bandwidth = bytes the kernel
-must read and write (inputs and outputs, each once) / median time (triton.testing.do_bench).
+Shapes default to a long-context layer of an 8B-class model: 32k tokens x 8 KV heads x 128 dims, bf16 input.
+Bandwidth = bytes the kernel must read and write (inputs and outputs, each once) / median time
+(triton.testing.do_bench).
 """
 
 from __future__ import annotations

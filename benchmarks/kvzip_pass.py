@@ -3,12 +3,13 @@
     python benchmarks/kvzip_pass.py [--lengths 1024 2048 4096] [--depths 0 0.5 1] [--threads 1] [--clock cpu]
 
 Per needle sample, interleaved: a plain prefill of the context (what every run pays), the pass now
-(`evalkit.policies.kvzip_pass.reconstruct`: every chunk's pass one block of a single forward, the cache layers attending
-for the model and scoring from the same logits, the prefilled cache read in place), and the pass before issue 26
-(`legacy_reconstruct` below, kept only to measure against: one forward per chunk over its own copy of the full cache
-through SDPA with a mask, scored by a second QK^T over the sinks, the chunk and the pass's own keys). Both passes must
-give the same scores (checked on every sample). `--clock cpu` (the default) times the process's CPU seconds, which other
-jobs on a shared machine barely move when torch runs one thread; `--clock wall` times wall seconds.
+(`evalkit.policies.kvzip_pass.reconstruct`: every chunk's pass one block of a single forward, the cache layers attending for the
+model and scoring from the same logits, the prefilled cache read in place), and the pass as it was before it became
+one forward (`legacy_reconstruct` below, kept only to measure against: one forward per chunk over its own copy of the
+full cache through SDPA with a mask, scored by a second QK^T over the sinks, the chunk and the pass's own keys). Both
+passes must give the same scores (checked on every sample). `--clock cpu` (the default) times the process's CPU
+seconds, which other jobs on a shared machine barely move when torch runs one thread; `--clock wall` times wall
+seconds.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ CONF = os.path.join(os.path.dirname(__file__), "..", "conf", "model", "smollm2-1
 
 @dataclass
 class LegacyObserver:
-    """The scoring of the pass before issue 26: per full-attention layer, the chunk's keys' most attention from any
+    """The scoring of the former pass: per full-attention layer, the chunk's keys' most attention from any
     query of the pass and any query head of the group, softmax over sinks + chunk + own keys, recomputed from the
     post-RoPE queries and keys in 64-query chunks beside SDPA's own attention."""
 
@@ -72,7 +73,7 @@ class LegacyObserver:
 
 @torch.inference_mode()
 def legacy_reconstruct(model, full, context: torch.Tensor, repeat: Repeat, sinks: int, chunk: int) -> dict:
-    """The pass before issue 26: one forward per chunk, each over its own `share` of the full cache."""
+    """The former pass: one forward per chunk, each over its own `share` of the full cache."""
     n = context.shape[1]
     scores = {i: torch.zeros(1, full.layers[i].keys.shape[1], n) for i in full_attention_layers(full)}
     spans = [(lo, min(lo + chunk, n)) for lo in range(repeat.start, n, chunk)]

@@ -1,4 +1,4 @@
-"""Seconds per sample of quantized runs vs the full-cache run on SmolLM2 on the CPU (issue 12, item 5).
+"""Seconds per sample of quantized runs vs the full-cache run on SmolLM2 on the CPU.
 
     python benchmarks/quant_speed.py [--length 2048] [--samples 3] [--tokens 16] [--packed]
 

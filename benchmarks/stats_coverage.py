@@ -1,13 +1,13 @@
-"""The gate's error rates by simulation (issue 23): how often a variant whose true drop sits exactly at the margin (or
+"""The gate's error rates by simulation: how often a variant whose true drop sits exactly at the margin (or
 whose loss rate sits at the flip limit) PASSes, and how often a variant at the planner's sample size does.
 
     nice -n 10 python benchmarks/stats_coverage.py [--draws 4000] [--quick] [--seed 0]
 
 Contexts are drawn independently; within one, m questions share a random effect (a Dirichlet-multinomial with
-intra-context correlation icc, evalkit.power.draw_contexts). 0/1 scores, or graded ones (a loss or gain moves a
+intra-context correlation icc, evalkit.gate.power.draw_contexts). 0/1 scores, or graded ones (a loss or gain moves a
 score by 0.1, or by 0.5). Every draw is judged by the gate's own decision at its default thresholds (the betting
-test of evalkit.betting that evalkit.checks calls at every look, vectorised over draws; tests/test_stats_coverage.py
-checks it against evalkit.decide on single draws), at:
+test of evalkit.gate.betting that evalkit.gate.checks calls at every look, vectorised over draws;
+tests/test_stats_coverage.py checks it against evalkit.gate.decide on single draws), at:
 
 - one look at n contexts;
 - the README's old sequence, 20 -> 60 -> 130 contexts with resume=true, stopping at the first PASS (a FAIL does not
@@ -20,7 +20,7 @@ checks it against evalkit.decide on single draws), at:
 
 Each row prints the PASS rate with its Monte Carlo standard error; `ok` is "the rate is not above 5% by more than
 two standard errors". With one 0/1 question per context and one look the exact chance (enumeration over the
-outcomes, evalkit.power) is printed beside it. Then power: the share of PASSes at the sample size
+outcomes, evalkit.gate.power) is printed beside it. Then power: the share of PASSes at the sample size
 `python -m evalkit.gate --plan` gives for 80% power.
 """
 
@@ -101,14 +101,14 @@ class Runs:
         return betting.mix(w)
 
     def passes(self, n: np.ndarray) -> np.ndarray:
-        """The gate's PASS (evalkit.checks.evaluate) for each run at its length n, at any look."""
+        """The gate's PASS (evalkit.gate.checks.evaluate) for each run at its length n, at any look."""
         ok = n >= FLOOR
         for what in ("drop", "flips"):
             ok &= self.wealth(what, n) >= math.log(1 / ALPHA)
         return ok
 
     def advice(self, n: np.ndarray) -> np.ndarray:
-        """The contexts the gate advises (evalkit.power.contexts_needed): inf where none follows."""
+        """The contexts the gate advises (evalkit.gate.power.contexts_needed): inf where none follows."""
         rows = np.arange(len(n))
         need = np.zeros(len(n))
         for what in ("drop", "flips"):
@@ -170,7 +170,7 @@ def describe(plan) -> str:
 
 
 def exact_rate(s: Scenario, plan) -> float | None:
-    """With one 0/1 question per context and one look: the chance of a PASS by enumeration (evalkit.power)."""
+    """With one 0/1 question per context and one look: the chance of a PASS by enumeration (evalkit.gate.power)."""
     if not (s.enumerable and len(plan) == 1 and plan[0] != "advice"):
         return None
     return betting_power_counts(T, plan[0], ALPHA, s.loss, s.gain) if plan[0] >= FLOOR else 0.0
@@ -346,7 +346,7 @@ KL_SHAPES = ("exponential", "3% at 3 nats", "1% at 10 nats")
 
 def kl_values(rng, shape: str, mean: float, n: int) -> np.ndarray:
     """n rows' KL with the given mean: exponential, or a share of rows at a fixed large KL and the rest exponential
-    with what is left of the mean (the issue's heavy tail: 3% at 3 nats)."""
+    with what is left of the mean (a heavy tail: 3% of rows at 3 nats)."""
     if shape == "exponential":
         return rng.exponential(mean, n)
     share, at = {"3% at 3 nats": (0.03, 3.0), "1% at 10 nats": (0.01, 10.0)}[shape]
@@ -390,7 +390,7 @@ def _kl_rows(kl: np.ndarray) -> list[dict]:
 
 def coverage(p_lost: float, p_gained: float, n: int, draws: int, seed: int = 0) -> tuple[float, float, float]:
     """(upper at 95%, lower at 95%, two-sided 95%) coverage of the true drop p_lost - p_gained by Tango's bounds with
-    the exact floor (per-sample figures, issue 13)."""
+    the exact floor (per-sample figures)."""
     rng = np.random.default_rng(seed)
     counts = rng.multinomial(n, [p_lost, p_gained, 1 - p_lost - p_gained], size=draws)[:, :2]
     truth = p_lost - p_gained

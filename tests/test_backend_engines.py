@@ -41,7 +41,7 @@ def endpoints(**urls: str) -> str:
 
 @pytest.fixture(scope="module")
 def in_process(tmp_path_factory):
-    """The issue's command on two needles: llama.cpp's q8_0 and q4_0 caches against its f16 cache, gated."""
+    """A deployment's check on two needles: llama.cpp's q8_0 and q4_0 caches against its f16 cache, gated."""
     folder = tmp_path_factory.mktemp("llamacpp")
     variants = "variants=[llamacpp:q8_0,llamacpp:q4_0]"
     # a process of its own: llama.cpp silences its logs by redirecting the process's file descriptors 1 and 2

@@ -1,6 +1,6 @@
 """Bad input is refused in one line with exit 2, naming the row or field and the fix; a bug before the model loads is
-exit 3 with the bug-report line, never exit 1 (the gate's FAIL). Each case below was taken silently, or refused with a
-traceback, before (issue 22, item 6)."""
+exit 3 with the bug-report line, never exit 1 (the gate's FAIL). Each case below was once taken silently, or refused
+with a traceback."""
 
 from __future__ import annotations
 

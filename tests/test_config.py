@@ -110,7 +110,7 @@ def test_every_logger_config_composes(name):
     assert compose_config(f"logger={name}").logger.name == name
 
 
-# --- checks before any model loads (issue 11) -------------------------------------------------------------------
+# --- checks before any model loads ------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(

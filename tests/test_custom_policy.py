@@ -91,17 +91,23 @@ YAMLS = {
 TINY = ["model=tiny-random", "task.context_lengths=[128]"]
 
 
-@pytest.fixture
-def user(tmp_path, monkeypatch) -> tuple[Path, Path]:
-    """(folder of the module, config folder), the module importable here too (for the in-process checks)."""
+def user_policies(tmp_path, monkeypatch, module: str, source: str, yamls: dict[str, str]) -> tuple[Path, Path]:
+    """(folder of `module`.py, config folder with a policy YAML per name in `yamls`), the module importable here too
+    (for the in-process checks)."""
     src, conf = tmp_path / "src", tmp_path / "my_conf"
     src.mkdir()
     (conf / "policy").mkdir(parents=True)
-    (src / "my_policies.py").write_text(textwrap.dedent(MODULE))
-    for name, text in YAMLS.items():
+    (src / f"{module}.py").write_text(textwrap.dedent(source))
+    for name, text in yamls.items():
         (conf / "policy" / f"{name}.yaml").write_text(text)
-    importable(monkeypatch, src, "my_policies")
+    importable(monkeypatch, src, module)
     return src, conf
+
+
+@pytest.fixture
+def user(tmp_path, monkeypatch) -> tuple[Path, Path]:
+    """(folder of my_policies.py, config folder with YAMLS)."""
+    return user_policies(tmp_path, monkeypatch, "my_policies", MODULE, YAMLS)
 
 
 def cli(user, *args, run_dir: Path):
@@ -301,16 +307,11 @@ class Rogue(KVPolicy):
 @pytest.fixture
 def rogue(tmp_path, monkeypatch) -> tuple[Path, Path]:
     """(folder of my_rogue.py, config folder with hoarder.yaml and rogue.yaml), importable here too."""
-    src, conf = tmp_path / "src", tmp_path / "my_conf"
-    src.mkdir()
-    (conf / "policy").mkdir(parents=True)
-    (src / "my_rogue.py").write_text(textwrap.dedent(ROGUE))
-    (conf / "policy" / "hoarder.yaml").write_text(
-        "_target_: my_rogue.Hoarder\nname: hoarder\nbudget: 0.25\nstates: 1\n"
-    )
-    (conf / "policy" / "rogue.yaml").write_text("_target_: my_rogue.Rogue\nname: rogue\nbudget: 0.25\n")
-    importable(monkeypatch, src, "my_rogue")
-    return src, conf
+    yamls = {
+        "hoarder": "_target_: my_rogue.Hoarder\nname: hoarder\nbudget: 0.25\nstates: 1\n",
+        "rogue": "_target_: my_rogue.Rogue\nname: rogue\nbudget: 0.25\n",
+    }
+    return user_policies(tmp_path, monkeypatch, "my_rogue", ROGUE, yamls)
 
 
 def test_protected_tokens_count_beyond_the_budget_only_as_the_policy_states_them(rogue, tmp_path):

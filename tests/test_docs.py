@@ -1,4 +1,4 @@
-"""README.md is what a newcomer follows (issue 17), so it is tested as code:
+"""README.md is what a newcomer follows, so it is tested as code:
 
 - every `python -m evalkit ...` command in its fenced blocks composes as `--cfg job` would (Hydra's composition of
   conf/config.yaml with the overrides, interpolations resolved), and then passes evalkit's own pre-run checks
@@ -165,7 +165,7 @@ def test_cfg_cannot_preview_a_sweep(monkeypatch, capsys):
 def test_gate_commands_parse(argv, monkeypatch, capsys):
     """`--plan` runs (it only computes); a command that judges runs gets its folders and thresholds as written, the
     judging itself replaced (the README's folders are examples): an unknown option or gate config exits 2 here."""
-    from evalkit.gate import cli as gate
+    from evalkit.gate import command as gate
 
     seen = {}
 
@@ -294,7 +294,7 @@ def quick_start(tmp_path_factory):
 
 def test_every_file_the_readme_lists_is_written_and_none_is_unlisted(quick_start):
     """The list in "Reading the results" is the run folder as written: a file it names that no run writes, or a file
-    a run writes that it does not name (the three-file list of issue 17), fails."""
+    a run writes that it does not name (the list once named three files of many), fails."""
     needle, lm, _ = quick_start
     listed = {name.rstrip("/") for name in listed_files(README)}
     written = {p.name for p in needle.iterdir()} | {p.name for p in lm.iterdir()}
@@ -333,7 +333,7 @@ def test_the_console_prints_bytes_in_mib(quick_start):
 
 
 def test_byte_formatting_uses_binary_units():
-    """17,971,200 bytes (issue 17's example: H2O's cache on SmolLM2) are 17971200 / 1048576 = 17.139... MiB."""
+    """17,971,200 bytes (H2O's cache on SmolLM2) are 17971200 / 1048576 = 17.139... MiB."""
     from evalkit.units import fmt_bytes
 
     assert fmt_bytes(17_971_200) == "17.14 MiB" == fmt_bytes(17_971_200, "MiB")

@@ -10,18 +10,18 @@ beside them are the same runs, untouched. Expected counts are derived in the com
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
-from evalkit.gate.cli import main
+from evalkit.gate.command import main
 from evalkit.gate.judge import judge
 from evalkit.gate.thresholds import Thresholds
 from evalkit.records import read_rows
 from evalkit.tasks import Sample
 from evalkit.tasks.prompt import build_prompt
 from tests.conftest import compose_config
+from tests.test_evidence import copy, edit_rows
 from tests.test_gate import rows
 
 FILLER = "The grass is green and the sky is blue. "
@@ -57,11 +57,11 @@ def real_run(folder: Path, data: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """The issue's layout, smaller: 20 one-question documents and 60 questions on a 21st (`crowded`, 80 questions);
-    and 75 one-question documents and 5 questions on a 76th (`enough`: 76 documents, enough for a lossless PASS by
-    betting). The tiny random model answers nothing right, so a first run finds what its full cache answers each
-    question (the prompt holds no answer: the same prompts give the same predictions), and the two runs take those
-    answers as the references: a task the full cache does, with nothing given away to the variant."""
+    """A crowded document beside single ones: 20 one-question documents and 60 questions on a 21st (`crowded`, 80
+    questions); and 75 one-question documents and 5 questions on a 76th (`enough`: 76 documents, enough for a
+    lossless PASS by betting). The tiny random model answers nothing right, so a first run finds what its full cache
+    answers each question (the prompt holds no answer: the same prompts give the same predictions), and the two runs
+    take those answers as the references: a task the full cache does, with nothing given away to the variant."""
     root = tmp_path_factory.mktemp("documents")
     union = documents(75, 60)
     first = real_run(root / "first", dataset(root / "first.jsonl", union, {}))
@@ -70,18 +70,6 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     for name, (single, questions) in {"crowded": (20, 60), "enough": (75, 5)}.items():
         out[name] = real_run(root / name, dataset(root / f"{name}.jsonl", documents(single, questions), said))
     return out
-
-
-def copy(runs: dict[str, Path], name: str, tmp_path: Path) -> Path:
-    return Path(shutil.copytree(runs[name], tmp_path / name))
-
-
-def edit_rows(folder: Path, change) -> None:
-    """Rewrite samples.jsonl with change(row) applied to every row (it edits the row in place)."""
-    rows_ = read_rows(folder / "samples.jsonl")
-    for r in rows_:
-        change(r)
-    (folder / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_))
 
 
 def gate(capsys, folder: Path) -> tuple[int, str, dict]:

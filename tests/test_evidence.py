@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from evalkit.gate.cli import main
+from evalkit.gate.command import main
 from evalkit.records import read_rows
 from tests.conftest import compose_config
 
@@ -26,7 +26,7 @@ N = 24  # samples of the lossy runs
 
 
 def real_run(folder: Path, *overrides: str) -> Path:
-    """A run written by evalkit itself (evalkit.run.run, in this process: the same code as the command line)."""
+    """A run written by evalkit itself (evalkit.cli.job.run, in this process: the same code as the command line)."""
     from evalkit.cli.job import run
 
     run(compose_config(*FIDELITY, *overrides), folder)
@@ -44,6 +44,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 
 def copy(runs: dict[str, Path], name: str, tmp_path: Path) -> Path:
+    """A copy of the shared run `name` in tmp_path, for a test to edit."""
     return Path(shutil.copytree(runs[name], tmp_path / name))
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 from scipy.stats import binomtest
 
-from evalkit.gate.cli import main
+from evalkit.gate.command import main
 from evalkit.gate.judge import judge
 from evalkit.gate.stats import flip_cause, mcnemar_exact
 from evalkit.gate.summary import paired, summarize

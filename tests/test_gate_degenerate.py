@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 
 from evalkit.cli import sweep
 from evalkit.errors import ConfigError
-from evalkit.gate import cli as gate_cli
-from evalkit.gate.cli import main
+from evalkit.gate import command as gate_command
+from evalkit.gate.command import main
 from evalkit.records import read_rows
 from evalkit.report import cli as report_module
 from tests.conftest import as_written, compose_config, drew, run_cli
@@ -34,7 +34,7 @@ INFO = {
 
 
 def healthy(base=lambda i: 1.0, pol=lambda i: 1.0, ids=range(N), run_id=RUN_ID) -> list[dict]:
-    """Two rows per sample, the baseline's then snapkv@0.25's, with the fields the gate reads (evalkit/run.py _row)."""
+    """Two rows per sample, the baseline's then snapkv@0.25's, with the fields the gate reads, as a run writes them."""
     out = []
     for i in ids:
         b, p = base(i), pol(i)
@@ -348,14 +348,14 @@ def test_a_bug_exits_3_and_ctrl_c_130(tmp_path, capsys, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(gate_cli, "judge", boom)
+    monkeypatch.setattr(gate_command, "judge", boom)
     assert main([str(d)]) == 3
     assert "internal error" in capsys.readouterr().err
 
     def stop(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(gate_cli, "judge", stop)
+    monkeypatch.setattr(gate_command, "judge", stop)
     assert main([str(d)]) == 130
     monkeypatch.setattr(report_module, "summarize", boom)
     assert report_module.main([str(d)]) == 3
@@ -392,7 +392,7 @@ def test_a_bug_in_the_sweep_merge_exits_3(tmp_path, capsys, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(gate_cli, "judge", boom)
+    monkeypatch.setattr(gate_command, "judge", boom)
     cfg = OmegaConf.create(
         {"hydra": {"sweep": {"dir": str(tmp_path / "sweep")}}, "gate": compose_config("gate=default").gate}
     )

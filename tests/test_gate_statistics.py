@@ -1,8 +1,8 @@
-"""Error rates that hold (issue 23): the context as the unit, looks that spend error rate, graded and KL bounds,
+"""Error rates that hold: the context as the unit, looks that spend error rate, graded and KL bounds,
 defaults enforced, one p-value per variant, sample sizes by power.
 
 Expected values are derived here by hand (binomial sums with math.comb, the betting construction's closed form) or
-taken from the independent review quoted in the issue, never from the code under test.
+taken from an independent review of the statistics, never from the code under test.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import math
 
 import pytest
 
-from evalkit.gate.cli import main
+from evalkit.gate.command import main
 from evalkit.gate.judge import judge
 from evalkit.gate.thresholds import Thresholds
 from tests.test_gate import rows
 
-THETAS = (1, 0.8, 0.6, 0.4)  # evalkit.betting's bets, weighted 1/4 each
+THETAS = (1, 0.8, 0.6, 0.4)  # evalkit.gate.betting's bets, weighted 1/4 each
 
 
 def binomial_tail(k: int, n: int, p: float) -> float:
@@ -30,7 +30,7 @@ def mixture_wealth(n: int, gain: float, margin: float = 0.05, hi: float = 1.0) -
     return sum(0.25 * (1 + th * gain / (hi - margin)) ** n for th in THETAS)
 
 
-# --- Done when: the five cases of the issue ---
+# --- five worked cases, each with the verdict the statistics call for ---
 
 
 def above_wealth(lost: int, n: int, target: float, lo: float = -1.0) -> float:

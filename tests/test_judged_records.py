@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from evalkit.errors import ConfigError
-from evalkit.gate.cli import main
+from evalkit.gate.command import main
 from evalkit.records import read_rows
 from tests.conftest import compose_config, run_cli
 

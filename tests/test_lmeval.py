@@ -283,31 +283,28 @@ def test_evalkit_cli_runs_lm_eval_tasks_with_one_row_per_document(tmp_path):
     assert set(results) == {"baseline", "snapkv@0.5"}
 
 
+def lm_eval_command(cwd, model_args: str, *args: str, subcommand: tuple[str, ...] = ()):
+    """lm-eval's command line through evalkit (`python -m evalkit.lmeval [SUBCOMMAND] --model evalkit --model_args
+    MODEL_ARGS ARGS`), offline, in a process of its own as a user runs it."""
+    argv = [sys.executable, "-m", "evalkit.lmeval", *subcommand, "--model", "evalkit", "--model_args", model_args]
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([*argv, *args], cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
+
+
 def test_lm_eval_command_line_knows_the_evalkit_model_and_writes_paired_records(tmp_path):
     """lm-eval's own command line with --model evalkit writes the Hydra route's paired records: a baseline and a
     variant row per document, scored as lm-eval logged the variant's documents itself (--log_samples), with flips
     that follow from the two scores, and summary.json. A route that threw the baseline away writes none of them."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "evalkit.lmeval",
-            "--model",
-            "evalkit",
-            "--model_args",
-            f"model=tiny-random,variant=snapkv@0.5,records={tmp_path / 'records'}",
-            "--tasks",
-            "evalkit_recall",
-            "--limit",
-            "3",
-            "--log_samples",
-            "--output_path",
-            str(tmp_path / "lm_eval"),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"},
+    out = lm_eval_command(
+        tmp_path,
+        f"model=tiny-random,variant=snapkv@0.5,records={tmp_path / 'records'}",
+        "--tasks",
+        "evalkit_recall",
+        "--limit",
+        "3",
+        "--log_samples",
+        "--output_path",
+        str(tmp_path / "lm_eval"),
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "evalkit_recall" in out.stdout and "acc" in out.stdout
@@ -344,30 +341,12 @@ def test_unknown_lm_eval_task_is_a_config_error(tmp_path):
 
 
 def test_lm_eval_command_line_keeps_the_exit_code_contract():
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "evalkit.lmeval",
-            "run",
-            "--model",
-            "evalkit",
-            "--model_args",
-            "model=tiny-random",
-            "--tasks",
-            "no_such_task_xyz",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "HF_DATASETS_OFFLINE": "1"},
-    )
+    result = lm_eval_command(ROOT, "model=tiny-random", "--tasks", "no_such_task_xyz", subcommand=("run",))
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1] == "evalkit: error: lm-eval: Tasks not found: no_such_task_xyz"
 
 
-# -- issue 15, part 4: lm-eval's long-context suites with paired records ---------------------------------------------
+# -- lm-eval's long-context suites with paired records ----------------------------------------------------------------
 
 from lm_eval.api.model import LM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
@@ -480,26 +459,7 @@ def test_a_task_with_several_metrics_is_refused_unless_one_is_chosen(tmp_path):
         lm_metrics.choose_metrics(tasks, "f1")
     with pytest.raises(ConfigError, match="not among the tasks run"):
         lm_metrics.choose_metrics(tasks, {"hellaswag": "acc"})
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "evalkit.lmeval",
-            "--model",
-            "evalkit",
-            "--model_args",
-            "model=tiny-random",
-            "--tasks",
-            "two_metrics",
-            "--include_path",
-            str(tmp_path),
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "HF_DATASETS_OFFLINE": "1"},
-    )
+    result = lm_eval_command(tmp_path, "model=tiny-random", "--tasks", "two_metrics", "--include_path", str(tmp_path))
     assert result.returncode == 2, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("evalkit: error: lm-eval task 'two_metrics' logs several per-document metrics")

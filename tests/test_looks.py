@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from evalkit.gate import looks
-from evalkit.gate.cli import main
+from evalkit.gate.command import main
 from evalkit.gate.judge import judge
 from evalkit.gate.looks import LOOKS_FILE
 from evalkit.gate.reading import read_runs
@@ -24,7 +24,7 @@ from evalkit.report.cli import main as report_main
 from tests.conftest import ROOT, drew, run_cli
 from tests.test_gate import rows, run_info
 
-THETAS = (1, 0.8, 0.6, 0.4)  # evalkit.betting's bets, weighted 1/4 each
+THETAS = (1, 0.8, 0.6, 0.4)  # evalkit.gate.betting's bets, weighted 1/4 each
 
 
 def drop_wealth(lost: int, n: int, margin: float = 0.05) -> float:
@@ -56,7 +56,7 @@ def _page_status(out: Path) -> str:
 
 
 def test_a_report_peek_judges_nothing_and_the_gate_bets_at_every_look(tmp_path, capsys):
-    # the issue: the report judged (INCONCLUSIVE, "look 1") and wrote no look; 60 samples later the gate's exact
+    # once: the report judged (INCONCLUSIVE, "look 1") and wrote no look; 60 samples later the gate's exact
     # "first look" PASSed (0.95^60 < 0.05). Now the report shows no verdict and judges nothing, and the gate bets:
     # 60 lossless contexts do not reach the wealth 20, 74 do
     assert 0.95**60 < 0.05 and drop_wealth(0, 60) < 20 <= drop_wealth(0, 74)
@@ -80,7 +80,7 @@ def test_a_report_peek_judges_nothing_and_the_gate_bets_at_every_look(tmp_path, 
 
 
 def test_deleted_looks_change_nothing_in_the_verdict(tmp_path):
-    # the issue: 1 lost of 130 was INCONCLUSIVE at look 3 of 20 -> 60 -> 130, and PASSed with the looks deleted. By
+    # once: 1 lost of 130 was INCONCLUSIVE at look 3 of 20 -> 60 -> 130, and PASSed with the looks deleted. By
     # hand 1 lost of 130 reaches a wealth of 18, below 20: INCONCLUSIVE however the looks went
     assert drop_wealth(1, 130) < 20
     pol = [0] + [1] * 129
@@ -140,7 +140,7 @@ def test_an_edited_look_record_is_cannot_judge_naming_the_line(tmp_path, capsys)
     assert main([str(run)]) == 2
     honest = (run / LOOKS_FILE).read_text()
     record = json.loads(honest)
-    # look: "one" (the issue's traceback)
+    # look: "one" (once a traceback)
     (run / LOOKS_FILE).write_text(json.dumps({**record, "look": "one"}) + "\n")
     assert _cannot(capsys, run).startswith(f'{run / LOOKS_FILE}:1: look record has look "one"')
     # a first look that counts more contexts than the rows hold
@@ -208,7 +208,7 @@ def _cell_case(n: int) -> tuple[list[int], list[int], object]:
 
 
 def test_the_cell_check_holds_at_a_later_look(tmp_path, capsys):
-    # the issue's case 7: 800 rows FAIL judged fresh (a cell at 0.20 against a baseline of 0.60), but PASSed at look 2
+    # once: 800 rows FAILed judged fresh (a cell at 0.20 against a baseline of 0.60), but PASSed at look 2
     # after an INCONCLUSIVE look at 160 ("can be shown from 1000000000"). Every look bets on the cell now, at the
     # error rate it is given (Holm over 10 cells), so look 2 FAILs as a fresh judgement does.
     run = tmp_path / "run"
@@ -235,7 +235,7 @@ TINY = ["model=tiny-random", "task.context_lengths=[128]", "task.depths=[0.0,1.0
 
 
 def test_the_advices_command_extends_the_same_folder_and_its_looks(tmp_path):
-    # the issue: appending the advice's `task.samples_per_cell=N resume=true` to the run's command wrote a new
+    # once: appending the advice's `task.samples_per_cell=N resume=true` to the run's command wrote a new
     # folder (its name was built from the count), judged as "look 1 of this run"
     root = tmp_path / "results"
     gate = ["gate=default", "gate.min_baseline_accuracy=null"]

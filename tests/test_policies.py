@@ -142,7 +142,7 @@ def test_pyramid_budgets_follow_the_reference_formula_with_its_fallback():
     assert pyramid(300, 3, 20, window=8, seen=400) == [392, 300, 208]
     # k=100, beta=20: low 5 is below the window of 8 -> the reference falls back to uniform SnapKV budgets
     assert pyramid(100, 4, 20, window=8, seen=400) == [100] * 4
-    # the measurement: 874 tokens, window 32, a quarter kept -> fallback; half kept -> a pyramid
+    # a needle prompt as measured: 874 tokens, window 32, a quarter kept -> fallback; half kept -> a pyramid
     assert pyramid(219, 30, 20, window=32, seen=874) == [219] * 30
     half = pyramid(437, 30, 20, window=32, seen=874)
     assert (half[0], half[-1], sum(half)) == (842, 32, 30 * 437)

@@ -183,7 +183,7 @@ def test_the_verdict_is_the_gates_verdict_json_for_these_runs_with_its_advice_an
     assert page.text["verdict-status"] == "INCONCLUSIVE" and page.text["verdict-looks"] == "3"
     assert "snapkv@0.5: not shown within 0.05" in page.text["verdict-reasons"]
     assert "add at least 18" in page.text["verdict-advice"]
-    assert page.text["extend-command"] == extend  # the gate's (evalkit.gate.extend_command), shown as written
+    assert page.text["extend-command"] == extend  # the gate's (evalkit.gate.judge.extend_command), shown as written
     assert "verdict.json (written by the gate)" in page.text["verdict"]
     # what was not judged, and why, in the gate's words (the page once said "1 cell(s) not judged: the baseline is
     # too weak there" whatever the gate's reasons and count), and min_samples=null as what it means

@@ -158,7 +158,7 @@ def test_a_copied_folder_resumes_elsewhere(tmp_path):
 
 
 def test_resume_with_more_samples_extends_a_finished_run(finished, tmp_path):
-    """issue 13: a larger task.samples_per_cell with resume=true runs the new samples only; the old rows stay as they
+    """A larger task.samples_per_cell with resume=true runs the new samples only; the old rows stay as they
     were, and a smaller count is refused (the rows would answer samples the run no longer has)."""
     copy_of(finished, tmp_path)
     before = (tmp_path / "samples.jsonl").read_bytes()

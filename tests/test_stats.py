@@ -1,14 +1,11 @@
-"""The gate's statistics against published worked examples and by simulation (issues 13 and 23): Tango's interval
+"""The gate's statistics against published worked examples and by simulation: Tango's interval
 for paired 0/1 data, the exact bound with no loss, the BCa bootstrap against scipy's where it holds, Holm's
 correction, and the three outcomes on built records."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,15 +13,14 @@ from scipy.optimize import minimize_scalar
 from scipy.stats import bootstrap
 
 from evalkit.errors import ConfigError
-from evalkit.gate.cli import main
+from evalkit.gate.command import main
 from evalkit.gate.decide import min_samples
 from evalkit.gate.judge import judge
 from evalkit.gate.stats import BCa, adjust, binary_bounds, paired_drop, tango_z
 from evalkit.gate.thresholds import Thresholds, thresholds
 from tests.conftest import drew
 from tests.test_gate import rows, run_info
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.test_stats_coverage import bench_module
 
 
 def test_tango_interval_matches_the_published_example():
@@ -58,7 +54,7 @@ def test_no_loss_is_bounded_exactly():
 
 def test_bca_matches_scipy_where_it_holds_and_betting_bounds_the_rest():
     # BCa only from 100 samples with 30 that differ (the review: at 20 samples with 69% ties its upper bound falls
-    # below the true drop 26.6% of the time); the rest gets the bounded-mean bound of evalkit.betting
+    # below the true drop 26.6% of the time); the rest gets the bounded-mean bound of evalkit.gate.betting
     rng = np.random.default_rng(3)
     base = rng.random(120)
     pol = np.clip(base - rng.normal(0.02, 0.08, 120), 0, 1)
@@ -78,18 +74,10 @@ def test_bca_matches_scipy_where_it_holds_and_betting_bounds_the_rest():
     assert uniform.method == "betting" and 0.04 < uniform.upper < 0.05
 
 
-def _coverage_module():
-    spec = importlib.util.spec_from_file_location("stats_coverage", ROOT / "benchmarks" / "stats_coverage.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("n", [10, 20, 59, 200])
 @pytest.mark.parametrize(("p_lost", "p_gained"), [(0.0, 0.0), (0.05, 0.0), (0.05, 0.02), (0.10, 0.05), (0.3, 0.1)])
 def test_bounds_cover_the_true_drop(n, p_lost, p_gained):
-    up, lo, both = _coverage_module().coverage(p_lost, p_gained, n, draws=2000)
+    up, lo, both = bench_module().coverage(p_lost, p_gained, n, draws=2000)
     assert min(up, lo, both) >= 0.94, (up, lo, both)
 
 
@@ -111,7 +99,7 @@ def _task_run(samples_per_cell: int) -> list[dict]:
 
 
 def lossless_betting_count(alpha: float = 0.05, margin: float = 0.05) -> int:
-    """By hand from evalkit.betting's construction: with nothing lost the mixture's wealth after n contexts is
+    """By hand from evalkit.gate.betting's construction: with nothing lost the mixture's wealth after n contexts is
     sum_j w_j (1 + theta_j margin / (1 - margin))^n, over the bets theta = 1, 0.8, 0.6, 0.4 weighted 1/4 each; the
     anytime-valid test PASSes once it reaches 1 / alpha."""
     n = 1
@@ -162,8 +150,10 @@ def test_zero_lost_of_74_passes_and_a_clear_regression_fails():
 
 
 def cell_wealth(right: int, wrong: int, limit: float = 0.5) -> float:
-    """By hand from evalkit.betting's construction: the mixture wealth of the bet "accuracy below limit" on a cell of
-    0/1 scores; a wrong answer gains theta limit / (1 - limit), a right one loses theta (1 - limit) / (1 - limit)."""
+    """By hand from evalkit.gate.betting's construction: the mixture wealth of the bet "accuracy below limit".
+
+    On a cell of 0/1 scores a wrong answer gains theta limit / (1 - limit), a right one loses theta (1 - limit) /
+    (1 - limit)."""
     return sum(0.25 * (1 + th * limit / (1 - limit)) ** wrong * (1 - th) ** right for th in (1, 0.8, 0.6, 0.4))
 
 

@@ -18,7 +18,8 @@ from evalkit.gate.thresholds import Thresholds
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _bench():
+def bench_module():
+    """benchmarks/stats_coverage.py, imported as a module (it is a script, not a package)."""
     spec = importlib.util.spec_from_file_location("stats_coverage", ROOT / "benchmarks" / "stats_coverage.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
@@ -31,7 +32,7 @@ def test_the_reduced_grid_keeps_every_error_rate_and_the_planned_power(capsys):
     # rate at the margin is at most 5% (plus two Monte Carlo errors), and at the planner's n for 80% power at a 1%
     # loss rate (205: every look is the betting test) at least 80% (less two errors) of the runs PASS; and the routes
     # that once restarted an exact first look (looks deleted, +10 at a time, the advice) hold the 5% as well
-    assert _bench().main(["--quick", "--draws", "1000"]) == 0, capsys.readouterr().out
+    assert bench_module().main(["--quick", "--draws", "1000"]) == 0, capsys.readouterr().out
     out = capsys.readouterr().out
     assert "0 rows out of bounds" in out and "looks 205 (one look)" in out and "then +10 15 times" in out
 
@@ -53,7 +54,7 @@ def _rows(lost: np.ndarray, gained: np.ndarray, m: int, step: float) -> list[dic
     ids=["m5", "m1", "graded"],
 )
 def test_the_simulation_judges_as_the_gate_does(m, icc, loss, step, k):
-    bench = _bench()
+    bench = bench_module()
     s = bench.Scenario(loss, 0.0, m, icc, step)
     rng = np.random.default_rng(11)
     lost, gained = draw_contexts(rng, 8, k, m, loss, 0.0, icc)
@@ -72,7 +73,7 @@ def test_the_simulation_judges_as_the_gate_does(m, icc, loss, step, k):
 def test_the_document_section_judges_as_the_gate_does(protocol):
     # the rows the documents section judges, given the fields the gate's decision reads, decided by the gate: the
     # same PASS draw by draw under either protocol (under query_aware every question has its own context)
-    bench = _bench()
+    bench = bench_module()
     lost, gained = draw_contexts(np.random.default_rng(5), 8, 90, 5, 0.015, 0.0, 0.3)
     out = []
     for i in range(8):

@@ -12,7 +12,7 @@ from collections import defaultdict
 
 import pytest
 
-from evalkit.gate.cli import main as gate_main
+from evalkit.gate.command import main as gate_main
 from evalkit.gate.summary import summarize
 from evalkit.gate.tracked import label_of
 from tests.conftest import run_cli

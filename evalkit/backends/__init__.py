@@ -20,14 +20,6 @@ from omegaconf import DictConfig
 
 from evalkit.errors import ConfigError
 
-NAMES = ("hf", "llamacpp", "openai")
-
-
-def name(cfg: DictConfig) -> str:
-    """The backend a config selects; `hf` when it names none (configs written before backends existed)."""
-    node = cfg.get("backend")
-    return "hf" if node is None else str(node.get("name", "hf"))
-
 
 @dataclass
 class Job:

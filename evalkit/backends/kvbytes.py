@@ -16,8 +16,6 @@ from evalkit.plan.arch import ELEMENT, Arch, kv_bytes_per_sequence
 
 # The cache types llama.cpp accepts for --cache-type-k / --cache-type-v
 CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
-# evalkit.plan's dtype names for llama.cpp's dense types
-DENSE = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
 
 ENGINE_STATE = "llama.cpp state (llama_state_seq_get_size) less its per-token and per-layer headers"
 FORMAT = "format blocks (gguf GGML_QUANT_SIZES): the engine reported no state size"

@@ -114,7 +114,7 @@ def _job(cfg: DictConfig) -> None:
             local = log_run(out_dir, lg.project, lg.get("group"), lg.get("entity"), lg.get("mode") or "auto", gate_t)
             print(f"evalkit: W&B runs written to {', '.join(map(str, local))}")
         if cfg.gate.name != "none" and not in_sweep:  # a sweep is gated once, on all its jobs (evalkit.sweep)
-            from evalkit.gate.cli import gate
+            from evalkit.gate.command import gate
             from evalkit.gate.outputs import print_verdict
             from evalkit.gate.thresholds import thresholds
 

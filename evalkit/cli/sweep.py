@@ -48,7 +48,7 @@ class MergeJobs(Callback):
     def _judge(sweep: Path, limits, wandb: bool) -> int:
         """The sweep judged once, by the gate (its one look): the exit code. `wandb`: the verdict logged to every
         job's W&B runs too."""
-        from evalkit.gate.cli import gate
+        from evalkit.gate.command import gate
         from evalkit.gate.outputs import print_verdict
 
         try:

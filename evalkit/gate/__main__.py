@@ -1,6 +1,6 @@
-"""`python -m evalkit.gate` (evalkit.gate.cli)."""
+"""`python -m evalkit.gate` (evalkit.gate.command)."""
 
-from evalkit.gate.cli import main
+from evalkit.gate.command import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

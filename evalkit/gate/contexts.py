@@ -111,7 +111,7 @@ def group(rows: list[dict], flip_delta: float = GRADED_FLIP_DELTA, kl_cap: float
 
 
 def by_cell(rows: list[dict]) -> dict[str, list[dict]]:
-    """A variant's rows per cell (analysis.cell_key), cells sorted."""
+    """A variant's rows per cell (evalkit.gate.summary.cell_key), cells sorted."""
     cells: dict[str, list[dict]] = {}
     for r in rows:
         cells.setdefault(cell_key(r["cell"]), []).append(r)

@@ -1,13 +1,13 @@
 """The gate's statistical decisions: for each variant PASS, FAIL or INCONCLUSIVE, and for each cell whether it is
-shown to fail, counted in contexts (evalkit.contexts), with the error rate held across variants and cells, and over
-every look (each judgement is the anytime-valid betting test, evalkit.checks: judging again spends nothing).
+shown to fail, counted in contexts (evalkit.gate.contexts), with the error rate held across variants and cells, and over
+every look (each judgement is the anytime-valid betting test, evalkit.gate.checks: judging again spends nothing).
 
-A variant PASSes when every check (evalkit.checks: the drop below `max_drop`, the flip rate below `max_flip_rate`,
+A variant PASSes when every check (evalkit.gate.checks: the drop below `max_drop`, the flip rate below `max_flip_rate`,
 the capped KL below `max_mean_kl`) is shown to hold: its p-value is the largest of its checks' (an
 intersection-union test, no correction among them), and the variants' p-values are corrected together (Holm or
 Bonferroni, `gate.multiplicity`). A variant FAILs when a check is shown broken (every claim of a broken check,
 over all variants and checks, corrected together) or a cell is shown below `min_cell_accuracy` (the cells
-corrected together); INCONCLUSIVE otherwise, with the contexts that would settle it (evalkit.power).
+corrected together); INCONCLUSIVE otherwise, with the contexts that would settle it (evalkit.gate.power).
 """
 
 from __future__ import annotations
@@ -293,7 +293,7 @@ def decision_summary(d: Decision, t) -> dict[str, Any]:
 
 
 def look_record(decisions: dict[str, Decision], cells: list[CellResult]) -> dict[str, dict]:
-    """Per variant, what this look judged (recorded in looks.jsonl, evalkit.looks): an audit trail, checked against
+    """Per variant, what this look judged (recorded in looks.jsonl, evalkit.gate.looks): an audit trail, checked against
     the rows when they are judged again."""
     out = {}
     for name, d in decisions.items():

@@ -19,7 +19,7 @@ The gate believes no number a row claims that it can derive from another row or 
   row or on none: a deleted field is refused, never a check dropped;
 - run.json carries the resolved config, the model fingerprint and the library versions;
 - a sample is identified across folders by its run's sample identity and its id (evalkit.records.sample_key), so
-  that rows of different runs whose ids collide are never taken for the same sample (evalkit.analysis.merge).
+  that rows of different runs whose ids collide are never taken for the same sample (evalkit.gate.summary.merge).
 
 Each contradiction names `file:line` and the field; the gate then says CANNOT JUDGE (exit 2).
 """

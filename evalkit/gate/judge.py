@@ -38,9 +38,9 @@ class Verdict:
     cells: list[dict[str, Any]] = field(default_factory=list)  # per variant and cell: n, flips, bounds, status
     advice: str | None = None  # INCONCLUSIVE: the samples that would settle it
     extend: str | None = None  # INCONCLUSIVE, one run: the command that adds them, in the run's own folder
-    look: dict[str, Any] = field(default_factory=dict)  # this judgement's record for looks.jsonl (evalkit.looks)
+    look: dict[str, Any] = field(default_factory=dict)  # this judgement's record for looks.jsonl (evalkit.gate.looks)
     history: looks.History = field(default_factory=looks.History)
-    digest: str | None = None  # what it judged, rows and thresholds (evalkit.looks.digest): verdict.json carries it
+    digest: str | None = None  # what it judged, rows and thresholds (looks.digest): verdict.json carries it
     partial: list[str] = field(default_factory=list)  # unfinished runs, each said in a line (gate.allow_partial)
     declared: list[str] = field(default_factory=list)  # variants whose KV bytes were declared, never observed
 
@@ -90,7 +90,7 @@ def judge(
 ) -> Verdict:
     """Every reason a variant fails, in words; PASS only when there is none. `problems`: why the records cannot be
     judged, found while reading them (read_runs); None checks `rows` here, as the rows of one records file.
-    `recorded`: the looks the run folders hold (evalkit.looks.read), for this look's number and their check.
+    `recorded`: the looks the run folders hold (evalkit.gate.looks.read), for this look's number and their check.
     `partial`: the runs that are unfinished (read_runs), which never PASS unless gate.allow_partial."""
     recorded = recorded or looks.Recorded()
     reasons = run_reasons(infos)

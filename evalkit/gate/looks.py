@@ -1,7 +1,8 @@
 """Looks: every judgement of a run is recorded, one strict-JSON line appended to the run folder's looks.jsonl.
 
-Every look, the first included, is judged by the anytime-valid betting test (evalkit.checks), so the verdict does not
-depend on the looks: they are an audit trail the report shows (how often these rows were judged, at which counts).
+Every look, the first included, is judged by the anytime-valid betting test (evalkit.gate.checks), so the verdict
+does not depend on the looks: they are an audit trail the report shows (how often these rows were judged, at which
+counts).
 The gate appends them under the run folder's lock (evalkit.lock), so gates run at once number their looks 1, 2, 3.
 A judgement of the same rows at the same thresholds as the last recorded look is that look again, not a new one.
 
@@ -138,9 +139,11 @@ def history(recorded: Recorded, key: str) -> History:
 
 
 def mismatches(recorded: Recorded, key: str, t, runs: list[str], now: dict[str, dict]) -> list[str]:
-    """Recorded looks that do not match the rows now judged (`now`: this look's variants, evalkit.decide.look_record):
-    a look of these runs cannot have counted more contexts or questions than the rows hold (rows are only added),
-    and a look of these very rows (its digest) must have judged them at these thresholds and counts."""
+    """Recorded looks that do not match the rows now judged (`now`: this look's variants).
+
+    `now` is evalkit.gate.decide.look_record's: a look of these runs cannot have counted more contexts or questions
+    than the rows hold (rows are only added), and a look of these very rows (its digest) must have judged them at
+    these thresholds and counts."""
     problems = []
     here = json.loads(json.dumps(asdict(t), default=str))
     for where, r in recorded.looks:

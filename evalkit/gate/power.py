@@ -1,6 +1,6 @@
 """Sample sizes by power: how many samples (contexts) give a PASS with 80% or 90% chance when a policy loses and
 gains at given rates, for `python -m evalkit.gate --plan`, and the contexts an INCONCLUSIVE verdict asks for. Every
-look is the anytime-valid betting test (evalkit.checks):
+look is the anytime-valid betting test (evalkit.gate.checks):
 
 - One 0/1 question per context: the chance of a PASS is a finite sum over the outcomes (b lost, c gained) of the
   multinomial: exact enumeration.
@@ -8,7 +8,7 @@ look is the anytime-valid betting test (evalkit.checks):
   `icc`: icc 0, independent questions; 1, a context's questions share one fate), and the chance is counted over
   seeded draws (Monte Carlo).
 - The advice after an INCONCLUSIVE look: contexts drawn like the ones seen, about 80% chance at the next look
-  (evalkit.betting.contexts_to_show, a normal approximation to the wealth's growth).
+  (evalkit.gate.betting.contexts_to_show, a normal approximation to the wealth's growth).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Reading run folders for the gate: every row and run.json, what cannot be judged file by file (torn, corrupt,
 repeated or contradicting rows, several runs in one file, a variant not on the baseline's samples), and the rows of
-several runs merged into one table (evalkit.gate.summary.merge)."""
+several runs merged into one table (merge)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from evalkit.records import RUN, SAMPLES, experiment_config, scan_rows, torn_lin
 
 @dataclass
 class Records:
-    """The rows of one or more runs, merged (see analysis.merge), and why they cannot be judged, if they cannot."""
+    """The rows of one or more runs merged into one table (merge), and why they cannot be judged, if they cannot."""
 
     rows: list[dict]  # the rows that could be read, each (sample, variant) once
     infos: list[dict]  # the run.json of every run that has a readable one
@@ -44,7 +44,7 @@ LISTED = 3  # bad lines named per file; the rest are counted
 
 def read_runs(run_dirs: list[Path]) -> Records:
     """All rows and run.json files under the given folders (a Hydra multirun folder holds several runs), the rows
-    merged into one table with variant labels that keep different measurements apart (see analysis.merge), and every
+    merged into one table with variant labels that keep different measurements apart (merge), and every
     reason, file by file, why they cannot be judged."""
     runs, infos, problems, partial = [], [], [], []
     for d in run_dirs:
@@ -105,7 +105,7 @@ def read_info(path: Path) -> tuple[dict, str | None]:
 
 def read_records(path: Path) -> tuple[list[dict], list[int], list[str]]:
     """The rows of a samples.jsonl that the gate can read, the line of each, and a problem for every line it cannot
-    (torn included; a row whose scores or bytes are not finite numbers in range, evalkit.evidence.row_problem)."""
+    (torn included; a row whose scores or bytes are not finite numbers in range, evalkit.gate.evidence.row_problem)."""
     try:
         rows, bad, torn, _, lines = scan_rows(path, ROW_FIELDS, row_problem)
     except ConfigError as err:

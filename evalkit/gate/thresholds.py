@@ -28,7 +28,7 @@ class Thresholds:
     min_cell_accuracy: float | None = 0.5  # per cell, where the baseline reaches it: a FAIL when shown below it
     min_baseline_accuracy: float | None = 0.5  # below it overall: cannot judge; cells below it are not judged
     max_mean_kl: float | None = 0.1  # nats, fidelity rows: the mean of each row's KL capped at 10x this, shown below it
-    min_samples: int | None = None  # contexts; None: the fewest a lossless PASS needs (evalkit.decide.min_samples)
+    min_samples: int | None = None  # contexts; None: the fewest a lossless PASS needs (evalkit.gate.decide.min_samples)
     graded_flip_delta: float = GRADED_FLIP_DELTA  # a graded score counts as lost when it falls by more than this
     min_compression: float = 0.99  # a compressing variant must hold less than this share of the baseline's bytes
     capacity: dict[str, float] = field(default_factory=lambda: {"gpu_gib": 80, "context": 32768})  # report only

@@ -5,7 +5,7 @@
 
 Reads the model's config only, never its weights (a local folder or config.json, a cached Hub id, the embedded
 models' converted folder or GGUF header, a tiny model's YAML), so it plans a 70B model on a laptop. Writes plan.json,
-plan.md, plan.html (the tables and an interactive pressure plot, evalkit.plan_page) and plan_pressure.png into plan.out;
+plan.md, plan.html (the tables and an interactive pressure plot, evalkit.plan.page) and plan_pressure.png into plan.out;
 logger=wandb logs them. Exit codes as every evalkit command
 (evalkit.errors): 0 done, 2 bad input (one line), 3 a bug.
 

@@ -22,7 +22,7 @@ from evalkit.plan.settings import settings
 
 
 def _check_choices(argv: list[str]) -> None:
-    """`model=NAME` and `logger=NAME` name a conf/ file (as evalkit.config.check_choices, without importing torch)."""
+    """`model=NAME` and `logger=NAME` name a conf/ file (evalkit.cli.choices.check_choices asks it of a run)."""
 
     for arg in argv:
         key, _, value = arg.lstrip("+").partition("=")

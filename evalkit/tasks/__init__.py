@@ -32,7 +32,7 @@ class Task:
     name: str
     seed: int = 0
     max_new_tokens: int = 16
-    teacher_forced: bool = False  # True: score logits on a continuation (evalkit.fidelity) instead of answers
+    teacher_forced: bool = False  # True: score a continuation's logits against the baseline's instead of answers
     external: bool = False  # True: another harness produces the rows (lm-eval), not the sample loop
 
     def samples(self, tokenizer: PreTrainedTokenizerBase) -> list[Sample]:

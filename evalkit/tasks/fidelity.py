@@ -72,4 +72,4 @@ class FidelityTask(Task):
         return Sample(sid, text[:cut], "", [], cell, continuation=text[cut:])
 
     def score(self, prediction: str, sample: Sample) -> float:
-        raise NotImplementedError("fidelity rows are scored by evalkit.fidelity from logits")
+        raise NotImplementedError("fidelity rows are scored from their logits against the baseline's, not by the task")

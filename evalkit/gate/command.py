@@ -1,12 +1,14 @@
-"""The validation gate: thresholds on the paired results of one or more runs -> PASS, FAIL, INCONCLUSIVE or
-CANNOT JUDGE.
+"""The validation gate: runs judged against thresholds -> PASS, FAIL, INCONCLUSIVE or CANNOT JUDGE.
+
+gate() reads, judges and records a look under the runs' locks and writes the outputs (the run and a sweep call it
+after their last row); main() is its command line:
 
     python -m evalkit.gate results/RUN [results/RUN2 ...] [--gate conf/gate/default.yaml] [--out DIR]
     python -m evalkit.gate --plan [--gate default] [--variants 3] [--cells 10]   # the samples a PASS needs
     python -m evalkit gate=default policy=snapkv task=needle          # run, then gate
 
 Exit code 0 PASS, 1 FAIL, 2 INCONCLUSIVE or cannot judge (or a usage error). PASS: every threshold is shown to hold
-at the gate's one-sided confidence (evalkit.decide). FAIL: a threshold is shown broken, compression was asked but
+at the gate's one-sided confidence (evalkit.gate.decide). FAIL: a threshold is shown broken, compression was asked but
 not achieved, or runs whose model weights, protocol or library versions differ. INCONCLUSIVE: neither, with the
 samples that would settle it. CANNOT JUDGE, never a PASS: records that cannot support a verdict (torn, corrupt or
 repeated rows, several runs in one file, no policy rows, a variant not run on the baseline's samples, a missing
