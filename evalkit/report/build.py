@@ -1,9 +1,7 @@
-"""Reports: one self-contained HTML page (report.html), Markdown and PNG plots, from one or more runs (a Hydra
-multirun folder merges its runs).
+"""A report's files: one self-contained HTML page (report.html), Markdown and PNG plots, from one or more runs (a
+Hydra multirun folder merges its runs); `python -m evalkit.report` writes them.
 
-    python -m evalkit.report results/RUN [results/RUN2 ...] [--out DIR]
-
-report.html (evalkit.report_page): the gate's verdict first (its verdict.json, where it judged exactly these rows;
+report.html (evalkit.report.page): the gate's verdict first (its verdict.json, where it judged exactly these rows;
 otherwise "no verdict for these rows" and the gate's command: the report never judges), the trade-off of accuracy
 against KV bytes saved, accuracy per cell for every variant, every lost sample with its row in samples.jsonl, and
 each run's own panel. report.md and the PNGs (heatmaps, trade-off, easy vs hard, flips by cause) are the static copy
@@ -14,7 +12,6 @@ code 0.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,7 +22,6 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 from evalkit.errors import ConfigError  # noqa: E402
-from evalkit.exits import guarded
 from evalkit.gate.judge import baseline_problems
 from evalkit.gate.outputs import chunked_table, output_folder
 from evalkit.gate.reading import read_runs
@@ -194,21 +190,3 @@ def report(runs: list[Path], out: Path) -> list[Path]:
             f"could not write the report into {out} ({err.strerror or err}); give --out another folder"
         ) from None
     return [page, out / "report.md", *images]
-
-
-def main(argv: list[str] | None = None) -> int:
-    def run() -> int:
-        ap = argparse.ArgumentParser(prog="python -m evalkit.report", description=__doc__.splitlines()[0])
-        ap.add_argument("runs", nargs="+", type=Path)
-        ap.add_argument("--out", type=Path, default=None, help="output folder (default: RUN/report)")
-        args = ap.parse_args(argv)
-        out = args.out or args.runs[0] / "report"
-        written = report(args.runs, out)
-        print("\n".join(str(p) for p in written))
-        return 0
-
-    return guarded(run)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
