@@ -65,11 +65,23 @@ def short_label(label: str) -> str:
     return f"{label.name} [{label.folder}]" if label.folder else label.name
 
 
-def group_title(group: Group | None, rows: list[dict]) -> str:
-    if group is not None:
-        return group.title()
-    tasks = sorted({str(r.get("task")) for r in rows if r.get("task")})
-    return ", ".join(tasks) or "all runs"
+def group_titles(rows: list[dict]) -> dict[Group | None, str]:
+    """How the tables and the cells name each group of runs: the label prefix that tells the groups apart (`needle`,
+    `smollm2-135m`: runs of several tasks or models), else the group's task, model and backend (one task and model
+    on several engines); one group of runs: its tasks."""
+    prefixes: dict[Group | None, set[str]] = defaultdict(set)
+    tasks: dict[Group | None, set[str]] = defaultdict(set)
+    for r in rows:
+        label = r["variant"]
+        prefixes[group_of(label)].add(label.prefix if isinstance(label, Label) else "")
+        tasks[group_of(label)] |= {str(r["task"])} if r.get("task") else set()
+    shown = {g: next(iter(p)) for g, p in prefixes.items() if len(p) == 1 and "" not in p}
+    several = len(prefixes) > 1
+    if several and len(shown) == len(prefixes) and len(set(shown.values())) == len(shown):
+        return shown
+    if several and None not in prefixes:
+        return {g: g.title() for g in prefixes}
+    return {g: ", ".join(sorted(t)) or "all runs" for g, t in tasks.items()}
 
 
 def _order(group: Group | None) -> tuple:
@@ -217,15 +229,13 @@ def kl_figure(summary: dict[str, Any]) -> go.Figure | None:
 
 def variant_table(summary: dict[str, Any], verdict: VerdictView, rows: list[dict]) -> list[dict[str, Any]]:
     """The columns every run has, one line per variant, grouped by run group."""
-    by_group: dict[Group | None, list[dict]] = defaultdict(list)
-    for r in rows:
-        by_group[group_of(r["variant"])].append(r)
+    titles = group_titles(rows)
     out = []
     for name, s in summary.items():
         p = s["paired"]
         out.append(
             {
-                "group": group_title(group_of(name), by_group[group_of(name)]),
+                "group": titles[group_of(name)],
                 "variant": short_label(name),
                 "label": name,
                 "baseline": is_baseline(name),
@@ -287,6 +297,7 @@ def _cell(stats: dict | None, status: str, min_base: float | None, baseline_pane
 def cell_panels(rows: list[dict], summary: dict[str, Any], verdict: VerdictView) -> list[dict[str, Any]]:
     """Per group of runs, per variant (the baseline first): accuracy per cell with n, as small grids that wrap."""
     min_base = verdict.thresholds.get("min_baseline_accuracy")
+    titles = group_titles(rows)
     status = {(c.get("variant"), c.get("cell")): str(c.get("status", "")) for c in verdict.cells}
     cells_of: dict[Group | None, dict[str, dict]] = defaultdict(dict)
     for r in rows:
@@ -309,8 +320,7 @@ def cell_panels(rows: list[dict], summary: dict[str, Any], verdict: VerdictView)
                 for g in layout
             ]  # fmt: skip
             panels.append({"variant": short_label(name), "baseline": base, "grids": grids})
-        group_rows = [r for r in rows if group_of(r["variant"]) == group]
-        out.append({"title": group_title(group, group_rows), "col": col, "row": row, "panels": panels})
+        out.append({"title": titles[group], "col": col, "row": row, "panels": panels})
     return out
 
 
