@@ -193,7 +193,7 @@ def test_gate_commands_parse(argv, monkeypatch, capsys):
 @pytest.mark.parametrize("argv", BY_MODULE["evalkit.report"], ids=_id)
 def test_report_commands_parse(argv, monkeypatch, capsys):
     """The runs and --out reach the report as written (the report itself replaced: the folders are examples)."""
-    from evalkit.report import cli as report
+    from evalkit.report import __main__ as report
 
     seen = {}
     monkeypatch.setattr(report, "report", lambda runs, out, thresholds=None: seen.update(runs=runs, out=out) or [])

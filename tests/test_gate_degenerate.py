@@ -17,7 +17,8 @@ from evalkit.errors import ConfigError
 from evalkit.gate import command as gate_command
 from evalkit.gate.command import main
 from evalkit.records import read_rows
-from evalkit.report import cli as report_module
+from evalkit.report import build as report_module
+from evalkit.report.__main__ import main as report_main
 from tests.conftest import as_written, compose_config, drew, run_cli
 
 N = 24  # samples: enough for a FAIL or CANNOT JUDGE; a PASS needs 74 at the default margin (N_PASS)
@@ -314,7 +315,7 @@ def test_the_reported_reproduction_exits_2(tmp_path):
 
 def test_the_report_lists_the_problems_as_warnings_and_exits_0(tmp_path, capsys):
     d = folder(tmp_path, text=lines(healthy()) * 2)
-    assert report_module.main([str(d), "--out", str(tmp_path / "rep")]) == 0
+    assert report_main([str(d), "--out", str(tmp_path / "rep")]) == 0
     err = capsys.readouterr().err
     assert "evalkit report: warning: " in err and "48 rows repeat a (sample, variant)" in err
     md = (tmp_path / "rep" / "report.md").read_text()
@@ -323,7 +324,7 @@ def test_the_report_lists_the_problems_as_warnings_and_exits_0(tmp_path, capsys)
     weak = tmp_path / "weak"
     weak.mkdir()
     d = folder(weak, healthy(base=lambda i: 0.0, pol=lambda i: 0.0))
-    assert report_module.main([str(d)]) == 0
+    assert report_main([str(d)]) == 0
     assert "the full-cache baseline scores 0.00" in (d / "report" / "report.md").read_text()
 
 
@@ -334,7 +335,7 @@ def test_output_folders(tmp_path, capsys):
     assert code == 0 and (out / "verdict.json").exists() and (out / "report.md").exists()
     a_file = tmp_path / "a-file"
     a_file.write_text("")
-    for command in (report_module.main, main):
+    for command in (report_main, main):
         assert command([str(d), "--out", str(a_file)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err == [
@@ -358,7 +359,7 @@ def test_a_bug_exits_3_and_ctrl_c_130(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(gate_command, "judge", stop)
     assert main([str(d)]) == 130
     monkeypatch.setattr(report_module, "summarize", boom)
-    assert report_module.main([str(d)]) == 3
+    assert report_main([str(d)]) == 3
 
 
 @pytest.mark.parametrize(

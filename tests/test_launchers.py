@@ -1,6 +1,6 @@
-"""Sweeps through Hydra's launchers (joblib in parallel here; submitit's local executor, the Slurm path without a
-scheduler; the shipped Slurm config composes), merged into one report and one gate; an interrupted sweep resumes job
-by job; large-model options on the hf loader."""
+"""Sweeps through Hydra's launchers (joblib in parallel here; submitit's local executor through the shipped config,
+the Slurm path without a scheduler; the shipped Slurm config composes), merged into one report and one gate; an
+interrupted sweep resumes job by job; large-model options on the hf loader."""
 
 from __future__ import annotations
 
@@ -108,12 +108,26 @@ def test_a_config_error_in_a_parallel_job_is_one_line(tmp_path):
     assert "evalkit: error: [model=tiny-random policy=pyramidkv prefill=chunked]" in result.stderr
 
 
-def test_the_shipped_slurm_launcher_config_composes_on_submitit():
+def launcher(name: str):
     with initialize_config_module(config_module="evalkit.conf", version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["hydra/launcher=slurm"], return_hydra_config=True)
-    launcher = cfg.hydra.launcher
-    assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
-    assert launcher.gpus_per_node == 1 and launcher.max_num_timeout == 2 and launcher.timeout_min == 240
+        return compose(
+            config_name="config", overrides=[f"hydra/launcher={name}"], return_hydra_config=True
+        ).hydra.launcher
+
+
+def test_the_shipped_slurm_launcher_config_composes_on_submitit():
+    slurm = launcher("slurm")
+    assert slurm._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    assert slurm.gpus_per_node == 1 and slurm.max_num_timeout == 2 and slurm.timeout_min == 240
+
+
+def test_the_shipped_local_launcher_is_submitits_and_slurm_is_it_plus_a_partition_and_resources():
+    local, slurm = launcher("evalkit_submitit_local"), launcher("slurm")
+    assert local._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher"
+    assert local.timeout_min == 240  # evalkit's job settings, not the plugin's 60 minutes
+    differ = {k for k in local if k != "_target_" and local[k] != slurm[k]}
+    assert differ == {"cpus_per_task", "gpus_per_node", "mem_gb"}
+    assert "partition" in slurm and "partition" not in local
 
 
 def submitit_jobs(sweep) -> list[int]:
@@ -130,9 +144,10 @@ def submitit_jobs(sweep) -> list[int]:
 
 
 def test_submitit_sweep_runs_jobs_resumes_a_killed_one_and_merges(tmp_path):
-    """The cluster path on this machine: two jobs as submitit jobs (pickled, each in its own process and log folder);
-    one is killed while it writes rows; the sweep says so in one line (exit 2) with the command that resumes it; the
-    resumed sweep finishes that job only and merges both into one report and one verdict, as the joblib path does."""
+    """The cluster path on this machine, through the shipped launcher config: two jobs as submitit jobs (pickled,
+    each in its own process and log folder); one is killed while it writes rows; the sweep says so in one line (exit 2)
+    with the command that resumes it; the resumed sweep finishes that job only and merges both into one report and
+    one verdict, as the joblib path does."""
     sweep = tmp_path / "sweep"
     args = [
         "-m",
@@ -143,7 +158,7 @@ def test_submitit_sweep_runs_jobs_resumes_a_killed_one_and_merges(tmp_path):
         "task.max_new_tokens=4",
         "policy=h2o,streaming_llm",
         "policy.budget=0.25",
-        "hydra/launcher=submitit_local",
+        "hydra/launcher=evalkit_submitit_local",
         f"hydra.sweep.dir={sweep}",
         "gate=default",
         "gate.min_samples=3",

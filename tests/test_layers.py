@@ -202,7 +202,7 @@ def test_function_level_imports_of_evalkit_modules_are_the_listed_lazy_ones():
         ("evalkit.cli.sweep", "evalkit.gate.command"): "Hydra builds the callback for every run; it judges sweeps only",
         ("evalkit.cli.sweep", "evalkit.gate.outputs"): "as above",
         ("evalkit.cli.sweep", "evalkit.gate.thresholds"): "as above",
-        ("evalkit.cli.sweep", "evalkit.report.cli"): "as above (plotly, matplotlib)",
+        ("evalkit.cli.sweep", "evalkit.report.build"): "as above (plotly, matplotlib)",
         ("evalkit.run.runner", "evalkit.lmeval.evaluate"): "lm-eval only for task=lm_eval",
         ("evalkit.kernels", "evalkit.kernels.quant"): "triton only where a kernel runs",
     }

@@ -20,7 +20,7 @@ from evalkit.gate.reading import read_runs
 from evalkit.gate.thresholds import Thresholds
 from evalkit.lock import RunLock
 from evalkit.plan.measured import measured_variants
-from evalkit.report.cli import main as report_main
+from evalkit.report.__main__ import main as report_main
 from tests.conftest import ROOT, drew, run_cli
 from tests.test_gate import rows, run_info
 

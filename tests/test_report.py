@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 
-from evalkit.report.cli import pareto, report
+from evalkit.report.build import pareto, report
 from tests.conftest import drew
 from tests.test_gate import rows, run_info
 

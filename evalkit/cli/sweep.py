@@ -61,7 +61,7 @@ class MergeJobs(Callback):
     @staticmethod
     def _report(sweep: Path) -> None:
         """The merged report, which shows the gate's verdict.json (it never judges)."""
-        from evalkit.report.cli import report
+        from evalkit.report.build import report
 
         try:
             written = report([sweep], sweep / "report")

@@ -8,6 +8,7 @@ from typing import Any
 
 from evalkit.errors import ConfigError
 from evalkit.gate.judge import Verdict
+from evalkit.gate.summary import label_fields
 from evalkit.gate.thresholds import Thresholds
 from evalkit.records import to_json, write_atomic
 from evalkit.units import fmt_bytes
@@ -48,7 +49,7 @@ def verdict_doc(verdict: Verdict, t: Thresholds) -> dict[str, Any]:
         "cells": verdict.cells,
         "thresholds": asdict(t),
         "runs": verdict.runs,
-        "variants": verdict.variants,
+        "variants": {name: {**s, **label_fields(name)} for name, s in verdict.variants.items()},
         "chunked_vs_oneshot": verdict.chunked,
         "look": verdict.look,
         "digest": verdict.digest,

@@ -29,7 +29,7 @@ def cases(doc: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     out = []
     for name, s in (doc.get("variants") or {}).items():
         g = s.get("gate")
-        if is_baseline(name) or not g:
+        if is_baseline(s.get("variant", name)) or not g:
             continue
         why = "; ".join(_reasons_of(doc, name))
         for what, c in (g.get("checks") or {}).items():
@@ -83,7 +83,7 @@ def _cell(text: Any) -> str:
 def step_summary(doc: dict[str, Any]) -> str:
     """A Markdown summary of the verdict: its status, a line per variant, every reason and the advice."""
     lines = [f"## evalkit gate: {doc.get('verdict')}", ""]
-    rows = [(n, s) for n, s in (doc.get("variants") or {}).items() if not is_baseline(n)]
+    rows = [(n, s) for n, s in (doc.get("variants") or {}).items() if not is_baseline(s.get("variant", n))]
     if rows:
         lines += [
             "| variant | status | n | accuracy (baseline) | drop | lost | gained | KV ratio |",

@@ -7,7 +7,7 @@ import json
 import os
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from evalkit.gate.stats import flip_cause, mcnemar_exact, paired_drop
 from evalkit.records import BASELINE, sample_identity, sample_key
@@ -16,15 +16,68 @@ from evalkit.units import fmt_bytes
 FIDELITY = ("kl_mean", "top1_agreement", "ppl_ratio")
 
 
+class Group(NamedTuple):
+    """What a variant is compared within: the task, the model and the engine of its run. Each has its own baseline:
+    variants of different groups never share a Pareto front or an accuracy floor."""
+
+    task: str
+    model: str
+    backend: str
+
+    def title(self) -> str:
+        return f"{self.task} · {self.model} · {self.backend}"
+
+
+class Label(str):
+    """A variant's label in merged rows: the text every table keys on and shows, built from parts that it carries as
+    fields, so that nothing parses it again: `name`, the variant as its run recorded it (an opaque string: `/`, `@`,
+    `+`, `:`, `=` and spaces are its own); `prefix`, the `task/` or `model/` that tells runs of several tasks or
+    models apart ('' when they do not differ); `folder`, the run folder appended to rows that are not one
+    measurement (''); `group`, the (task, model, backend) it is compared within."""
+
+    name: str
+    prefix: str
+    folder: str
+    group: Group | None
+
+    def __new__(cls, name: str, prefix: str = "", folder: str = "", group: Group | None = None) -> Label:
+        text = f"{prefix}/{name}" if prefix else name
+        self = super().__new__(cls, f"{text} [{folder}]" if folder else text)
+        self.name, self.prefix, self.folder, self.group = name, prefix, folder, group
+        return self
+
+    def __getnewargs__(self) -> tuple:  # pickled and copied with its parts (a sweep's jobs, deepcopy)
+        return self.name, self.prefix, self.folder, self.group
+
+
+def variant_name(label: str) -> str:
+    """The variant as its run recorded it: a merged label's `name`, or the label itself (rows of one run)."""
+    return label.name if isinstance(label, Label) else label
+
+
+def group_of(label: str) -> Group | None:
+    """The (task, model, backend) a merged label is compared within; None for a label that does not carry one."""
+    return label.group if isinstance(label, Label) else None
+
+
 def is_baseline(label: str) -> bool:
-    """True for `baseline`, and for the baseline of a merged run (`smollm2-135m/baseline`, `baseline [job]`)."""
-    return label.split(" [")[0].rsplit("/", 1)[-1] == BASELINE
+    """True for the full cache's variant: `baseline`, and a merged label whose run recorded it as `baseline`
+    (`smollm2-135m/baseline`, `baseline [job]`), never a variant whose own name merely contains it."""
+    return variant_name(label) == BASELINE
 
 
 def label_order(label: str) -> tuple:
     """Sort key: per model/task prefix, the baseline first, then the variants by name."""
-    prefix, _, name = label.split(" [")[0].rpartition("/")
-    return prefix, not is_baseline(label), name, label
+    prefix = label.prefix if isinstance(label, Label) else ""
+    return prefix, not is_baseline(label), variant_name(label), str(label)
+
+
+def label_fields(label: str) -> dict[str, Any]:
+    """A merged label's parts as the fields of its entry in a machine-readable file (verdict.json): the variant as
+    recorded and the run's task, model and backend; none for the label of a single run's rows."""
+    if not isinstance(label, Label) or label.group is None:
+        return {}
+    return {"variant": label.name, "run": label.group._asdict()}
 
 
 def merge(runs: list[tuple[Path, dict, list[dict]]]) -> list[dict]:
@@ -33,19 +86,27 @@ def merge(runs: list[tuple[Path, dict, list[dict]]]) -> list[dict]:
     Samples are identified across runs by their sample key (evalkit.records.sample_key: the run's task config less
     its sample count, seed and input files, and the sample id), never by the id alone: two runs whose ids collide
     (needle at two seeds, two datasets numbered from 0) give two samples each, and a merged id that would collide
-    gets the key's digest, `L256-d0.25-0#3f2a9c01`. Variants are labelled so that rows that are not the same
-    measurement never mix: when the runs differ in model or task, labels get a `model/` or `task/` prefix; a label
-    measured with different settings (policy options, storage, prefill, protocol) in different runs, or whose runs
-    disagree on the same sample, gets its run folder appended, `h2o@0.5 [policy.recent=0.2]`. The same measurement
-    in several runs (the baseline that every job of a sweep repeats) is kept once per sample. Nothing depends on the
-    order of the runs.
+    gets the key's digest, `L256-d0.25-0#3f2a9c01`. Each row's variant becomes a Label that carries the variant as
+    recorded, and its run's (task, model, backend), as fields. Variants are labelled so that rows that are not the
+    same measurement never mix: when the runs differ in model or task, labels get a `model/` or `task/` prefix; a
+    label measured with different settings (policy options, storage, prefill, protocol, engine) in different runs,
+    or whose runs disagree on the same sample, gets its run folder appended, `h2o@0.5 [policy.recent=0.2]`. The same
+    measurement in several runs (the baseline that every job of a sweep repeats) is kept once per sample. Nothing
+    depends on the order of the runs.
     """
-    if len(runs) == 1:
-        return runs[0][2]
 
     def model(info: dict) -> str:
         return (info.get("model") or {}).get("name") or str((info.get("config") or {}).get("model", {}).get("name"))
 
+    def group(info: dict, row: dict) -> Group:
+        config = info.get("config") or {}
+        task, backend = (v.get("name") if isinstance(v, dict) else v for v in map(config.get, ("task", "backend")))
+        # rows name the engine where one other than evalkit's own (hf) ran them
+        return Group(str(row.get("task") or task), model(info), str(row.get("backend") or backend or "hf"))
+
+    if len(runs) == 1:
+        _, info, rows = runs[0]
+        return [{**r, "variant": Label(r["variant"], group=group(info, r))} for r in rows]
     models = {model(info) for _, info, _ in runs}
     tasks = {r.get("task") for _, _, rows in runs for r in rows}
     common = Path(os.path.commonpath([folder for folder, _, _ in runs]))
@@ -59,8 +120,10 @@ def merge(runs: list[tuple[Path, dict, list[dict]]]) -> list[dict]:
         )
         identity, where = sample_identity(info), str(folder.relative_to(common)) if folder != common else folder.name
         for r in rows:
-            settings = json.dumps([r.get(k) for k in ("policy", "quant", "prefill", "protocol")], sort_keys=True)
-            label = f"{prefix}/{r['variant']}" if prefix else r["variant"]
+            g = group(info, r)
+            measured = [r.get(k) for k in ("policy", "quant", "prefill", "protocol")] + [g.backend]
+            settings = json.dumps(measured, sort_keys=True)
+            label = Label(r["variant"], prefix, group=g)
             labelled.append((label, settings, sample_key(identity, info, r["sample_id"]), r, where))
     split = _split_labels(labelled)
     keys_of_id: dict[str, set[str]] = defaultdict(set)
@@ -68,7 +131,7 @@ def merge(runs: list[tuple[Path, dict, list[dict]]]) -> list[dict]:
         keys_of_id[str(r["sample_id"])].add(key)
     out, seen = [], set()
     for label, _, key, r, folder in labelled:
-        label = f"{label} [{folder}]" if label in split else label
+        label = Label(label.name, label.prefix, folder, label.group) if label in split else label
         if (label, key) in seen:
             continue
         seen.add((label, key))
@@ -79,7 +142,7 @@ def merge(runs: list[tuple[Path, dict, list[dict]]]) -> list[dict]:
     return out
 
 
-def _split_labels(labelled: list[tuple[str, str, str, dict, str]]) -> set[str]:
+def _split_labels(labelled: list[tuple[Label, str, str, dict, str]]) -> set[str]:
     """Labels whose rows are not one measurement: recorded with different settings in different runs, or with
     different answers for the same sample in different runs."""
     settings: dict[str, set[str]] = defaultdict(set)

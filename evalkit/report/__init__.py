@@ -1,2 +1,2 @@
 """Reports of one or more runs, with no torch: one self-contained HTML page (page, data, html, templates/),
-report.md and plots (cli), and W&B (wandb_log); `python -m evalkit.report`."""
+report.md and plots (build), and W&B (wandb_log); `python -m evalkit.report`."""

@@ -19,7 +19,7 @@ from evalkit.errors import EXIT_FAIL, EXIT_OK, ConfigError
 from evalkit.gate.looks import digest
 from evalkit.gate.outputs import VERDICT
 from evalkit.gate.reading import Records
-from evalkit.gate.summary import is_baseline
+from evalkit.gate.summary import is_baseline, variant_name
 from evalkit.gate.thresholds import thresholds
 from evalkit.records import RUN, SAMPLES
 
@@ -152,16 +152,6 @@ def _looks(doc: dict[str, Any]) -> Any:
 # --- the runs ----------------------------------------------------------------------------------------------------
 
 
-def group_of(label: str) -> str:
-    """The model/task prefix of a merged label (analysis.merge), '' for the variants of a single run."""
-    return label.split(" [")[0].rpartition("/")[0]
-
-
-def own_variant(label: str) -> str:
-    """The variant as its run recorded it: the merged label without its prefix and its [folder]."""
-    return label.split(" [")[0].rpartition("/")[2]
-
-
 @dataclass
 class Line:
     """Where a row lies: its file, its line number, and the line as written."""
@@ -193,7 +183,7 @@ def row_lines(folders: list[Path]) -> dict[tuple, Line]:
 
 
 def line_of(row: dict[str, Any], lines: dict[tuple, Line]) -> Line | None:
-    sid, variant = row["sample_id"], own_variant(row["variant"])
+    sid, variant = row["sample_id"], variant_name(row["variant"])
     return lines.get((row.get("run_id"), sid, variant)) or lines.get((None, sid, variant))
 
 

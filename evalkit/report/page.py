@@ -1,13 +1,16 @@
 """The report as one self-contained page: the verdict first, the trade-off, where each variant fails, every lost
-sample, and each run's own panel (templates/report.html.j2, drawn with Plotly; see evalkit.page).
+sample, and each run's own panel (templates/report.html.j2, drawn with Plotly; evalkit.report.html renders it).
 
-Runs of different tasks, models or backends are merged as the gate merges them (analysis.merge prefixes their
-labels with `task/` or `model/`): columns every run has sit side by side, and each group of runs gets its own cells
-panel, laid out from the cell keys its rows have (context length x depth, RULER's length, a dataset's subtask).
+Runs of different tasks, models or backends are merged as the gate merges them (evalkit.gate.summary.merge): each
+row's label carries the variant as its run recorded it and the (task, model, backend) it is compared within, as
+fields, so a variant's name is shown whole and never parsed. Columns every run has sit side by side; each group of
+runs (task, model, backend) has its own baseline, so its own Pareto front, accuracy floor and cells panel, laid out
+from the cell keys its rows have (context length x depth, RULER's length, a dataset's subtask).
 """
 
 from __future__ import annotations
 
+import html
 import json
 import math
 import os
@@ -24,9 +27,19 @@ from evalkit.gate.decide import SHOWN_TO_FAIL
 from evalkit.gate.judge import baseline_problems
 from evalkit.gate.reading import Records
 from evalkit.gate.stats import flip_cause
-from evalkit.gate.summary import BASELINE, cell_key, is_baseline, label_order, summarize
+from evalkit.gate.summary import (
+    BASELINE,
+    Group,
+    Label,
+    cell_key,
+    group_of,
+    is_baseline,
+    label_order,
+    summarize,
+    variant_name,
+)
 from evalkit.gate.thresholds import Thresholds
-from evalkit.report.data import Line, VerdictView, group_of, line_of, own_variant, row_lines, run_folders, run_panel
+from evalkit.report.data import Line, VerdictView, line_of, row_lines, run_folders, run_panel
 from evalkit.report.html import accuracy_colour, figure, write_page
 from evalkit.units import fmt_bytes
 
@@ -45,16 +58,40 @@ def pareto(points: list[tuple[float, float, str]]) -> list[tuple[float, float, s
 
 
 def short_label(label: str) -> str:
-    """A label without its group prefix (the legend and the cells name the group once)."""
-    group = group_of(label)
-    return label[len(group) + 1 :] if group else label
+    """A label as its group shows it (the legend and the cells name the group once): the variant as its run recorded
+    it, whole, with the run folder that tells apart rows that are not one measurement."""
+    if not isinstance(label, Label):
+        return label
+    return f"{label.name} [{label.folder}]" if label.folder else label.name
 
 
-def group_title(group: str, rows: list[dict]) -> str:
-    if group:
-        return group
-    tasks = sorted({str(r.get("task")) for r in rows if r.get("task")})
-    return ", ".join(tasks) or "all runs"
+def group_titles(rows: list[dict]) -> dict[Group | None, str]:
+    """How the tables and the cells name each group of runs: the label prefix that tells the groups apart (`needle`,
+    `smollm2-135m`: runs of several tasks or models), else the group's task, model and backend (one task and model
+    on several engines); one group of runs: its tasks."""
+    prefixes: dict[Group | None, set[str]] = defaultdict(set)
+    tasks: dict[Group | None, set[str]] = defaultdict(set)
+    for r in rows:
+        label = r["variant"]
+        prefixes[group_of(label)].add(label.prefix if isinstance(label, Label) else "")
+        tasks[group_of(label)] |= {str(r["task"])} if r.get("task") else set()
+    shown = {g: next(iter(p)) for g, p in prefixes.items() if len(p) == 1 and "" not in p}
+    several = len(prefixes) > 1
+    if several and len(shown) == len(prefixes) and len(set(shown.values())) == len(shown):
+        return shown
+    if several and None not in prefixes:
+        return {g: g.title() for g in prefixes}
+    return {g: ", ".join(sorted(t)) or "all runs" for g, t in tasks.items()}
+
+
+def _order(group: Group | None) -> tuple:
+    return () if group is None else tuple(group)
+
+
+def plotly_text(text: str) -> str:
+    """User text (a variant's name) as Plotly shows it: Plotly reads `<`, `>` and `&` in names and hover texts as its
+    own markup, so they are escaped and the name is shown as written."""
+    return html.escape(text, quote=False)
 
 
 def accuracy_bounds(s: dict[str, Any]) -> tuple[float, float]:
@@ -73,7 +110,7 @@ def _hover(name: str, s: dict[str, Any], status: str, same: list[str]) -> str:
     p = s["paired"]
     lo, hi = accuracy_bounds(s)
     lines = [
-        f"<b>{name}</b>" + (f" ({status})" if status else ""),
+        f"<b>{plotly_text(name)}</b>" + (f" ({plotly_text(status)})" if status else ""),
         f"accuracy {s['accuracy']:.3f}" + ("" if is_baseline(name) else f"  bounds [{lo:.3f}, {hi:.3f}]"),
         f"baseline {p['baseline']:.3f} on the same {s['n']} samples",
         f"drop {p['drop']:+.3f} [{p['drop_bounds'][0]:+.3f}, {p['drop_bounds'][1]:+.3f}], lost {s['lost']}, "
@@ -83,17 +120,19 @@ def _hover(name: str, s: dict[str, Any], status: str, same: list[str]) -> str:
     if s.get("kl_mean") is not None:
         lines.append(f"mean KL {s['kl_mean']:.4f} nats")
     if same:
-        lines.append("same point: " + ", ".join(same))
+        lines.append("same point: " + plotly_text(", ".join(same)))
     return "<br>".join(lines)
 
 
 def tradeoff_figure(summary: dict[str, Any], verdict: VerdictView) -> go.Figure:
     """Accuracy with its bounds against the share of KV bytes saved: one marker per variant (its numbers on hover, its
-    name in the legend, never printed over another), a symbol per group of runs, the Pareto front of each group, and
-    the gate's accuracy floor (baseline minus max_drop)."""
+    name in the legend, never printed over another), a symbol per group of runs (task, model, backend), the Pareto
+    front of each group, and the gate's accuracy floor of each group's baseline (baseline minus max_drop): variants
+    of different groups were measured against different baselines, so they share neither."""
     fig = go.Figure()
-    groups = sorted({group_of(n) for n in summary})
-    names = sorted({own_variant(n) for n in summary})
+    groups = sorted({group_of(n) for n in summary}, key=_order)
+    several = len(groups) > 1
+    names = sorted({variant_name(n) for n in summary})
     at: dict[tuple, list[str]] = defaultdict(list)
     for name, s in summary.items():
         at[round(1 - s["kv_ratio"], 3), round(s["accuracy"], 3)].append(name)
@@ -108,13 +147,13 @@ def tradeoff_figure(summary: dict[str, Any], verdict: VerdictView) -> go.Figure:
                 x=[x + dodge],
                 y=[y],
                 mode="markers",
-                name=short_label(name),
-                legendgroup=group or "runs",
-                legendgrouptitle_text=group or None,
+                name=plotly_text(short_label(name)),
+                legendgroup=_legend_group(group),
+                legendgrouptitle_text=plotly_text(group.title()) if several and group else None,
                 marker={
                     "symbol": SYMBOLS[groups.index(group) % len(SYMBOLS)],
                     "size": 13,
-                    "color": COLOURS[names.index(own_variant(name)) % len(COLOURS)],
+                    "color": COLOURS[names.index(variant_name(name)) % len(COLOURS)],
                     "line": {"width": 1, "color": "#111"},
                 },
                 error_y=None
@@ -131,12 +170,12 @@ def tradeoff_figure(summary: dict[str, Any], verdict: VerdictView) -> go.Figure:
             fig.add_trace(
                 go.Scatter(
                     x=[p[0] for p in front], y=[p[1] for p in front], mode="lines", name="Pareto front",
-                    legendgroup=group or "runs", line={"dash": "dash", "color": "#6b7280"}, hoverinfo="skip",
+                    legendgroup=_legend_group(group), line={"dash": "dash", "color": "#6b7280"}, hoverinfo="skip",
                 )
             )  # fmt: skip
-    for y, names in _floors(summary, verdict.thresholds).items():
-        label = "baseline − max_drop" + (f" ({', '.join(names)})" if any(names) else "")
-        fig.add_hline(y=y, line={"dash": "dot", "color": "#b91c1c", "width": 1}, annotation_text=label,
+    for y, titles in _floors(summary, verdict.thresholds).items():
+        label = "baseline − max_drop" + (f" ({'; '.join(titles)})" if several and titles else "")
+        fig.add_hline(y=y, line={"dash": "dot", "color": "#b91c1c", "width": 1}, annotation_text=plotly_text(label),
                       annotation_font_size=11)  # fmt: skip
     fig.update_xaxes(title="KV bytes saved (share of the full fp16/bf16 cache)", range=[-0.05, 1.05], tickformat=".0%")
     fig.update_yaxes(title="accuracy (paired bounds, one-sided each)", range=[-0.05, 1.08])
@@ -144,16 +183,24 @@ def tradeoff_figure(summary: dict[str, Any], verdict: VerdictView) -> go.Figure:
     return fig
 
 
+def _legend_group(group: Group | None) -> str:
+    return json.dumps(list(group), ensure_ascii=False) if group else "runs"
+
+
 def _floors(summary: dict[str, Any], thresholds: dict[str, Any]) -> dict[float, list[str]]:
-    """The gate's accuracy floor of each group (its baseline minus max_drop) -> the groups at it, one line and one
-    label per height; none for a baseline the gate would not judge (below min_baseline_accuracy)."""
+    """The gate's accuracy floor of each group's baseline (its accuracy minus max_drop) -> the groups at it, each
+    named once by its (task, model, backend), one line and one label per height; none for a baseline the gate would
+    not judge (below min_baseline_accuracy)."""
     max_drop, weak = thresholds.get("max_drop"), thresholds.get("min_baseline_accuracy")
     if not isinstance(max_drop, (int, float)):
         return {}
     out: dict[float, list[str]] = defaultdict(list)
     for name, s in summary.items():
         if is_baseline(name) and not (isinstance(weak, (int, float)) and s["accuracy"] < weak):
-            out[round(s["accuracy"] - max_drop, 4)].append(group_of(name))
+            group = group_of(name)
+            titles = out[round(s["accuracy"] - max_drop, 4)]
+            if group is not None and group.title() not in titles:
+                titles.append(group.title())
     return dict(out)
 
 
@@ -164,10 +211,12 @@ def kl_figure(summary: dict[str, Any]) -> go.Figure | None:
         return None
     fig = go.Figure()
     for name, s in points:
+        shown = plotly_text(name)  # a name is data, never part of the template (`%{...}` in it stays as written)
         fig.add_trace(
             go.Scatter(
-                x=[1 - s["kv_ratio"]], y=[s["kl_mean"]], mode="markers", name=name, marker={"size": 12},
-                hovertemplate=f"<b>{name}</b><br>mean KL %{{y:.4f}} nats<br>saved %{{x:.1%}}<extra></extra>",
+                x=[1 - s["kv_ratio"]], y=[s["kl_mean"]], mode="markers", name=shown, marker={"size": 12},
+                hovertext=[f"<b>{shown}</b>"],
+                hovertemplate="%{hovertext}<br>mean KL %{y:.4f} nats<br>saved %{x:.1%}<extra></extra>",
             )
         )  # fmt: skip
     fig.update_xaxes(title="KV bytes saved", tickformat=".0%", range=[-0.05, 1.05])
@@ -180,15 +229,13 @@ def kl_figure(summary: dict[str, Any]) -> go.Figure | None:
 
 def variant_table(summary: dict[str, Any], verdict: VerdictView, rows: list[dict]) -> list[dict[str, Any]]:
     """The columns every run has, one line per variant, grouped by run group."""
-    by_group: dict[str, list[dict]] = defaultdict(list)
-    for r in rows:
-        by_group[group_of(r["variant"])].append(r)
+    titles = group_titles(rows)
     out = []
     for name, s in summary.items():
         p = s["paired"]
         out.append(
             {
-                "group": group_title(group_of(name), by_group[group_of(name)]),
+                "group": titles[group_of(name)],
                 "variant": short_label(name),
                 "label": name,
                 "baseline": is_baseline(name),
@@ -250,12 +297,13 @@ def _cell(stats: dict | None, status: str, min_base: float | None, baseline_pane
 def cell_panels(rows: list[dict], summary: dict[str, Any], verdict: VerdictView) -> list[dict[str, Any]]:
     """Per group of runs, per variant (the baseline first): accuracy per cell with n, as small grids that wrap."""
     min_base = verdict.thresholds.get("min_baseline_accuracy")
+    titles = group_titles(rows)
     status = {(c.get("variant"), c.get("cell")): str(c.get("status", "")) for c in verdict.cells}
-    cells_of: dict[str, dict[str, dict]] = defaultdict(dict)
+    cells_of: dict[Group | None, dict[str, dict]] = defaultdict(dict)
     for r in rows:
         cells_of[group_of(r["variant"])].setdefault(cell_key(r["cell"]), r["cell"])
     out = []
-    for group, cells in sorted(cells_of.items()):
+    for group, cells in sorted(cells_of.items(), key=lambda item: _order(item[0])):
         col, row, facets = _axes(list(cells.values()))
         layout = _grids(cells, col, row, facets)
         panels = []
@@ -272,8 +320,7 @@ def cell_panels(rows: list[dict], summary: dict[str, Any], verdict: VerdictView)
                 for g in layout
             ]  # fmt: skip
             panels.append({"variant": short_label(name), "baseline": base, "grids": grids})
-        group_rows = [r for r in rows if group_of(r["variant"]) == group]
-        out.append({"title": group_title(group, group_rows), "col": col, "row": row, "panels": panels})
+        out.append({"title": titles[group], "col": col, "row": row, "panels": panels})
     return out
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from evalkit.gate.summary import summarize
 from evalkit.gate.tracked import verdict_fields
 from evalkit.records import SAMPLES, read_rows
-from evalkit.report.cli import report
+from evalkit.report.build import report
 from evalkit.tracking import Target, log_to_run, run_id, save_target, wandb_package
 
 DECLARED = "declared"  # evalkit.backends.kvbytes.DECLARED: how a row's kv_bytes_source names declared bytes

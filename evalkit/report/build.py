@@ -1,9 +1,7 @@
-"""Reports: one self-contained HTML page (report.html), Markdown and PNG plots, from one or more runs (a Hydra
-multirun folder merges its runs).
+"""A report's files: one self-contained HTML page (report.html), Markdown and PNG plots, from one or more runs (a
+Hydra multirun folder merges its runs); `python -m evalkit.report` writes them.
 
-    python -m evalkit.report results/RUN [results/RUN2 ...] [--out DIR]
-
-report.html (evalkit.report_page): the gate's verdict first (its verdict.json, where it judged exactly these rows;
+report.html (evalkit.report.page): the gate's verdict first (its verdict.json, where it judged exactly these rows;
 otherwise "no verdict for these rows" and the gate's command: the report never judges), the trade-off of accuracy
 against KV bytes saved, accuracy per cell for every variant, every lost sample with its row in samples.jsonl, and
 each run's own panel. report.md and the PNGs (heatmaps, trade-off, easy vs hard, flips by cause) are the static copy
@@ -14,7 +12,6 @@ code 0.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,16 +22,25 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 from evalkit.errors import ConfigError  # noqa: E402
-from evalkit.exits import guarded
 from evalkit.gate.judge import baseline_problems
 from evalkit.gate.outputs import chunked_table, output_folder
 from evalkit.gate.reading import read_runs
-from evalkit.gate.summary import chunked_vs_oneshot, is_baseline, label_order, summarize
+from evalkit.gate.summary import chunked_vs_oneshot, group_of, is_baseline, label_order, summarize
 from evalkit.gate.thresholds import load_thresholds, thresholds
 from evalkit.report.data import verdict_view
 from evalkit.report.page import pareto
 from evalkit.report.page import write as write_page
 from evalkit.units import fmt_bytes  # noqa: E402
+
+
+def _plain(name: str) -> str:
+    """User text (a variant's name) as matplotlib draws it: `$` would start its math markup."""
+    return name.replace("$", r"\$")
+
+
+def _cell(name: str) -> str:
+    """User text (a variant's name) safe in a Markdown table cell."""
+    return name.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
 
 
 def _axes(rows: list[dict]) -> tuple[str, str] | None:
@@ -70,7 +76,7 @@ def heatmaps(rows: list[dict], out: Path) -> Path | None:
         ax.set_yticks(range(len(ys)), [f"{y:g}" for y in ys])
         ax.set_xlabel(xk)
         ax.set_ylabel(yk)
-        ax.set_title(v, fontsize=9)
+        ax.set_title(_plain(v), fontsize=9)
     fig.colorbar(im, ax=axs[0].tolist(), shrink=0.8, label="accuracy")
     path = out / "heatmaps.png"
     fig.savefig(path, dpi=110, bbox_inches="tight")
@@ -79,23 +85,25 @@ def heatmaps(rows: list[dict], out: Path) -> Path | None:
 
 
 def tradeoff(summary: dict[str, Any], out: Path) -> Path:
-    """Accuracy (and KL where measured) against the share of KV bytes saved, with the Pareto front. Variants are
-    named in the legend, not beside their markers: variants at one point would print their names over each other."""
+    """Accuracy (and KL where measured) against the share of KV bytes saved, with the Pareto front of each group of
+    runs (task, model, backend: each has its own baseline). Variants are named in the legend, not beside their
+    markers: variants at one point would print their names over each other."""
     points = [(1 - s["kv_ratio"], s["accuracy"], name) for name, s in summary.items()]
     has_kl = any("kl_mean" in s for s in summary.values())
     fig, axs = plt.subplots(1, 2 if has_kl else 1, figsize=(12 if has_kl else 8, 4.5), squeeze=False)
     ax = axs[0][0]
     markers = "osD^vP*Xph<>"
     for i, (x, y, name) in enumerate(points):
-        ax.scatter([x], [y], marker=markers[i % len(markers)], s=60, alpha=0.8, label=name)
-    front = pareto(points)
-    ax.plot([p[0] for p in front], [p[1] for p in front], "--", color="gray", label="Pareto front")
+        ax.scatter([x], [y], marker=markers[i % len(markers)], s=60, alpha=0.8, label=_plain(name))
+    for i, group in enumerate(sorted({group_of(n) for n in summary}, key=lambda g: () if g is None else tuple(g))):
+        front = pareto([p for p in points if group_of(p[2]) == group])
+        ax.plot([p[0] for p in front], [p[1] for p in front], "--", color="gray", label=None if i else "Pareto front")
     ax.set_xlabel("KV bytes saved (share of the full fp16 cache)")
     ax.set_ylabel("accuracy")
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     if has_kl:
         for i, (n, s) in enumerate((n, s) for n, s in summary.items() if "kl_mean" in s):
-            axs[0][1].scatter([1 - s["kv_ratio"]], [s["kl_mean"]], marker=markers[i % len(markers)], label=n)
+            axs[0][1].scatter([1 - s["kv_ratio"]], [s["kl_mean"]], marker=markers[i % len(markers)], label=_plain(n))
         axs[0][1].set_xlabel("KV bytes saved")
         axs[0][1].set_ylabel("mean KL (nats)")
     path = out / "tradeoff.png"
@@ -113,7 +121,8 @@ def bars(summary: dict[str, Any], out: Path) -> list[Path]:
         for k, split in enumerate(("easy", "hard")):
             vals = [summary[n]["splits"].get(split, {}).get("policy", float("nan")) for n in names]
             ax.bar([i + 0.4 * k for i in range(len(names))], vals, width=0.4, label=split)
-        ax.set_xticks([i + 0.2 for i in range(len(names))], names, rotation=30, ha="right", fontsize=8)
+        ticks = [i + 0.2 for i in range(len(names))]
+        ax.set_xticks(ticks, [_plain(n) for n in names], rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("accuracy")
         ax.legend()
         paths.append(out / "easy_hard.png")
@@ -124,9 +133,10 @@ def bars(summary: dict[str, Any], out: Path) -> list[Path]:
         bottom = [0] * len(names)
         for cause in ("evicted", "ignored"):
             vals = [summary[n]["flip_causes"].get(cause, 0) for n in names]
-            ax.bar(names, vals, bottom=bottom, label=f"evidence {cause}")
+            ax.bar(range(len(names)), vals, bottom=bottom, label=f"evidence {cause}")
             bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
         ax.set_ylabel("lost samples")
+        ax.set_xticks(range(len(names)), [_plain(n) for n in names])
         ax.tick_params(axis="x", rotation=30, labelsize=8)
         ax.legend()
         paths.append(out / "flips.png")
@@ -155,7 +165,7 @@ def markdown(
     for name, s in summary.items():
         p, c = s["paired"], s["flip_causes"]
         lines.append(
-            f"| {name} | {s['n']} | {p['baseline']:.2f} | {p['policy']:.2f} | {p['drop']:+.3f} "
+            f"| {_cell(name)} | {s['n']} | {p['baseline']:.2f} | {p['policy']:.2f} | {p['drop']:+.3f} "
             f"[{p['drop_bounds'][0]:+.3f}, {p['drop_bounds'][1]:+.3f}] | {p['mcnemar_p']:.3g} | {s['lost']} "
             f"({c.get('evicted', 0)}/{c.get('ignored', 0)}) | {s['kv_ratio']:.3f}x | "
             f"{fmt_bytes(s['kv_bytes'], 'MiB')} |"
@@ -194,21 +204,3 @@ def report(runs: list[Path], out: Path) -> list[Path]:
             f"could not write the report into {out} ({err.strerror or err}); give --out another folder"
         ) from None
     return [page, out / "report.md", *images]
-
-
-def main(argv: list[str] | None = None) -> int:
-    def run() -> int:
-        ap = argparse.ArgumentParser(prog="python -m evalkit.report", description=__doc__.splitlines()[0])
-        ap.add_argument("runs", nargs="+", type=Path)
-        ap.add_argument("--out", type=Path, default=None, help="output folder (default: RUN/report)")
-        args = ap.parse_args(argv)
-        out = args.out or args.runs[0] / "report"
-        written = report(args.runs, out)
-        print("\n".join(str(p) for p in written))
-        return 0
-
-    return guarded(run)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
