@@ -202,4 +202,3 @@ def mcnemar_exact(lost: int, gained: int) -> float:
     """Two-sided exact McNemar p-value: the discordant pairs against a fair coin."""
     n = lost + gained
     return 1.0 if n == 0 else float(binomtest(lost, n, 0.5).pvalue)
-

@@ -20,7 +20,8 @@ from typing import Any
 from evalkit.errors import ConfigError
 from evalkit.records.schema import BASELINE, Job, Result, Row, RunInfo, flip, pair
 
-__all__ = ["BASELINE", "Job", "Result", "Row", "RunInfo", "flip", "pair"]  # the schema, read from here as from its module
+# the schema, read from here as from its own module
+__all__ = ["BASELINE", "Job", "Result", "Row", "RunInfo", "flip", "pair"]
 
 SAMPLES = "samples.jsonl"
 RUN = "run.json"

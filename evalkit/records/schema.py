@@ -1,5 +1,5 @@
-"""The record schema: what an engine is asked (`Job`) and answers (`Result`), a row of samples.jsonl (`Row`), run.json (`RunInfo`), and
-how a variant's row is paired with the baseline's on the same sample (`pair`, `flip`).
+"""The record schema: what an engine is asked (`Job`) and answers (`Result`), a row of samples.jsonl (`Row`),
+run.json (`RunInfo`), and how a variant's row is paired with the baseline's on the same sample (`pair`, `flip`).
 
 Every engine (evalkit's own, llama.cpp, OpenAI-compatible servers, lm-eval's driver) answers in Results; the run's
 sample loop and lm-eval's command line turn them into Rows here, and nowhere else.
@@ -190,4 +190,3 @@ class RunInfo:
         """What every row of this run names: the run, the task, the protocol (the run's unless an engine says its
         own)."""
         return {"run_id": self.run_id, "task": task, "protocol": protocol or self.protocol}
-
