@@ -112,8 +112,9 @@ def pair(head: dict[str, Any], sample: dict[str, Any], results: list[Result], fl
     Each row is paired with the baseline: its score, the flip they make (None where `flips` is False: a
     teacher-forced continuation is scored against the baseline's logits, not its answer) and the baseline's bytes."""
     base = results[0]
-    if base.score is None or any(r.score is None for r in results):
-        raise ValueError("every result is scored before it is paired (Result.score)")
+    unscored = [r.variant for r in results if not _number(r.score)]
+    if unscored:
+        raise ValueError(f"{unscored} have a bad score: every result is scored before it is paired (Result.score)")
     pairing = {}
     if "kv_bytes" in base.fields:  # the full cache's bytes on the same context, carried by every row of the sample
         pairing = {
@@ -185,6 +186,15 @@ class RunInfo:
         if not isinstance(info, dict) or not isinstance(info.get("config"), dict) or "run_id" not in info:
             raise ConfigError(f"{path} is not an evalkit run.json; move the folder away to start afresh")
         return cls.from_dict(info)
+
+    def update(self, fields: dict[str, Any]) -> None:
+        """Record what an engine says of itself once open (`model`, `engine`, `prepared`)."""
+        names = {f.name for f in dataclasses.fields(self)} - {"other"}
+        for key, value in fields.items():
+            if key in names:
+                setattr(self, key, value)
+            else:
+                self.other[key] = value
 
     def head(self, task: str, protocol: str | None = None) -> dict[str, Any]:
         """What every row of this run names: the run, the task, the protocol (the run's unless an engine says its

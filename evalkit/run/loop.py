@@ -97,19 +97,22 @@ def run_samples(engine: Engine, out_dir: Path, run_info: RunInfo, task: Task, jo
     try:
         opened = engine.open(pending)
         check_engine(run_info, opened)
-        for key, value in opened.items():
-            setattr(run_info, key, value)
+        run_info.update(opened)
         write_json(out_dir / RUN, run_info.to_dict())
         head = run_info.head(task.name, engine.protocol)
-        _write(engine, pending, jobs, recorded, rows_path, head, task)
+        _write(engine, pending, None if jobs is None else len(jobs), recorded, rows_path, head, task)
     finally:
         engine.close()
 
 
-def _write(engine: Engine, pending: list[Job], jobs, recorded: dict, rows_path: Path, head: dict, task: Task) -> None:
+def _write(
+    engine: Engine, pending: list[Job], total: int | None, recorded: dict, rows_path: Path, head: dict, task: Task
+) -> None:
+    """The engine's answers to `pending` (of `total` samples; None: the engine finds its own), paired and written
+    as each sample finishes; a stop asked for (Ctrl-C) is honoured before the next sample."""
     where = rows_path.parent
     progress = tqdm(
-        total=len(pending) if jobs is not None else None,
+        total=len(pending) if total is not None else None,
         desc=f"{task.name} x {', '.join(engine.variant_names())}",
         unit="sample",
         file=sys.stderr,
@@ -118,10 +121,10 @@ def _write(engine: Engine, pending: list[Job], jobs, recorded: dict, rows_path: 
     answers = engine.run(pending)
     try:
         with nullcontext() if engine.interruptible else interrupt.immediate():
-            for i in range(len(pending) if jobs is not None else sys.maxsize):
+            for i in range(len(pending) if total is not None else sys.maxsize):
                 if engine.interruptible and interrupt.requested():  # before the next sample: none is lost
                     raise interrupt.Interrupted(
-                        f"stopped: {len(pending) - i} of {len(jobs)} samples left to run in {where}"
+                        f"stopped: {len(pending) - i} of {total} samples left to run in {where}"
                     )
                 answered = next(answers, None)
                 if answered is None:
