@@ -3,8 +3,8 @@
     python benchmarks/kvzip_pass.py [--lengths 1024 2048 4096] [--depths 0 0.5 1] [--threads 1] [--clock cpu]
 
 Per needle sample, interleaved: a plain prefill of the context (what every run pays), the pass now
-(`evalkit.policies.kvzip_pass.reconstruct`: every chunk's pass one block of a single forward, the cache layers attending for the
-model and scoring from the same logits, the prefilled cache read in place), and the pass as it was before it became
+(`evalkit.policies.kvzip_pass.reconstruct`: every chunk's pass one block of a single forward, the cache layers attending
+for the model and scoring from the same logits, the prefilled cache read in place), and the pass as it was before it became
 one forward (`legacy_reconstruct` below, kept only to measure against: one forward per chunk over its own copy of the
 full cache through SDPA with a mask, scored by a second QK^T over the sinks, the chunk and the pass's own keys). Both
 passes must give the same scores (checked on every sample). `--clock cpu` (the default) times the process's CPU

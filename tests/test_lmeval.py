@@ -352,7 +352,7 @@ from lm_eval.api.model import LM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from evalkit.errors import ConfigError  # noqa: E402
-from evalkit.gate.evidence import flip  # noqa: E402
+from evalkit.records import flip, pair  # noqa: E402
 
 LM_EVAL_TASKS = os.path.join(os.path.dirname(lm_eval.__file__), "tasks")
 
@@ -395,8 +395,10 @@ def paired_by_hand(manager, objects, variant_answers, baseline_answers, limit, m
     run = simple_evaluate(model=Scripted(variant_answers), **kwargs)
     base = simple_evaluate(model=Scripted(baseline_answers), **kwargs)
     plan = lm_metrics.choose_metrics(manager.load(objects)["tasks"], metric)
-    lm = SimpleNamespace(kv={}, kv_baseline={})
-    return lm_evaluate.paired_rows("v", lm, run, base, plan, with_baseline=True)
+    lm = SimpleNamespace(kv={}, kv_baseline={}, variant=SimpleNamespace(name="v"))
+    head = {"run_id": "by-hand", "task": "lm_eval", "protocol": "query_agnostic"}
+    answered = lm_evaluate.documents([(lm, run)], base, plan)
+    return [row.to_dict() for job, results in answered for row in pair(head, job.row, results)]
 
 
 def test_ruler_rows_score_the_document_length_not_the_placeholder(ruler_512):

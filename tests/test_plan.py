@@ -355,7 +355,7 @@ def test_tiny_run_records_match_the_plan(tiny_runs):
     """The tiny Llama's config (3 layers, 2 KV heads x 16): 2 x 3 x 2 x 16 x 2 = 384 B a token; a real run's baseline
     records that many deployed bytes per context token (summary kv_bytes_per_token), and its weights_bytes (float32)
     are 4 x the parameters the plan computes from the same config."""
-    from evalkit.gate.summary import summarize
+    from evalkit.records.summary import summarize
 
     folder = tiny_runs["tiny-random"]
     model = OmegaConf.load(ROOT / "conf" / "model" / "tiny-random.yaml")

@@ -15,8 +15,8 @@ from collections import defaultdict
 
 import pytest
 
-from evalkit.gate.cli import main as gate_main
-from evalkit.gate.summary import BASELINE
+from evalkit.gate.command import main as gate_main
+from evalkit.records import BASELINE
 from evalkit.report.__main__ import main as report_main
 from evalkit.report.page import pareto
 from tests.conftest import run_cli

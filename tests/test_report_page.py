@@ -16,8 +16,8 @@ import pytest
 
 from evalkit.gate.looks import digest
 from evalkit.gate.reading import read_runs
-from evalkit.gate.summary import summarize
 from evalkit.gate.thresholds import thresholds
+from evalkit.records.summary import summarize
 from evalkit.report.__main__ import main as report_main
 from evalkit.report.data import VerdictView
 from evalkit.report.page import DODGE, tradeoff_figure

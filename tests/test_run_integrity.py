@@ -17,8 +17,8 @@ from omegaconf import OmegaConf
 
 from evalkit.cli.main import dirname, safe_name
 from evalkit.errors import ConfigError
-from evalkit.records import read_rows
-from evalkit.run.resume import _check_samples_unchanged
+from evalkit.records import RunInfo, read_rows
+from evalkit.run.resume import check_samples_unchanged
 from evalkit.tasks import Sample
 from evalkit.tasks.jsonl import read_jsonl
 from tests.conftest import ROOT, run_cli
@@ -134,11 +134,11 @@ def test_resume_refuses_edited_data_naming_the_file(tmp_path):
 def test_resume_refuses_samples_the_task_now_generates_differently():
     a = Sample("a", "context a", "q", ["x"], {})
     b = Sample("b", "context b", "q", ["x"], {})
-    info: dict = {}
-    _check_samples_unchanged(info, [a, b], Path("RUN"))
-    _check_samples_unchanged(info, [a, b], Path("RUN"))  # the same samples: fine
+    info = RunInfo("run", {})
+    check_samples_unchanged(info, [a, b], Path("RUN"))
+    check_samples_unchanged(info, [a, b], Path("RUN"))  # the same samples: fine
     with pytest.raises(ConfigError, match=r"1 changed \(e.g. 'b'\), 1 new of 2"):
-        _check_samples_unchanged(info, [a, Sample("b", "context B", "q", ["x"], {}), Sample("c", "", "q", [], {})], "R")
+        check_samples_unchanged(info, [a, Sample("b", "context B", "q", ["x"], {}), Sample("c", "", "q", [], {})], "R")
 
 
 def test_a_copied_folder_resumes_elsewhere(tmp_path):

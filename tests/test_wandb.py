@@ -13,8 +13,8 @@ from collections import defaultdict
 import pytest
 
 from evalkit.gate.command import main as gate_main
-from evalkit.gate.summary import summarize
 from evalkit.gate.tracked import label_of
+from evalkit.records.summary import summarize
 from tests.conftest import run_cli
 from tests.test_gate import run_info
 from tests.test_report import needle_rows, write_run

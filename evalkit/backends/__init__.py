@@ -3,44 +3,28 @@
 `backend=hf` is evalkit's own engine (evalkit.run.engine, every policy and storage). `backend=llamacpp` runs llama.cpp
 in-process on the model's GGUF file, its KV cache types as variants; `backend=openai` sends the rendered prompt to
 one OpenAI-compatible server per variant (vLLM, SGLang, llama.cpp's server). The run loop (evalkit.run) builds the
-samples and prompts, hands each backend the `Job`s still to do, scores what comes back with the task, and writes the
-rows: tasks, records, resume, the gate and the reports do not know which engine ran. A row says it (`backend`,
-`engine_version`), and names in `not_observed` each field the engine cannot observe (left null, never guessed).
+samples and prompts, hands each backend the `Job`s still to do (evalkit.records), scores what comes back with the
+task, and writes the rows (evalkit.run.loop, through `Driven`): tasks, records, resume, the gate and the reports do
+not know which engine ran. A row says it (`backend`, `engine_version`), and names in `not_observed` each field the
+engine cannot observe (left null, never guessed).
 
 No torch here: llama.cpp and HTTP need none.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+import dataclasses
+from collections.abc import Generator
 from typing import Any, Protocol
 
 from omegaconf import DictConfig
 
 from evalkit.errors import ConfigError
+from evalkit.records import BASELINE, Job, Result
 
-
-@dataclass
-class Job:
-    """One sample for a backend to run: the prompt as evalkit tokenized it and as text, the most tokens to generate,
-    and the variants whose rows are still missing (the baseline always runs: every variant is paired with it)."""
-
-    sample_id: str
-    ids: list[int]  # the whole prompt (evalkit.tasks.prompt.build_prompt)
-    text: str  # the same prompt rendered as text (evalkit.tasks.prompt.prompt_text): what a server is sent
-    max_new_tokens: int
-    variants: list[str]
-
-
-@dataclass
-class Result:
-    """What the engine did on one job for the baseline or one variant: the answer's text and the row fields the
-    engine observed (KV bytes, seconds, fidelity); `not_observed` names, with the reason, each field it cannot see."""
-
-    variant: str
-    prediction: str
-    fields: dict[str, Any] = field(default_factory=dict)
+# evalkit's protocols say which tokens its engine compresses (the context, or the whole prompt); an engine's cache
+# type holds every token, prompt and answer alike
+PROTOCOL = "engine: every token in the engine's cache type"
 
 
 class Backend(Protocol):
@@ -58,11 +42,46 @@ class Backend(Protocol):
         """Load the engine or reach the servers, and refuse (ConfigError) what cannot give a fair comparison; return
         what run.json records of the engine (`engine`, `engine_version`, settings) and of the model (`model`)."""
 
-    def run(self, jobs: list[Job]) -> Iterator[tuple[Job, list[Result]]]:
+    def run(self, jobs: list[Job]) -> Generator[tuple[Job, list[Result]]]:
         """Each job's results, the baseline's first, as they finish."""
 
     def close(self) -> None:
         """Free the engine or the connections."""
+
+
+class Driven:
+    """A backend as the run's sample loop drives an engine (evalkit.run.loop.Engine): its config bound, its rows'
+    protocol the engine's cache type, and no budget clipped (its variants are cache types, which hold every token)."""
+
+    protocol = PROTOCOL
+    interruptible = True
+
+    def __init__(self, backend: Backend, cfg: DictConfig):
+        self.backend, self.cfg = backend, cfg
+
+    def variant_names(self) -> list[str]:
+        return self.backend.variant_names()
+
+    def open(self, jobs: list[Job]) -> dict[str, Any]:
+        return self.backend.open(self.cfg, jobs)
+
+    def run(self, jobs: list[Job]) -> Generator[tuple[Job, list[Result]]]:
+        answers = self.backend.run(jobs)
+        try:
+            for job, results in answers:
+                clipped = [None if r.variant == BASELINE else False for r in results]
+                yield (
+                    job,
+                    [
+                        dataclasses.replace(r, fields={**r.fields, "budget_clipped": c})
+                        for r, c in zip(results, clipped, strict=True)
+                    ],
+                )
+        finally:
+            answers.close()  # a stopped loop stops the backend's requests in flight
+
+    def close(self) -> None:
+        self.backend.close()
 
 
 def check_generates(backend: str, task: Any) -> None:

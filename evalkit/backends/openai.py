@@ -35,8 +35,8 @@ from evalkit.fields import check_fields
 from evalkit.gate.evidence import shared_endpoints
 from evalkit.plan.arch import ELEMENT, Arch, arch_from_config
 from evalkit.plan.sources import read_source
+from evalkit.records import BASELINE
 
-BASELINE = "baseline"
 FP8 = ("fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's and SGLang's --kv-cache-dtype names: one byte per value
 NOT_OBSERVED = {
     "tokens_held_per_layer": "a server does not report its cache per layer",

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from evalkit.gate.summary import cell_key
+from evalkit.records.summary import cell_key
 
 GRADED_FLIP_DELTA = 0.1  # the default gate.graded_flip_delta: a graded score must fall by more than this to count
 # A row's KL counts up to this many times gate.max_mean_kl (3 nats at the default), so that the judged quantity is

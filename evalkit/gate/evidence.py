@@ -30,7 +30,7 @@ import math
 from typing import Any
 
 from evalkit import scoring
-from evalkit.records import BASELINE
+from evalkit.records import BASELINE, flip
 
 SCORE_RANGE = (0.0, 1.0)  # every evalkit scorer's, and what the gate's bounds assume
 SCORES = ("score", "baseline_score")
@@ -111,11 +111,6 @@ def _shape(row: dict) -> str | None:
             "chunked prefill is checked against the peak it held"
         )
     return None
-
-
-def flip(score: float, base_score: float) -> str | None:
-    """`lost` when the variant scores below the baseline on the sample, `gained` above, None when equal."""
-    return None if score == base_score else ("lost" if score < base_score else "gained")
 
 
 def contradictions(rows: list[dict], lines: list[int], path: str) -> list[str]:

@@ -22,8 +22,10 @@ from evalkit.gate.decide import (
 )
 from evalkit.gate.evidence import backend_of
 from evalkit.gate.reading import check_rows
-from evalkit.gate.summary import BASELINE, chunked_vs_oneshot, is_baseline, summarize
+from evalkit.gate.summary import chunked_vs_oneshot, is_baseline, label_order
 from evalkit.gate.thresholds import Thresholds
+from evalkit.records import BASELINE
+from evalkit.records.summary import summarize
 
 
 @dataclass
@@ -99,7 +101,7 @@ def judge(
         cannot.append("no records")
     cannot += recorded.problems
     key = looks.digest(rows, t)
-    summary = summarize(rows) if rows else {}
+    summary = summarize(rows, label_order) if rows else {}
     weak, not_judged = baseline_problems(summary, t)
     # capacity is a figure per model: with several, each is counted against the largest model's weights
     weights = max((_field(i, "weights") or 0 for i in infos), default=0)

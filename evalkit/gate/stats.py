@@ -202,12 +202,3 @@ def mcnemar_exact(lost: int, gained: int) -> float:
     """Two-sided exact McNemar p-value: the discordant pairs against a fair coin."""
     n = lost + gained
     return 1.0 if n == 0 else float(binomtest(lost, n, 0.5).pvalue)
-
-
-def flip_cause(row: dict, evicted_below: float = 0.5) -> str | None:
-    """For a lost sample of a retrieval task: `evicted` when the evidence is held in fewer than half the layers'
-    worth of its tokens (mean retention below `evicted_below`), else `ignored` (kept, yet the answer is wrong)."""
-    retained = row.get("evidence_retained_per_layer")
-    if row.get("flip") != "lost" or not retained:
-        return None
-    return "evicted" if sum(retained) / len(retained) < evicted_below else "ignored"

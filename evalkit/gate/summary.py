@@ -1,19 +1,17 @@
-"""Paired summaries of a run: every variant against the baseline on the same samples."""
+"""Variant labels across runs: runs merged into one table, and chunked variants beside their one-shot twins (a
+run's own summary is evalkit.records.summary)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-from collections import Counter, defaultdict
+from collections import defaultdict
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from evalkit.gate.stats import flip_cause, mcnemar_exact, paired_drop
 from evalkit.records import BASELINE, sample_identity, sample_key
-from evalkit.units import fmt_bytes
-
-FIDELITY = ("kl_mean", "top1_agreement", "ppl_ratio")
+from evalkit.records.summary import mean, paired, peak_prefill
 
 
 class Group(NamedTuple):
@@ -179,154 +177,16 @@ def chunked_vs_oneshot(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "variant": name,
                 "chunk": chunk,
                 "n": len(ids),
-                "baseline": _mean([base[i]["baseline_score"] for i in ids]),
+                "baseline": mean([base[i]["baseline_score"] for i in ids]),
                 "oneshot": stats["baseline"],
                 "chunked": stats["policy"],
                 "difference": 0.0 - stats["drop"],  # 0.0 - x: never a negative zero
                 "difference_bounds": [0.0 - stats["drop_bounds"][1], 0.0 - stats["drop_bounds"][0]],
                 "chunked_lost": stats["lost"],
                 "chunked_gained": stats["gained"],
-                "oneshot_peak_kv_bytes": max(_peak_prefill(base[i]) for i in ids),
+                "oneshot_peak_kv_bytes": max(peak_prefill(base[i]) for i in ids),
                 "chunked_peak_kv_bytes": max(chunked[i]["peak_kv_bytes"] for i in ids),
                 "chunked_peak_tokens": max(chunked[i].get("prefill_peak_tokens") or 0 for i in ids),
             }
         )
     return out
-
-
-def _peak_prefill(row: dict[str, Any]) -> int:
-    """The most KV bytes held while the context was prefilled (rows written before chunked prefill: the baseline's)."""
-    return row.get("prefill_peak_kv_bytes") or row["kv_bytes_baseline"]
-
-
-def cell_key(cell: dict[str, Any]) -> str:
-    return " ".join(f"{k}={cell[k]}" for k in sorted(cell))
-
-
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs) if xs else float("nan")
-
-
-def paired(baseline: list[float], policy: list[float], level: float = 0.95) -> dict[str, Any]:
-    """Accuracies, flips, the accuracy drop with its one-sided bounds at `level` (evalkit.stats: Tango's score
-    interval for 0/1 scores, BCa bootstrap for graded ones), and McNemar's exact p-value."""
-    p = paired_drop(baseline, policy, level)
-    return {
-        "n": p.n,
-        "baseline": _mean(baseline),
-        "policy": _mean(policy),
-        "lost": p.lost,
-        "gained": p.gained,
-        "drop": p.drop,
-        "drop_bounds": [p.lower, p.upper],  # one-sided at `level` each
-        "level": level,
-        "method": p.method,
-        "mcnemar_p": mcnemar_exact(p.lost, p.gained),
-    }
-
-
-def _grouped(rows: list[dict[str, Any]], key) -> dict[str, dict[str, Any]]:
-    """Paired statistics per group of rows (key(row) -> group name, None to leave a row out)."""
-    groups: dict[str, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
-    for r in rows:
-        k = key(r)
-        if k is not None:
-            groups[k][0].append(r["baseline_score"])
-            groups[k][1].append(r["score"])
-    return {k: paired(b, p) for k, (b, p) in sorted(groups.items())}
-
-
-def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per variant: accuracy beside the baseline's on the same samples, flips, KV bytes; and per cell."""
-    by_variant: dict[str, list[dict]] = defaultdict(list)
-    for r in rows:
-        by_variant[r["variant"]].append(r)
-    out = {}
-    for variant, rs in sorted(by_variant.items(), key=lambda kv: label_order(kv[0])):
-        overall = paired([r["baseline_score"] for r in rs], [r["score"] for r in rs])
-        out[variant] = {
-            "n": len(rs),
-            "accuracy": overall["policy"],
-            "baseline_accuracy": overall["baseline"],
-            "lost": overall["lost"],
-            "gained": overall["gained"],
-            "paired": overall,
-            "flip_causes": dict(Counter(c for c in map(flip_cause, rs) if c)),
-            # measured: in the dtype the model ran in here (float32 on the CPU)
-            "kv_bytes": _mean([r["kv_bytes"] for r in rs]),
-            "kv_bytes_baseline": _mean([r["kv_bytes_baseline"] for r in rs]),
-            "kv_ratio_measured": _mean([r["kv_bytes"] / r["kv_bytes_baseline"] for r in rs]),
-            # judged and planned: against the full cache as a deployment holds it (fp16/bf16, see deployed())
-            "kv_bytes_deployed": _mean([deployed(r)[0] for r in rs]),
-            "kv_ratio": _mean([deployed(r)[0] / deployed(r)[1] for r in rs]),
-            "kv_ratio_basis": "fp16" if all("kv_bytes_deployed" in r for r in rs) else "measured",
-            "peak_kv_bytes": max(r["peak_kv_bytes"] for r in rs),
-            # one-shot: the full cache exists while the context is prefilled; chunked: at most budget + chunk
-            "peak_prefill_kv_bytes": max(_peak_prefill(r) for r in rs),
-            "nominal_budget": _nominal(rs[0]),
-            # samples whose context is shorter than the token budget: the variant kept everything there
-            "budget_clipped": sum(bool(r.get("budget_clipped")) for r in rs),
-            "kv_bytes_per_token": _mean([deployed(r)[0] / r["context_tokens"] for r in rs if r.get("context_tokens")]),
-            # over the rows that carry one: a row without it is refused by the gate (evidence.judged_fields)
-            **{k: _mean([r[k] for r in rs if r.get(k) is not None]) for k in FIDELITY if k in rs[0]},
-            "splits": _grouped(rs, lambda r: r["cell"].get("split")),
-            "cells": _grouped(rs, lambda r: cell_key(r["cell"])),
-        }
-    return out
-
-
-def deployed(row: dict[str, Any]) -> tuple[int, int]:
-    """(variant, full-cache baseline) KV bytes as a deployment holds them: dense keys and values in fp16/bf16, quantized
-    ones packed (evalkit.kv.cache.deployed_bytes). Rows written before these were recorded: the measured bytes."""
-    if row.get("kv_bytes_deployed") and row.get("kv_bytes_baseline_deployed"):
-        return row["kv_bytes_deployed"], row["kv_bytes_baseline_deployed"]
-    return row["kv_bytes"], row["kv_bytes_baseline"]
-
-
-def _nominal(row: dict[str, Any]) -> float | None:
-    """The budget a variant asked for as a share of the context (None for token budgets and the baseline)."""
-    budget = (row.get("policy") or {}).get("budget")
-    return float(budget) if isinstance(budget, float) else None
-
-
-def _drop(p: dict[str, Any]) -> str:
-    lo, hi = p["drop_bounds"]
-    return f"{p['drop']:+.2f} [{lo:+.2f}, {hi:+.2f}]"
-
-
-def format_summary(summary: dict[str, Any]) -> str:
-    """The console table: variants, then each variant's per-cell accuracy beside the baseline's."""
-    w = max([24, *(len(name) + 2 for name in summary)])
-    head = (
-        f"{'variant':<{w}}{'n':>5}{'baseline':>10}{'policy':>8}{'lost':>6}{'gained':>8}{'drop [95% bounds]':>22}"
-        f"{'McNemar p':>11}{'KV measured':>14}{'ratio vs fp16':>15}"
-    )
-    lines = [head, "-" * len(head)]
-    for name, s in summary.items():
-        lines.append(
-            f"{name:<{w}}{s['n']:>5}{s['baseline_accuracy']:>10.2f}{s['accuracy']:>8.2f}{s['lost']:>6}"
-            f"{s['gained']:>8}{_drop(s['paired']):>22}{s['paired']['mcnemar_p']:>11.3g}"
-            f"{fmt_bytes(s['kv_bytes'], 'MiB'):>14}{s['kv_ratio']:>14.3f}x"
-        )
-    for name, s in summary.items():
-        if s.get("budget_clipped"):
-            lines.append(
-                f"{name}: the budget exceeds the context of {s['budget_clipped']} of {s['n']} samples "
-                "(budget_clipped): they kept every token"
-            )
-        if not is_baseline(name) and "kl_mean" in s:
-            lines.append(
-                f"{name}: mean KL {s['kl_mean']:.4f} nats, top-1 agreement {s['top1_agreement']:.3f}, "
-                f"perplexity ratio {s['ppl_ratio']:.3f}"
-            )
-        if not is_baseline(name) and s["splits"]:
-            parts = [f"{k} {v['baseline']:.2f} -> {v['policy']:.2f} (n={v['n']})" for k, v in s["splits"].items()]
-            lines.append(f"{name}: " + " | ".join(parts))
-    for name, s in summary.items():
-        if is_baseline(name):
-            continue
-        lines += ["", f"{name}: accuracy per cell (baseline -> policy)"]
-        lines += [
-            f"  {cell:<50} {c['baseline']:.2f} -> {c['policy']:.2f}  (n={c['n']})" for cell, c in s["cells"].items()
-        ]
-    return "\n".join(lines)

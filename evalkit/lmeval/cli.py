@@ -20,14 +20,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from evalkit.cli.config import variants as parse_variants
 from evalkit.errors import ConfigError
-from evalkit.gate.evidence import flip
-from evalkit.gate.summary import format_summary, summarize
-from evalkit.lmeval.evaluate import load_tasks, model_tokenizer, paired_rows, refuse_reconstruction
+from evalkit.lmeval.evaluate import documents, load_tasks, model_tokenizer, refuse_reconstruction
 from evalkit.lmeval.metrics import choose_metrics
 from evalkit.lmeval.model import EvalkitLM
 from evalkit.lmeval.registry import task_dir
-from evalkit.records import RUN, SAMPLES, SUMMARY, RecordWriter, read_rows, write_json
+from evalkit.records import BASELINE, RUN, SAMPLES, Job, RecordWriter, Result, RunInfo, pair, write_json
 from evalkit.run import models
+from evalkit.run.loop import finish
 from evalkit.run.resume import versions
 
 # What `--model_args` takes for the evalkit model (CommandLineLM's own arguments).
@@ -79,36 +78,23 @@ class CommandLineLM(EvalkitLM):
         super().__init__(loaded, parsed, max_gen_toks, rolling_split, metric, records)
 
 
-def write_records(out_dir: Path, rows: list[dict], run_info: dict, task_name: str) -> dict:
-    """samples.jsonl (rows with flips, as the Hydra route writes them), run.json and summary.json in out_dir; the
-    summary."""
+def write_records(out_dir: Path, answered: list[tuple[Job, list[Result]]], run_info: RunInfo, task_name: str) -> dict:
+    """samples.jsonl (each document's rows paired with the baseline's, as the Hydra route writes them), run.json
+    and summary.json in out_dir; the summary."""
 
     if (out_dir / SAMPLES).exists():
         raise ConfigError(f"{out_dir} already holds results; choose another folder with --model_args records=DIR")
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(out_dir / RUN, run_info)
+    write_json(out_dir / RUN, run_info.to_dict())
     writer = RecordWriter(out_dir / SAMPLES)
     try:
-        for row in rows:
-            flipped = flip(row["score"], row["baseline_score"])
-            writer.write(
-                {
-                    "run_id": run_info["run_id"],
-                    "task": task_name,
-                    "protocol": run_info["protocol"],
-                    "flip": flipped,
-                    **row,
-                }
-            )
+        for job, results in answered:
+            writer.write(*pair(run_info.head(task_name), job.row, results))
     finally:
         writer.close()
-    summary = summarize(read_rows(out_dir / SAMPLES))
-    write_json(out_dir / SUMMARY, summary)
-    print(format_summary(summary), file=sys.stderr)
-    print(
-        f"evalkit: paired records (baseline and {rows[0]['variant'] if rows else 'variant'}): {out_dir}",
-        file=sys.stderr,
-    )
+    summary = finish(out_dir, sys.stderr)
+    variant = answered[0][1][-1].variant if answered else "variant"
+    print(f"evalkit: paired records (baseline and {variant}): {out_dir}", file=sys.stderr)
     return summary
 
 
@@ -135,11 +121,11 @@ def _paired_evaluate(real, *, model=None, model_args=None, **kwargs):
     run = real(model=lm, tasks=objects, task_manager=manager, log_samples=True, **kwargs)
     quiet = {**kwargs, "evaluation_tracker": None}
     baseline = real(model=lm.baseline(), tasks=objects, task_manager=manager, log_samples=True, **quiet)
-    rows = paired_rows(lm.variant.name, lm, run, baseline, plan, with_baseline=True)
+    answered = documents([(lm, run)], baseline, plan)
     label = "".join(c if c.isalnum() or c in "@.+-_" else "_" for c in lm.variant.name)
     out = Path(lm.records or Path("results") / "lm_eval_cli" / lm.loaded.name / label / started.replace(":", "-"))
-    write_records(out, rows, _run_info(lm, list(names), args, kwargs, started), "lm_eval")
-    write_json(out / "lm_eval_results.json", {"baseline": baseline["results"], lm.variant.name: run["results"]})
+    write_records(out, answered, _run_info(lm, list(names), args, kwargs, started), "lm_eval")
+    write_json(out / "lm_eval_results.json", {BASELINE: baseline["results"], lm.variant.name: run["results"]})
     if not asked_samples:
         run.pop("samples", None)
     run.setdefault("config", {})["model"] = "evalkit"
@@ -156,22 +142,22 @@ def _manager(manager, metadata: dict, lm: CommandLineLM) -> TaskManager:
     return manager or TaskManager(include_path=include, metadata=metadata)
 
 
-def _run_info(lm: CommandLineLM, names: list[str], args: dict, kwargs: dict, started: str) -> dict[str, Any]:
+def _run_info(lm: CommandLineLM, names: list[str], args: dict, kwargs: dict, started: str) -> RunInfo:
     """run.json of a command-line run: what the gate needs (config, model fingerprint, versions) and the command."""
     task = {"name": "lm_eval", "tasks": names, "metric": lm.metric}
     task |= {k: kwargs.get(k) for k in ("limit", "num_fewshot", "metadata")}
     config = {"model": {"name": lm.loaded.name}, "task": task, "variants": [lm.variant.name], "model_args": args}
-    return {
-        "run_id": uuid.uuid4().hex[:12],
-        "route": "lm_eval command line (python -m evalkit.lmeval)",
-        "config": {**config, "protocol": "query_agnostic", "seed": 0},
-        "versions": versions(),
-        "command": sys.argv,
-        "started": started,
-        "protocol": "query_agnostic",
-        "seed": 0,
-        "model": lm.loaded.info(),
-    }
+    return RunInfo(
+        run_id=uuid.uuid4().hex[:12],
+        route="lm_eval command line (python -m evalkit.lmeval)",
+        config={**config, "protocol": "query_agnostic", "seed": 0},
+        versions=versions(),
+        command=sys.argv,
+        started=started,
+        protocol="query_agnostic",
+        seed=0,
+        model=lm.loaded.info(),
+    )
 
 
 def main() -> int:

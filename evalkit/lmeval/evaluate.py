@@ -1,13 +1,15 @@
-"""lm-eval tasks run for every variant and, by replay, the baseline: per-document paired rows and lm-eval's results
-(task=lm_eval)."""
+"""lm-eval tasks run for every variant and, by replay, the baseline (task=lm_eval): each document a Job with its
+Results for the run's sample loop (LmevalEngine), and lm-eval's results."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Generator
 from pathlib import Path
 
 import numpy as np
 import torch
+from omegaconf import DictConfig
 from platformdirs import user_cache_dir
 
 from evalkit.errors import ConfigError
@@ -15,7 +17,10 @@ from evalkit.kv.variant import Variant
 from evalkit.lmeval.metrics import OWN_LENGTH, choose_metrics, doc_score
 from evalkit.lmeval.model import EvalkitLM
 from evalkit.lmeval.registry import task_dir
+from evalkit.records import BASELINE, Job, Result, write_json
 from evalkit.run import models
+from evalkit.run.hf import HFEngine
+from evalkit.run.rows import hf_engine
 
 
 def refuse_reconstruction(variants: list[Variant]) -> None:
@@ -58,46 +63,63 @@ def load_tasks(manager, names: list[str], seeds: dict | None = None) -> list:
     return out
 
 
-def paired_rows(
-    name: str, lm: EvalkitLM, run: dict, baseline: dict, plan: dict[str, str | None], with_baseline: bool
-) -> list[dict]:
-    """One row per document for the variant (and, with_baseline, the baseline) from both runs' logged samples."""
-    rows = []
-    for task, docs in run["samples"].items():
+def documents(
+    runs: list[tuple[EvalkitLM, dict]], baseline: dict, plan: dict[str, str | None]
+) -> list[tuple[Job, list[Result]]]:
+    """One Job per document with its Results from lm-eval's logged samples: the baseline's (replayed beside the
+    first variant) and each variant's, scored by the planned per-document metric (choose_metrics), with what each
+    answered and the KV bytes of the document's compressed context."""
+    (first, first_run), out = runs[0], []
+    for task, docs in first_run["samples"].items():
         base = {d["doc_id"]: d for d in baseline["samples"][task]}
+        logged = [(lm, {d["doc_id"]: d for d in run["samples"][task]}) for lm, run in runs]
         for d in docs:
-            b = base[d["doc_id"]]
-            metric, score = doc_score(task, d, plan)
-            _, base_score = doc_score(task, b, plan)
+            metric, _ = doc_score(task, d, plan)
             cell = {"lm_eval_task": task}
             if plan[task] is OWN_LENGTH:
                 cell["max_length"] = int(d["doc"]["max_length"])
             sid = f"{task}/{d['doc_id']}"
-            common = {"sample_id": sid, "cell": cell, "baseline_score": base_score, "metric": metric}
-            common["answers"] = d.get("target")
             key = (task, d["doc_id"])
-            rows.append({**common, "variant": name, "score": score, **_response(d), **lm.kv.get(key, {})})
-            if with_baseline:
-                rows.append({**common, "variant": "baseline", "score": base_score, **_response(b)})
-                rows[-1].update(lm.kv_baseline.get(key, {}))
-    return rows
+            row = {"sample_id": sid, "cell": cell, "metric": metric, "answers": d.get("target")}
+            results = [_result(BASELINE, base[d["doc_id"]], task, plan, first.kv_baseline.get(key, {}))]
+            results += [
+                _result(lm.variant.name, by_id[d["doc_id"]], task, plan, lm.kv.get(key, {})) for lm, by_id in logged
+            ]
+            out.append((Job(sid, row), results))
+    return out
 
 
-def _response(doc: dict) -> dict:
-    """What the model answered, as lm-eval logged it after its filters: the text of a generation, else the scores."""
+def _result(name: str, doc: dict, task: str, plan: dict[str, str | None], kv: dict) -> Result:
+    """What the model answered, as lm-eval logged it after its filters (the text of a generation, else the scores
+    as `response`), scored by the planned metric."""
+    _, score = doc_score(task, doc, plan)
     resps = doc.get("filtered_resps")
     if isinstance(resps, list) and len(resps) == 1 and isinstance(resps[0], str):
-        return {"prediction": resps[0]}
-    return {"response": resps}
+        return Result(name, resps[0], {**hf_engine(), **kv}, score)
+    return Result(name, None, {"response": resps, **hf_engine(), **kv}, score)
 
 
-def evaluate(task, loaded: models.LoadedModel, variants: list[Variant]) -> tuple[list[dict], dict]:
-    """Run lm-eval tasks for every variant and, by replay, the baseline; per-document rows and lm-eval's results.
+class LmevalEngine(HFEngine):
+    """lm-eval's driver as the sample loop's engine: the model loaded and the policies prepared as evalkit's own
+    engine does, then lm-eval runs every request in one call and each document comes back as a Job with its
+    Results; lm-eval's own results go to lm_eval_results.json."""
 
-    Each row: task, doc id, variant, the planned per-document metric (choose_metrics) as the score, the baseline's
-    score on the same document, what each answered, and the KV bytes of the document's compressed context.
-    `task.metadata` is lm-eval's task metadata (RULER's max_seq_lengths; its tokenizer, by default the model's).
-    """
+    interruptible = False  # lm-eval runs every request in one call: Ctrl-C stops it at once
+
+    def __init__(self, cfg: DictConfig, task, variants: list[Variant], out_dir: Path):
+        super().__init__(cfg, task, variants)
+        self.out_dir = out_dir
+
+    def run(self, jobs: list[Job]) -> Generator[tuple[Job, list[Result]]]:
+        answered, results = evaluate(self.task, self.loaded, self.variants)
+        write_json(self.out_dir / "lm_eval_results.json", results)
+        yield from answered
+
+
+def evaluate(task, loaded: models.LoadedModel, variants: list[Variant]) -> tuple[list[tuple[Job, list[Result]]], dict]:
+    """Run lm-eval tasks for every variant and, by replay, the baseline; each document's Job and Results
+    (documents) and lm-eval's results. `task.metadata` is lm-eval's task metadata (RULER's max_seq_lengths; its
+    tokenizer, by default the model's)."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
@@ -117,13 +139,13 @@ def evaluate(task, loaded: models.LoadedModel, variants: list[Variant]) -> tuple
         "bootstrap_iters": 0,
         "gen_kwargs": task.lm_eval_gen_kwargs(),
     }
-    rows, results, baseline = [], {}, None
+    runs, results, baseline = [], {}, None
     for variant in variants:
         lm = EvalkitLM(loaded, variant)
         run = simple_evaluate(model=lm, **kwargs)
         if baseline is None:
             baseline = simple_evaluate(model=lm.baseline(), **kwargs)
-            results["baseline"] = baseline["results"]
+            results[BASELINE] = baseline["results"]
         results[variant.name] = run["results"]
-        rows += paired_rows(variant.name, lm, run, baseline, plan, with_baseline=variant is variants[0])
-    return rows, results
+        runs.append((lm, run))
+    return documents(runs, baseline, plan), results

@@ -11,7 +11,8 @@ from typing import Any
 from evalkit.errors import ConfigError
 from evalkit.gate.decide import SHOWN_TO_FAIL
 from evalkit.gate.reading import read_runs
-from evalkit.gate.summary import is_baseline, summarize
+from evalkit.gate.summary import is_baseline, label_order
+from evalkit.records.summary import summarize
 from evalkit.report.data import NO_VERDICT, trusted_verdict
 
 
@@ -31,7 +32,7 @@ def measured_variants(run_dirs: list[Path]) -> list[dict[str, Any]]:
             raise ConfigError(f"plan.runs: {d} holds no records (samples.jsonl); give a finished evalkit run")
         doc = trusted_verdict(d, records)
         model = ((records.infos[0] if records.infos else {}).get("model") or {}).get("name")
-        for name, s in summarize(records.rows).items():
+        for name, s in summarize(records.rows, label_order).items():
             if is_baseline(name):
                 continue
             status, why = _status(doc, name, d)

@@ -25,8 +25,9 @@ from evalkit.errors import ConfigError  # noqa: E402
 from evalkit.gate.judge import baseline_problems
 from evalkit.gate.outputs import chunked_table, output_folder
 from evalkit.gate.reading import read_runs
-from evalkit.gate.summary import chunked_vs_oneshot, group_of, is_baseline, label_order, summarize
+from evalkit.gate.summary import chunked_vs_oneshot, group_of, is_baseline, label_order
 from evalkit.gate.thresholds import load_thresholds, thresholds
+from evalkit.records.summary import summarize
 from evalkit.report.data import verdict_view
 from evalkit.report.page import pareto
 from evalkit.report.page import write as write_page
@@ -188,7 +189,7 @@ def report(runs: list[Path], out: Path) -> list[Path]:
     out = output_folder(out)
     verdict = verdict_view(runs, records)
     t = thresholds(verdict.thresholds, "in verdict.json") if verdict.thresholds else load_thresholds("default")
-    summary = summarize(records.rows)
+    summary = summarize(records.rows, label_order)
     warnings = [*records.problems, *baseline_problems(summary, t)[0]]
     for w in warnings:
         print(f"evalkit report: warning: {w}", file=sys.stderr)

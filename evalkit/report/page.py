@@ -26,19 +26,11 @@ from plotly.colors import qualitative
 from evalkit.gate.decide import SHOWN_TO_FAIL
 from evalkit.gate.judge import baseline_problems
 from evalkit.gate.reading import Records
-from evalkit.gate.stats import flip_cause
-from evalkit.gate.summary import (
-    BASELINE,
-    Group,
-    Label,
-    cell_key,
-    group_of,
-    is_baseline,
-    label_order,
-    summarize,
-    variant_name,
-)
+from evalkit.gate.summary import Group, Label, group_of, is_baseline, label_order, variant_name
 from evalkit.gate.thresholds import Thresholds
+from evalkit.records import BASELINE
+from evalkit.records.schema import flip_cause
+from evalkit.records.summary import cell_key, summarize
 from evalkit.report.data import Line, VerdictView, line_of, row_lines, run_folders, run_panel
 from evalkit.report.html import accuracy_colour, figure, write_page
 from evalkit.units import fmt_bytes
@@ -443,7 +435,7 @@ def build(
 ) -> dict[str, Any]:
     """Everything report.html.j2 shows, from merged records and the verdict."""
     rows = records.rows
-    summary = summarize(rows)
+    summary = summarize(rows, label_order)
     # what keeps the gate from judging, unless the verdict already gives it as a reason
     warnings = [w for w in [*records.problems, *baseline_problems(summary, thresholds)[0]] if w not in verdict.reasons]
     lost = lost_samples(rows, row_lines(run_folders(run_dirs)), out)

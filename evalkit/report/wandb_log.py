@@ -14,9 +14,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from evalkit.gate.summary import summarize
+from evalkit.gate.summary import label_order
 from evalkit.gate.tracked import verdict_fields
 from evalkit.records import SAMPLES, read_rows
+from evalkit.records.summary import summarize
 from evalkit.report.build import report
 from evalkit.tracking import Target, log_to_run, run_id, save_target, wandb_package
 
@@ -97,7 +98,7 @@ def log_run(
     """Log an evalkit run folder to W&B, a run per variant; returns their local W&B folders."""
     wandb = wandb_package()
     rows, info = read_rows(out_dir / SAMPLES), json.loads((out_dir / "run.json").read_text())
-    summary = summarize(rows)
+    summary = summarize(rows, label_order)
     page = report([out_dir], out_dir / "report")[0]
     verdict = current_verdict(out_dir)
     target = Target(

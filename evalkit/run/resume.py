@@ -13,7 +13,6 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 import hydra
 import torch
@@ -28,12 +27,12 @@ from evalkit.gate.reading import ROW_FIELDS
 from evalkit.records import (
     RUN,
     SAMPLES,
+    RunInfo,
     config_differences,
     experiment_config,
     scan_rows,
     write_json,
 )
-from evalkit.run import models
 from evalkit.tasks import Sample, Task
 from evalkit.tasks.prompt import Prompt
 
@@ -81,10 +80,10 @@ def _rederived(row: dict, task: Task, sample: Sample, prompt: Prompt) -> str | N
 _identity = experiment_config  # what must not change for resume=true to continue a run (evalkit.records)
 
 
-def _start(out_dir: Path, config: dict, resume: bool, task: Task) -> dict[str, Any]:
+def start(out_dir: Path, config: dict, resume: bool, task: Task) -> RunInfo:
     """Create run.json, or prove that the run being resumed is the same experiment: same config, library versions
-    and input files (sha256); the samples and the weights are compared once they are known (_check_samples_unchanged,
-    _check_model)."""
+    and input files (sha256); the samples and the engine are compared once they are known (check_samples_unchanged,
+    evalkit.run.loop.check_engine)."""
     rows_path, run_path = out_dir / SAMPLES, out_dir / RUN
     comparable = {k: v for k, v in config.items() if k != "resume"}
     has_rows = rows_path.exists() and rows_path.stat().st_size > 0
@@ -101,14 +100,14 @@ def _start(out_dir: Path, config: dict, resume: bool, task: Task) -> dict[str, A
             "experiment; restore run.json, or move the folder away to start afresh"
         )
     if resume and run_path.exists():
-        old = _read_run_json(run_path)
-        diffs = config_differences(_identity(old["config"]), _identity(comparable))
+        old = RunInfo.read(run_path)
+        diffs = config_differences(_identity(old.config), _identity(comparable))
         diffs += [
-            f"versions.{k}: {old['versions'].get(k)!r} -> {now[k]!r}"
+            f"versions.{k}: {old.versions.get(k)!r} -> {now[k]!r}"
             for k in ("torch", "transformers")
-            if old["versions"].get(k) != now[k]
+            if old.versions.get(k) != now[k]
         ]
-        old_files = (old.get("data") or {}).get("files", {})
+        old_files = (old.data or {}).get("files", {})
         diffs += [
             f"data file {Path(f).name} changed (sha256 {old_files.get(f, 'none')[:12]} -> {h[:12]})"
             for f, h in files.items()
@@ -119,21 +118,21 @@ def _start(out_dir: Path, config: dict, resume: bool, task: Task) -> dict[str, A
                 f"resume=true, but this run differs from the one in {out_dir}: {'; '.join(diffs)}; the rows there "
                 "answer the old experiment: run this one in a new folder"
             )
-        old["resumed"] = [*old.get("resumed", []), time.strftime("%Y-%m-%dT%H:%M:%S")]
-        old["config"] = comparable  # the sample count may have grown
+        old.resumed = [*(old.resumed or []), time.strftime("%Y-%m-%dT%H:%M:%S")]
+        old.config = comparable  # the sample count may have grown
         return old
-    info = {
-        "run_id": uuid.uuid4().hex[:12],
-        "config": comparable,
-        "versions": now,
-        "data": {"files": files},
-        "command": sys.argv,
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "protocol": config["protocol"],
-        "seed": config["seed"],
-        "torch_threads": torch.get_num_threads(),
-    }
-    write_json(run_path, info)
+    info = RunInfo(
+        run_id=uuid.uuid4().hex[:12],
+        config=comparable,
+        versions=now,
+        data={"files": files},
+        command=sys.argv,
+        started=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        protocol=config["protocol"],
+        seed=config["seed"],
+        torch_threads=torch.get_num_threads(),
+    )
+    write_json(run_path, info.to_dict())
     return info
 
 
@@ -145,30 +144,17 @@ def _input_files(task: Task) -> list[str]:
     return [str(Path(path).resolve())] if path else []
 
 
-def _read_run_json(path: Path) -> dict[str, Any]:
-    try:
-        info = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(
-            f"{path} cannot be read ({err}); the run cannot be resumed: move the folder away to start afresh"
-        ) from None
-    if not isinstance(info, dict) or not isinstance(info.get("config"), dict) or "run_id" not in info:
-        raise ConfigError(f"{path} is not an evalkit run.json; move the folder away to start afresh")
-    info.setdefault("versions", {})
-    return info
-
-
 def sample_digest(sample: Sample) -> str:
     """sha256 of everything a sample feeds the model and is scored against."""
     fields = dataclasses.asdict(sample)
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _check_samples_unchanged(run_info: dict[str, Any], samples: list[Sample], out_dir: Path) -> None:
+def check_samples_unchanged(run_info: RunInfo, samples: list[Sample], out_dir: Path) -> None:
     """Record each sample's digest; on resume, refuse when the task now generates other samples than the rows
     already written answer. New samples beside unchanged old ones (a larger task.samples_per_cell) extend the run."""
     now = {s.id: sample_digest(s) for s in samples}
-    data = run_info.setdefault("data", {})
+    data = run_info.data = run_info.data or {}
     old = data.get("samples")
     if old is not None and old != now:
         changed = sorted(i for i in set(old) & set(now) if old[i] != now[i])
@@ -187,12 +173,6 @@ def _check_samples_unchanged(run_info: dict[str, Any], samples: list[Sample], ou
         print(f"evalkit: extending {out_dir}: {len(old)} samples done before, {len(new)} new")
         data["extended"] = [*data.get("extended", []), {"from": len(old), "to": len(now)}]
     data["samples"] = now
-
-
-def _check_model(run_info: dict, loaded: models.LoadedModel) -> None:
-    old = run_info.get("model", {}).get("fingerprint")
-    if old is not None and old != loaded.fingerprint:
-        raise ConfigError(f"resume=true, but the model weights changed ({old} -> {loaded.fingerprint})")
 
 
 def versions() -> dict[str, str]:

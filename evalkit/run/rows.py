@@ -1,18 +1,16 @@
-"""The record of one variant on one sample: the fields of a samples.jsonl row, built from the engine's Outcome."""
+"""What evalkit's engine records of one decode: the row fields built from its Outcome (the run's rows, evalkit.run.hf,
+and lm-eval's, evalkit.lmeval.model); the rows themselves are built by evalkit.records.pair."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 import transformers
 
-from evalkit.gate.summary import BASELINE
 from evalkit.kv.variant import Variant
 from evalkit.run import models
 from evalkit.run.engine import Outcome
-from evalkit.tasks import Sample, Task
 from evalkit.tasks.prompt import Prompt
 
 
@@ -21,14 +19,8 @@ def prediction_text(loaded: models.LoadedModel, outcome: Outcome) -> str:
 
 
 def hf_engine() -> dict[str, str]:
-    """What every row of evalkit's own engine says produced it (issue 25: rows name their backend)."""
+    """What every row of evalkit's own engine says produced it: rows name their backend."""
     return {"backend": "hf", "engine_version": f"transformers {transformers.__version__}, torch {torch.__version__}"}
-
-
-def header(run_info: dict, task_name: str, protocol: str) -> dict[str, Any]:
-    """What every row of a run written by evalkit's engine begins with: the run, the task, the protocol and the
-    engine (the run's own samples and lm-eval's documents alike)."""
-    return {"run_id": run_info["run_id"], "task": task_name, "protocol": protocol, **hf_engine()}
 
 
 def kv_fields(outcome: Outcome, variant: Variant | None, n_context: int) -> dict[str, Any]:
@@ -59,51 +51,6 @@ def kv_fields(outcome: Outcome, variant: Variant | None, n_context: int) -> dict
 def baseline_fields(baseline: Outcome) -> dict[str, int]:
     """The baseline's bytes on the same context, carried by every row of a sample."""
     return {"kv_bytes_baseline": baseline.kv_bytes, "kv_bytes_baseline_deployed": baseline.kv_bytes_deployed}
-
-
-def _row(
-    run_info,
-    task: Task,
-    sample: Sample,
-    prompt: Prompt,
-    outcome: Outcome,
-    baseline: Outcome,
-    loaded,
-    variant: Variant | None,
-    protocol: str,
-) -> dict[str, Any]:
-    return {
-        **header(run_info, task.name, protocol),
-        "sample_id": sample.id,
-        "cell": sample.cell,
-        "variant": outcome.variant,
-        "policy": dataclasses.asdict(variant.policy) if variant is not None else {"name": BASELINE},
-        "quant": dataclasses.asdict(variant.quant) if variant is not None and variant.quant else None,
-        "prediction": prediction_text(loaded, outcome),
-        "answers": sample.answers,
-        **scorer_field(task, sample),
-        "question": sample.question,  # what was asked of the context: the report shows it beside a lost sample
-        **kv_fields(outcome, variant, prompt.n_context),
-        **baseline_fields(baseline),
-        "evidence_retained_per_layer": outcome.evidence_retained,
-        "budget_clipped": budget_clipped(variant, prompt),
-        "context_id": prompt.context_id,  # the compressed context: questions answered from one prefill share it
-        "document_id": prompt.document_id,  # the text before the question: the gate's unit, whatever the protocol
-        "prompt_tokens": int(prompt.ids.shape[1]),
-        "generated_tokens": len(outcome.tokens),
-        "seconds": {k: round(v, 4) for k, v in outcome.seconds.items()},
-        # decoded in one batch with this many caches (its seconds.decode a share of the batch's); or not decoded at
-        # all: the variant named kept the same tokens, stored alike, and its decode is this row's (evalkit.run.outcome)
-        "decode_batch": outcome.decode_batch,
-        "decoded_like": outcome.decoded_like,
-        **task.row_fields(sample),  # what a task records of each sample beyond these (task=hf: its truncation)
-    }
-
-
-def scorer_field(task: Task, sample: Sample) -> dict[str, Any]:
-    """The scorer of a generated answer (evalkit.scoring.spec), with which the gate and resume score it again;
-    nothing for a teacher-forced row (scored from logits)."""
-    return {} if task.teacher_forced else {"scorer": task.scorer_spec(sample)}
 
 
 def budget_clipped(variant: Variant | None, prompt: Prompt) -> bool | None:

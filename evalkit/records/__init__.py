@@ -1,4 +1,6 @@
-"""Append-only results: `samples.jsonl` (one row per sample x variant, flushed as each finishes) and `run.json`.
+"""Append-only results: `samples.jsonl` (one row per sample x variant, flushed as each finishes) and `run.json`;
+their schema (`Row`, `RunInfo`, the pairing with the baseline) is evalkit.records.schema, the paired summary of a
+run's rows evalkit.records.summary.
 
 A killed run loses at most the row in flight: rows are written whole, flushed and fsynced; a torn last line
 left by a kill is cut off when the run resumes. A write that fails (a full disk, a folder made read-only) is undone
@@ -16,13 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from evalkit.errors import ConfigError
+from evalkit.records.schema import BASELINE, Job, Result, Row, RunInfo, flip, pair
+
+# the schema, read from here as from its own module
+__all__ = ["BASELINE", "Job", "Result", "Row", "RunInfo", "flip", "pair"]
 
 SAMPLES = "samples.jsonl"
 RUN = "run.json"
 SUMMARY = "summary.json"
 
-
-BASELINE = "baseline"  # the full cache's variant label
 # What a task's config holds about how many samples to draw, not which: a run extended with more samples (resume=true
 # and a larger count) keeps its identity, and its samples' digests prove the old ones unchanged.
 SAMPLE_COUNT = ("samples_per_cell", "limit", "fraction")
@@ -122,14 +126,16 @@ class RecordWriter:
         except OSError as err:
             raise write_failed(path, err) from None
 
-    def write(self, *rows: dict[str, Any]) -> None:
-        """Append `rows` (a sample's baseline and variants) in one write and one fsync: a process killed meanwhile
-        (a sweep's worker that its launcher stops) leaves all of them or none, never a sample's baseline alone."""
+    def write(self, *rows: Row | dict[str, Any]) -> None:
+        """Append `rows` (a sample's baseline and variants; a Row, or a mapping as read back) in one write and one
+        fsync: a process killed meanwhile (a sweep's worker that its launcher stops) leaves all of them or none,
+        never a sample's baseline alone."""
         if not rows:
             return
         start = self._file.tell()
         try:
-            self._file.write("".join(to_json(row) + "\n" for row in rows).encode())
+            lines = (to_json(row.to_dict() if isinstance(row, Row) else row) + "\n" for row in rows)
+            self._file.write("".join(lines).encode())
             self._file.flush()
             os.fsync(self._file.fileno())
         except OSError as err:
