@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from omegaconf import OmegaConf
 
+from evalkit.cli.spec import model_spec
 from evalkit.kv.attention import causal_tail_mask, observe
 from evalkit.kv.cache import full_attention_layers, share
 from evalkit.run import models
@@ -95,7 +96,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     tick = clock(args.clock)
-    loaded = models.load(OmegaConf.load(CONF), "cpu")
+    loaded = models.load(model_spec(OmegaConf.load(CONF)), "cpu")
     print(f"torch {torch.__version__}, {args.threads} thread(s), {args.clock} seconds; chunks of {args.chunk} tokens")
     print(f"{'sample':>14} {'tokens':>6} {'prefill':>8} {'pass now':>9} {'ratio':>6} {'pass before':>12} {'ratio':>6}")
     now, before = [], []

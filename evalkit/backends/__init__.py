@@ -16,17 +16,22 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from omegaconf import DictConfig
-
 from evalkit.errors import ConfigError
+from evalkit.modelspec import ModelSpec
 
 NAMES = ("hf", "llamacpp", "openai")
 
 
-def name(cfg: DictConfig) -> str:
-    """The backend a config selects; `hf` when it names none (configs written before backends existed)."""
-    node = cfg.get("backend")
-    return "hf" if node is None else str(node.get("name", "hf"))
+@dataclass(frozen=True)
+class BackendSpec:
+    """What a backend reads of the run besides its own settings (conf/backend): the model, the variants as
+    `variants=[...]` lists them (each engine reads its own names: llama.cpp's cache types), the storage `quant=`
+    asks for (evalkit's own, refused elsewhere), and the seed."""
+
+    model: ModelSpec
+    variants: tuple[str, ...] = ()
+    quant: str = "none"
+    seed: int = 0
 
 
 @dataclass
@@ -56,13 +61,13 @@ class Backend(Protocol):
 
     name: str
 
-    def check(self, cfg: DictConfig, task: Any) -> None:
+    def check(self, spec: BackendSpec, task: Any) -> None:
         """ConfigError for what is wrong before anything loads or is contacted: variants, settings, the task."""
 
     def variant_names(self) -> list[str]:
         """The variants' names, as rows record them (the baseline is `baseline`)."""
 
-    def open(self, cfg: DictConfig, jobs: list[Job]) -> dict[str, Any]:
+    def open(self, spec: BackendSpec, jobs: list[Job]) -> dict[str, Any]:
         """Load the engine or reach the servers, and refuse (ConfigError) what cannot give a fair comparison; return
         what run.json records of the engine (`engine`, `engine_version`, settings) and of the model (`model`)."""
 
@@ -84,12 +89,11 @@ def check_generates(backend: str, task: Any) -> None:
         raise ConfigError(f"backend={backend}: task={task.name} is driven by lm-eval, which runs with backend=hf only")
 
 
-def check_variants_unused(cfg: DictConfig, backend: str) -> None:
+def check_variants_unused(spec: BackendSpec, backend: str) -> None:
     """A run on another engine stores nothing in evalkit's own formats: `quant=...` is refused, not silently
     ignored."""
-    quant = (cfg.get("quant") or {}).get("name", "none")
-    if quant != "none":
+    if spec.quant != "none":
         raise ConfigError(
-            f"quant={quant} is evalkit's own storage (backend=hf); with backend={backend} the engine's KV types are "
-            "the variants: drop quant=..."
+            f"quant={spec.quant} is evalkit's own storage (backend=hf); with backend={backend} the engine's KV types "
+            "are the variants: drop quant=..."
         )

@@ -11,10 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
 from tqdm import tqdm
 
-from evalkit.backends import Backend, Job, Result
+from evalkit.backends import Backend, BackendSpec, Job, Result
 from evalkit.errors import ConfigError
 from evalkit.gate.evidence import flip
 from evalkit.records import RUN, RecordWriter, read_rows, write_json
@@ -28,7 +27,7 @@ PROTOCOL = "engine: every token in the engine's cache type"
 
 def run_backend(
     engine: Backend,
-    cfg: DictConfig,
+    spec: BackendSpec,
     run_info: dict[str, Any],
     task: Any,
     samples: list,
@@ -47,7 +46,7 @@ def run_backend(
     ]
     if recorded:
         print(f"evalkit: resuming {rows_path.parent}: {len(samples) - len(jobs)} of {len(samples)} samples done before")
-    opened = engine.open(cfg, jobs)
+    opened = engine.open(spec, jobs)
     check_engine(run_info, opened)
     run_info.update(opened)
     write_json(rows_path.parent / RUN, run_info)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from evalkit.backends import Backend
@@ -36,44 +35,46 @@ from evalkit.run.rows import _row, budget_clipped, header, prediction_text
 from evalkit.tasks import Sample, Task
 from evalkit.tasks.prompt import Prompt, build_prompt, prompt_text
 
+if TYPE_CHECKING:
+    from evalkit.cli.spec import RunSpec
 
-def run(
-    cfg: DictConfig, out_dir: Path, task: Task, variants: list[Variant], engine: Backend | None = None
-) -> dict[str, Any]:
-    """Run `task` with the baseline and `variants` (built and checked by the command line, evalkit.cli.job) into
-    `out_dir`, or through another engine (`engine`: evalkit.backends); return the summary."""
+
+def run(spec: RunSpec) -> dict[str, Any]:
+    """Run the spec's task with the baseline and its variants (built and checked by the command line,
+    evalkit.cli.spec) into its folder, or through another engine (its `engine`: evalkit.backends); return the
+    summary."""
+    out_dir, task, variants, engine = spec.out_dir, spec.task, list(spec.variants), spec.engine
     if task.external and any(v.chunk for v in variants):
         raise ConfigError(f"task={task.name}: lm-eval drives its own forwards, so prefill=chunked is not supported")
-    _check_attention(cfg, variants)
+    _check_attention(spec, variants)
     print(f"evalkit: run folder: {out_dir}")
     with RunLock(out_dir):  # before evalkit writes anything there: one writer per folder
-        return _run(cfg, out_dir, task, variants, engine)
+        return _run(spec, out_dir, task, variants, engine)
 
 
 def _run(
-    cfg: DictConfig, out_dir: Path, task: Task, variants: list[Variant], engine: Backend | None = None
+    spec: RunSpec, out_dir: Path, task: Task, variants: list[Variant], engine: Backend | None = None
 ) -> dict[str, Any]:
     rows_path = out_dir / SAMPLES
-    config = OmegaConf.to_container(cfg, resolve=True)
-    run_info = _start(out_dir, config, bool(cfg.resume), task)
+    run_info = _start(out_dir, spec.config, spec.resume, task)
     done = {(r["sample_id"], r["variant"]) for r in read_rows(rows_path, repair=True)}
     if interrupt.requested():  # a sweep's job that starts after Ctrl-C
         raise interrupt.Interrupted(f"stopped before {out_dir} started")
-    torch.manual_seed(int(cfg.seed))
+    torch.manual_seed(spec.seed)
     if not task.external:
         # The tokenizer loads before the weights: every sample is built and checked before any of them runs.
-        tokenizer = models.load_tokenizer(cfg.model)
+        tokenizer = models.load_tokenizer(spec.model)
         samples = task.samples(tokenizer)
         _check_samples_unchanged(run_info, samples, out_dir)
-        prompts = [build_prompt(tokenizer, s, cfg.protocol) for s in samples]
+        prompts = [build_prompt(tokenizer, s, spec.protocol) for s in samples]
         check_written(rows_path, task, samples, prompts)
-        check_samples(samples, prompts, models.max_context(cfg.model), cfg, task, variants)
+        check_samples(samples, prompts, models.max_context(spec.model), spec, task, variants)
         write_json(out_dir / RUN, run_info)
     if engine is not None:  # another engine produces the outcomes (evalkit.backends.loop)
         texts = {s.id: prompt_text(tokenizer, s)[0] for s in samples}  # what a server is sent
-        run_backend(engine, cfg, run_info, task, samples, prompts, texts, rows_path)
+        run_backend(engine, spec.backend, run_info, task, samples, prompts, texts, rows_path)
         return _finish(rows_path, out_dir)
-    loaded = models.load(cfg.model, cfg.device)
+    loaded = models.load(spec.model, spec.device)
     _check_model(run_info, loaded)
     run_info["model"] = loaded.info()
     prepared = prepare_policies(variants, loaded)
@@ -81,13 +82,15 @@ def _run(
         run_info["prepared"] = prepared
     write_json(out_dir / RUN, run_info)
     if task.external:
-        _run_external(task, loaded, variants, run_info, rows_path, done, cfg)
+        _run_external(task, loaded, variants, run_info, rows_path, done, spec)
     else:
-        _run_samples(cfg, out_dir, task, variants, loaded, run_info, list(zip(samples, prompts, strict=True)), done)
+        _run_samples(spec, out_dir, task, variants, loaded, run_info, list(zip(samples, prompts, strict=True)), done)
     return _finish(rows_path, out_dir)
 
 
-def _run_samples(cfg, out_dir: Path, task: Task, variants: list[Variant], loaded, run_info: dict, work, done: set):
+def _run_samples(
+    spec: RunSpec, out_dir: Path, task: Task, variants: list[Variant], loaded, run_info: dict, work, done: set
+):
     """Every sample not yet done: the baseline and each variant from one prefill, rows written as each finishes."""
     names = [BASELINE] + [v.name for v in variants]
     pending = [(s, p) for s, p in work if any((s.id, n) not in done for n in names)]
@@ -117,7 +120,7 @@ def _run_samples(cfg, out_dir: Path, task: Task, variants: list[Variant], loaded
                 [None, *variants], [baseline, *outcomes], results, strict=True
             ):
                 if (sample.id, outcome.variant) not in done:
-                    row = _row(run_info, task, sample, prompt, outcome, baseline, loaded, variant, cfg.protocol)
+                    row = _row(run_info, task, sample, prompt, outcome, baseline, loaded, variant, spec.protocol)
                     fields = {"score": score, "baseline_score": base_score}
                     fields["flip"] = flip(score, base_score) if not task.teacher_forced else None
                     rows.append({**row, **extra, **fields})
@@ -147,7 +150,7 @@ def _finish(rows_path: Path, out_dir: Path) -> dict[str, Any]:
     return summary
 
 
-def _run_external(task, loaded, variants, run_info, rows_path: Path, done: set, cfg: DictConfig) -> None:
+def _run_external(task, loaded, variants, run_info, rows_path: Path, done: set, spec: RunSpec) -> None:
     """lm-eval tasks: lm-eval drives the requests; evalkit records one row per document and variant."""
     from evalkit.lmeval.evaluate import evaluate
 
@@ -160,7 +163,7 @@ def _run_external(task, loaded, variants, run_info, rows_path: Path, done: set, 
             if (row["sample_id"], row["variant"]) not in done:
                 writer.write(
                     {
-                        **header(run_info, task.name, cfg.protocol),
+                        **header(run_info, task.name, spec.protocol),
                         "flip": flip(row["score"], row["baseline_score"]),
                         **row,
                     }
@@ -187,7 +190,7 @@ def score_outcomes(loaded, task: Task, sample: Sample, prompt: Prompt, baseline:
 
 
 def check_samples(
-    samples: list[Sample], prompts: list[Prompt], limit: int, cfg: DictConfig, task: Task, variants: list[Variant]
+    samples: list[Sample], prompts: list[Prompt], limit: int, spec: RunSpec, task: Task, variants: list[Variant]
 ) -> None:
     """What only tokenized samples can tell, for all of them before any runs: does each fit the model (`limit`
     tokens), can every budget hold on it? A budget larger than a sample's context is run as the full context and
@@ -200,7 +203,7 @@ def check_samples(
     if too_long:
         more = f" and {len(too_long) - 5} more" if len(too_long) > 5 else ""
         raise ConfigError(
-            f"{len(too_long)} sample(s) need more tokens (prompt + answer) than {cfg.model.name}'s {limit}: "
+            f"{len(too_long)} sample(s) need more tokens (prompt + answer) than {spec.model.name}'s {limit}: "
             f"{', '.join(too_long[:5])}{more}; shorten their contexts (nothing was run)"
         )
     for s, p in zip(samples, prompts, strict=True):
@@ -217,10 +220,10 @@ def check_samples(
             )
 
 
-def _check_attention(cfg: DictConfig, variants: list[Variant]) -> None:
+def _check_attention(spec: RunSpec, variants: list[Variant]) -> None:
     """Before the weights load: what needs evalkit's observed SDPA (attention scores, packed quantized history).
     Whether the implementation itself can run here, models.load checks."""
-    impl = cfg.model.get("attn_implementation", "sdpa")
+    impl = spec.model.attn_implementation
     needs = sorted({n for v in variants for n in v.policy.needs})
     if impl != "sdpa" and needs:
         raise ConfigError(
