@@ -50,9 +50,8 @@ def test_the_spec_is_frozen_plain_values_and_the_objects_they_name():
 
 
 def test_another_engine_gets_its_backend_spec_and_parses_its_variants_once():
-    spec = run_spec(
-        compose_config(*TINY[1:], "model=smollm2-135m", "backend=llamacpp", "variants=[llamacpp:q8_0,llamacpp:q8_0/q4_0]")
-    )
+    variants = "variants=[llamacpp:q8_0,llamacpp:q8_0/q4_0]"
+    spec = run_spec(compose_config(*TINY[1:], "model=smollm2-135m", "backend=llamacpp", variants))
     assert spec.backend == BackendSpec(spec.model, ("llamacpp:q8_0", "llamacpp:q8_0/q4_0"), "none", 0)
     assert spec.variants == () and spec.engine.variant_names() == ["llamacpp:q8_0", "llamacpp:q8_0/q4_0"]
     assert [(c.k, c.v) for c in spec.engine.variants] == [("q8_0", "q8_0"), ("q8_0", "q4_0")]
@@ -66,8 +65,8 @@ def test_a_model_spec_keeps_what_the_loaders_read():
 
 
 # Below the command line: the run, the engines, the tasks, the KV layer, the policies, the kernels, the verdict, the
-# report and the leaves. gate/thresholds.py reads the gate's own YAML files (python -m evalkit.gate --gate FILE), interpolations and
-# all, with OmegaConf; it takes plain values from everyone else.
+# report and the leaves. gate/thresholds.py reads the gate's own YAML files (python -m evalkit.gate --gate FILE),
+# interpolations and all, with OmegaConf; it takes plain values from everyone else.
 BELOW_CLI = ["run", "kv", "backends", "tasks", "gate", "report", "scoring"]
 YAML_READER = ROOT / "evalkit" / "gate" / "thresholds.py"
 
