@@ -20,6 +20,7 @@ import time
 from omegaconf import OmegaConf
 
 from evalkit import policies as policy_module
+from evalkit.cli.spec import model_spec
 from evalkit.kv import contract
 from evalkit.kv.variant import Variant
 from evalkit.policies import adakv, chunkkv
@@ -64,7 +65,7 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--samples", type=int, default=2)
     args = ap.parse_args()
-    loaded = models.load(OmegaConf.load(CONF), "cpu")
+    loaded = models.load(model_spec(OmegaConf.load(CONF)), "cpu")
     stop = {loaded.tokenizer.eos_token_id}
     variants = [
         Variant(SnapKV(budget=0.25)),

@@ -33,6 +33,7 @@ import torch
 from omegaconf import OmegaConf
 
 from evalkit.cli.config import variants as configured_variants
+from evalkit.cli.spec import model_spec
 from evalkit.kv.cache import compress
 from evalkit.kv.variant import Variant
 from evalkit.run import models
@@ -51,7 +52,7 @@ def policies(specs: list[str]):
 def load(attn: str = "sdpa"):
     """SmolLM2 under evalkit's SDPA, or under transformers' eager attention (for contrast: evalkit itself does not
     run eager attention, so the weights load as usual and the model is switched after)."""
-    loaded = models.load(OmegaConf.load(CONF), "cpu")
+    loaded = models.load(model_spec(OmegaConf.load(CONF)), "cpu")
     if attn == "eager":
         loaded.model.set_attn_implementation("eager")
     return loaded

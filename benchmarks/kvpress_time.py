@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from evalkit.cli.spec import model_spec
 from evalkit.embedded import cache_root
 from evalkit.policies.h2o import H2O
 from evalkit.policies.kvzip import KVzip
@@ -81,7 +82,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     tick = time.process_time if args.clock == "cpu" else time.perf_counter
-    cfg = OmegaConf.load(ROOT / "conf" / "model" / "smollm2-135m.yaml")
+    cfg = model_spec(OmegaConf.load(ROOT / "conf" / "model" / "smollm2-135m.yaml"))
     loaded = models.load(cfg, "cpu")
     depths = [i / max(1, args.samples - 1) for i in range(args.samples)]
     samples = [

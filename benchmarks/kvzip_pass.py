@@ -4,12 +4,11 @@
 
 Per needle sample, interleaved: a plain prefill of the context (what every run pays), the pass now
 (`evalkit.policies.kvzip_pass.reconstruct`: every chunk's pass one block of a single forward, the cache layers attending
-for the model and scoring from the same logits, the prefilled cache read in place), and the pass as it was before it became
-one forward (`legacy_reconstruct` below, kept only to measure against: one forward per chunk over its own copy of the
-full cache through SDPA with a mask, scored by a second QK^T over the sinks, the chunk and the pass's own keys). Both
-passes must give the same scores (checked on every sample). `--clock cpu` (the default) times the process's CPU
-seconds, which other jobs on a shared machine barely move when torch runs one thread; `--clock wall` times wall
-seconds.
+for the model and scoring from the same logits, the prefilled cache read in place), and the pass as it was before it
+became one forward (`legacy_reconstruct` below, kept only to measure against: one forward per chunk over its own copy of
+the full cache through SDPA with a mask, scored by a second QK^T over the sinks, the chunk and the pass's own keys).
+Both passes must give the same scores (checked on every sample). `--clock cpu` (the default) times the process's CPU
+seconds, which other jobs on a shared machine barely move when torch runs one thread; `--clock wall` times wall seconds.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ import torch
 from omegaconf import OmegaConf
 
 from evalkit.attention.sdpa import causal_tail_mask, observe
+from evalkit.cli.spec import model_spec
 from evalkit.kv.cache import full_attention_layers, share
 from evalkit.policies.kvzip_pass import PREVIOUS_IDS, reconstruct
 from evalkit.run import models
@@ -101,7 +101,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     tick = clock(args.clock)
-    loaded = models.load(OmegaConf.load(CONF), "cpu")
+    loaded = models.load(model_spec(OmegaConf.load(CONF)), "cpu")
     print(f"torch {torch.__version__}, {args.threads} thread(s), {args.clock} seconds; chunks of {args.chunk} tokens")
     print(f"{'sample':>14} {'tokens':>6} {'prefill':>8} {'pass now':>9} {'ratio':>6} {'pass before':>12} {'ratio':>6}")
     now, before = [], []

@@ -17,6 +17,7 @@ import time
 import torch
 from omegaconf import OmegaConf
 
+from evalkit.cli.spec import model_spec
 from evalkit.kv.variant import Variant
 from evalkit.policies.streaming_llm import StreamingLLM
 from evalkit.run import models
@@ -47,7 +48,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=3)
     ap.add_argument("--budget", type=float, default=0.25)
     args = ap.parse_args()
-    cfg = OmegaConf.load(CONF)
+    cfg = model_spec(OmegaConf.load(CONF))
     first, cached = load_times(cfg)
     print(f"model load: first (GGUF -> safetensors) {first:.1f} s, cached {cached:.2f} s")
 

@@ -59,6 +59,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from evalkit.cli.spec import model_spec
 from evalkit.embedded import converted_folder
 from evalkit.kv.cache import compress, held_positions
 from evalkit.policies import KVPolicy
@@ -291,7 +292,7 @@ def main() -> None:
     ap.add_argument("--presses", nargs="+", choices=list(PAIRS), default=list(PAIRS), help="compare only these")
     args = ap.parse_args()
 
-    cfg = OmegaConf.load(CONF)
+    cfg = model_spec(OmegaConf.load(CONF))
     loaded = models.load(cfg, "cpu")
     model_dir = converted_folder(cfg)  # the converted safetensors folder
     prompts = build_prompts(loaded.tokenizer)

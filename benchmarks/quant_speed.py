@@ -27,6 +27,7 @@ import torch
 from omegaconf import OmegaConf
 
 from evalkit.cli.config import quant_spec
+from evalkit.cli.spec import model_spec
 from evalkit.kv.variant import Variant
 from evalkit.policies.none import FullCache
 from evalkit.run import models
@@ -46,7 +47,7 @@ def main() -> None:
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: the interpreter times Triton's emulation, not the CPU path")
-    loaded = models.load(OmegaConf.load(os.path.join(ROOT, "conf", "model", "smollm2-135m.yaml")), "cpu")
+    loaded = models.load(model_spec(OmegaConf.load(os.path.join(ROOT, "conf", "model", "smollm2-135m.yaml"))), "cpu")
     specs = {
         n: quant_spec(OmegaConf.load(os.path.join(ROOT, "conf", "quant", f"{n}.yaml"))) for n in ("int8", "int4", "fp8")
     }

@@ -11,10 +11,10 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from omegaconf import DictConfig
 from platformdirs import user_cache_dir
 
 from evalkit.errors import ConfigError
+from evalkit.modelspec import ModelSpec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -25,18 +25,18 @@ def cache_root() -> Path:
     return Path(os.environ.get("EVALKIT_CACHE") or user_cache_dir("evalkit")) / "models"
 
 
-def converted_folder(model: DictConfig) -> Path:
+def converted_folder(model: ModelSpec) -> Path:
     """The safetensors folder an embedded GGUF model is converted into, once."""
     return cache_root() / f"{model.name}-{model.package_version}"
 
 
-def gguf_path(model: DictConfig) -> Path:
+def gguf_path(model: ModelSpec) -> Path:
     """The GGUF file of an embedded model: in its package, or assembled once from a chunked package's parts (into
     the cache, beside the converted models), without importing the package's command-line dependencies."""
     spec = importlib.util.find_spec(model.module)
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError(f"model {model.name} needs the package {model.package}; install it with: {model.pip_install}")
-    if not model.get("assemble"):
+    if not model.assemble:
         return Path(spec.submodule_search_locations[0]) / model.gguf_file
     target = cache_root().parent / "gguf" / f"{model.name}-{model.package_version}" / model.gguf_file
     if not target.is_file():

@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import evalkit.cli.main  # noqa: F401  (registers the resolvers of the run-folder pattern)
 from evalkit.cli.config import build
+from evalkit.cli.spec import model_spec
 from evalkit.kv.cache import compress
 from evalkit.run import models
 from evalkit.run.engine import prefill, reconstruction
@@ -46,7 +47,7 @@ def compose_config(*overrides: str) -> DictConfig:
 @pytest.fixture(scope="session")
 def tiny():
     """The tiny-random model from conf/model/tiny-random.yaml, loaded once."""
-    return models.load(OmegaConf.load(ROOT / "conf" / "model" / "tiny-random.yaml"), "cpu")
+    return models.load(model_spec(OmegaConf.load(ROOT / "conf" / "model" / "tiny-random.yaml")), "cpu")
 
 
 def run_cli(

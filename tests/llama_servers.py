@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 from omegaconf import OmegaConf
 
+from evalkit.cli.spec import model_spec
 from evalkit.embedded import gguf_path
 from tests.conftest import ROOT
 
@@ -24,7 +25,7 @@ N_CTX = 512  # the prompts of the tests' needles (256-token haystacks) and their
 
 
 def smollm2_gguf() -> Path:
-    return gguf_path(OmegaConf.load(ROOT / "conf" / "model" / "smollm2-135m.yaml"))
+    return gguf_path(model_spec(OmegaConf.load(ROOT / "conf" / "model" / "smollm2-135m.yaml")))
 
 
 def free_port() -> int:

@@ -168,7 +168,7 @@ def test_a_variant_validates_its_chunk():
 
 
 def test_a_chunked_run_records_its_bounded_peak_and_the_gate_report_sets_it_beside_one_shot(tmp_path):
-    from evalkit.cli.job import run
+    from evalkit.cli.job import job_spec, run
     from evalkit.gate.command import gate
     from evalkit.gate.thresholds import Thresholds
     from evalkit.records import SAMPLES, read_rows
@@ -178,7 +178,7 @@ def test_a_chunked_run_records_its_bounded_peak_and_the_gate_report_sets_it_besi
     )
     cfg.prefill = compose_config("prefill=chunked").prefill
     cfg.prefill.chunk = 32
-    run(cfg, tmp_path)
+    run(job_spec(cfg, tmp_path))
     rows = {
         r["variant"]: r
         for r in read_rows(tmp_path / SAMPLES)

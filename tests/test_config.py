@@ -9,8 +9,9 @@ import torch
 from hydra.utils import instantiate
 
 from evalkit.cli.choices import check_choices, options
-from evalkit.cli.config import build, check, wrapped_fields
+from evalkit.cli.config import build, wrapped_fields
 from evalkit.cli.precheck import precheck
+from evalkit.cli.spec import model_spec, run_spec
 from evalkit.errors import ConfigError
 from evalkit.fields import describe, fits
 from evalkit.policies import KVPolicy
@@ -40,7 +41,7 @@ def test_every_policy_config_composes_and_instantiates(name):
     else:  # evalkit's build gives what Hydra's instantiate gives
         assert instantiate(cfg.policy, _convert_="all") == policy
     policy.validate(None)  # every value of the shipped YAML has its field's type
-    check(cfg)  # and the whole config passes the checks made before a model loads
+    run_spec(cfg)  # and the whole config passes the checks made before a model loads
 
 
 @pytest.mark.parametrize("name", options("task"))
@@ -72,7 +73,7 @@ def test_every_model_config_composes(name):
     cfg = compose_config(f"model={name}").model
     assert cfg.name == name
     if name != "hf":  # hf needs model.name_or_path from the user
-        assert models.max_context(cfg) > 0
+        assert models.max_context(model_spec(cfg)) > 0
 
 
 def test_groups_have_the_documented_options():

@@ -48,10 +48,10 @@ def dataset(path: Path, pairs: list[tuple[str, str]], answers: dict[str, str]) -
 def real_run(folder: Path, data: Path) -> Path:
     """A query_aware run written by evalkit itself (evalkit.cli.job.run, the command line's code, in this process):
     the full cache and a variant that keeps every token (none@1.0: lossless by construction)."""
-    from evalkit.cli.job import run
+    from evalkit.cli.job import job_spec, run
 
     overrides = ["model=tiny-random", "task=hf", f"task.path={data}", "task.split=train", "protocol=query_aware"]
-    run(compose_config(*overrides, "variants=[none@1.0]"), folder)
+    run(job_spec(compose_config(*overrides, "variants=[none@1.0]"), folder))
     return folder
 
 

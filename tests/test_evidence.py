@@ -27,9 +27,9 @@ N = 24  # samples of the lossy runs
 
 def real_run(folder: Path, *overrides: str) -> Path:
     """A run written by evalkit itself (evalkit.cli.job.run, in this process: the same code as the command line)."""
-    from evalkit.cli.job import run
+    from evalkit.cli.job import job_spec, run
 
-    run(compose_config(*FIDELITY, *overrides), folder)
+    run(job_spec(compose_config(*FIDELITY, *overrides), folder))
     return folder
 
 

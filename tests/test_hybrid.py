@@ -7,6 +7,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
+from evalkit.cli.spec import model_spec
 from evalkit.kv.cache import EvictingLayer, kv_bytes
 from evalkit.kv.variant import Variant
 from evalkit.run import models
@@ -19,7 +20,7 @@ CTX = 80
 
 @pytest.fixture(scope="module")
 def gemma():
-    return models.load(OmegaConf.load(ROOT / "conf" / "model" / "tiny-random-gemma3.yaml"), "cpu")
+    return models.load(model_spec(OmegaConf.load(ROOT / "conf" / "model" / "tiny-random-gemma3.yaml")), "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +92,7 @@ def test_pyramid_spreads_over_the_global_layers_only():
     all as SnapKV's 40 + 40. Spread over all four layers it would give the globals 47 and 20."""
     cfg = OmegaConf.load(ROOT / "conf" / "model" / "tiny-random-gemma3.yaml")
     cfg.config.layer_types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
-    two = models.load(cfg, "cpu")
+    two = models.load(model_spec(cfg), "cpu")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 200, (1, CTX + 6), generator=g)
     _, (pyr, snap) = run_sample(

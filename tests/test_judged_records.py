@@ -32,10 +32,10 @@ SAMPLES = "samples.jsonl"
 
 def real_run(folder: Path, data: Path, *overrides: str) -> Path:
     """A run written by evalkit itself (evalkit.cli.job.run, in this process: the same code as the command line)."""
-    from evalkit.cli.job import run
+    from evalkit.cli.job import job_spec, run
 
     base = ["model=tiny-random", "task=jsonl", f"task.path={data}", "task.max_new_tokens=4"]
-    run(compose_config(*base, *overrides), folder)
+    run(job_spec(compose_config(*base, *overrides), folder))
     return folder
 
 

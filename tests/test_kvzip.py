@@ -10,6 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from evalkit.cli.spec import model_spec
 from evalkit.errors import ConfigError
 from evalkit.kv.cache import compress, kv_bytes, select
 from evalkit.kv.quantized import QuantSpec
@@ -268,7 +269,7 @@ def test_scores_stay_exact_when_a_key_outside_the_subset_takes_all_the_attention
 def test_one_forward_on_a_hybrid_model_matches_eager_per_chunk_passes():
     """Gemma 3 (sliding-window layers beside a global one): the blocks of the single forward must attend within each
     sliding layer's window as a pass of their own would; the global layer's scores equal eager attention's."""
-    gemma = models.load(OmegaConf.load(ROOT / "conf" / "model" / "tiny-random-gemma3.yaml"), "cpu")
+    gemma = models.load(model_spec(OmegaConf.load(ROOT / "conf" / "model" / "tiny-random-gemma3.yaml")), "cpu")
     g = torch.Generator().manual_seed(3)
     context = torch.randint(3, 200, (1, 70), generator=g)
     rep = Repeat(start=3, first=[11, 12, 13], part=[14, 15], suffix=[16, 17])

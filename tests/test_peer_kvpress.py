@@ -21,6 +21,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import Tensor
 
+from evalkit.cli.spec import model_spec
 from evalkit.kv.cache import compress, held_positions, select
 from evalkit.policies import LayerView
 from evalkit.policies.adakv import AdaKV
@@ -94,7 +95,7 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def kept_by_evalkit():
     """Per `press@ratio`: evalkit's kept positions per layer and KV head after one shared prefill of the ids."""
-    loaded = models.load(OmegaConf.load(ROOT / "conf" / "model" / "smollm2-135m.yaml"), "cpu")
+    loaded = models.load(model_spec(OmegaConf.load(ROOT / "conf" / "model" / "smollm2-135m.yaml")), "cpu")
     pols = {
         f"{press}@{ratio}": make(FIXTURE["header"]["n_kept"][ratio])
         for press, make in SAME.items()

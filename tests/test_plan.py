@@ -15,6 +15,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from evalkit.capacity import capacity, free_bytes, sequences
+from evalkit.cli.spec import model_spec
 from evalkit.errors import ConfigError
 from evalkit.plan.arch import Arch, arch_from_config, kv_bytes_per_sequence, kv_bytes_per_token
 from evalkit.plan.guide import capacity_rows
@@ -359,7 +360,7 @@ def test_tiny_run_records_match_the_plan(tiny_runs):
 
     folder = tiny_runs["tiny-random"]
     model = OmegaConf.load(ROOT / "conf" / "model" / "tiny-random.yaml")
-    a = arch_from_config(read_source(model).raw, "tiny")
+    a = arch_from_config(read_source(model_spec(model)).raw, "tiny")
     assert kv_bytes_per_token(a) == 2 * 3 * 2 * 16 * 2 == 384
     assert summarize(_rows(folder))["baseline"]["kv_bytes_per_token"] == 384
     info = json.loads((folder / "run.json").read_text())
@@ -375,7 +376,7 @@ def test_tiny_gemma3_run_matches_the_capped_layers(tiny_runs):
     row = next(r for r in _rows(folder) if r["variant"] == "baseline")
     n = row["context_tokens"]
     model = OmegaConf.load(ROOT / "conf" / "model" / "tiny-random-gemma3.yaml")
-    a = arch_from_config(read_source(model).raw, "tiny-gemma3")
+    a = arch_from_config(read_source(model_spec(model)).raw, "tiny-gemma3")
     assert kv_bytes_per_sequence(a, n, 2) == n * 128 + 3 * 16 * 128
     assert row["kv_bytes_baseline_deployed"] == kv_bytes_per_sequence(a, n, 2) - 3 * 128
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from evalkit.cli.spec import model_spec
 from evalkit.records import read_rows
 from evalkit.run import models
 from evalkit.tasks.needle import NeedleTask
@@ -27,7 +28,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return models.load(OmegaConf.load(ROOT / "conf" / "model" / "smollm2-135m.yaml"), "cpu")
+    return models.load(model_spec(OmegaConf.load(ROOT / "conf" / "model" / "smollm2-135m.yaml")), "cpu")
 
 
 def test_chat_prompt_splits_on_a_token_boundary_of_the_joined_prompt(smollm2):

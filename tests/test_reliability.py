@@ -67,7 +67,7 @@ def test_ctrl_c_stops_after_the_sample_in_flight_and_the_printed_command_resumes
 
 def test_a_full_disk_is_a_clear_error_and_the_records_stay_whole(tmp_path, monkeypatch):
     from evalkit import records
-    from evalkit.cli.job import run
+    from evalkit.cli.job import job_spec, run
 
     cfg = compose_config(*TINY, "policy=h2o")
     calls = {"n": 0}
@@ -81,13 +81,13 @@ def test_a_full_disk_is_a_clear_error_and_the_records_stay_whole(tmp_path, monke
 
     monkeypatch.setattr(records.os, "fsync", fsync)
     with pytest.raises(ConfigError, match="No space left on device.*intact.*resume=true"):
-        run(cfg, tmp_path)
+        run(job_spec(cfg, tmp_path))
     data = (tmp_path / SAMPLES).read_bytes()
     # the first sample whole, none of the second (before rows were written one by one: 3, a sample split)
     assert data.endswith(b"\n") and len(read_rows(tmp_path / SAMPLES)) == 2 == len(data.splitlines())
     monkeypatch.setattr(records.os, "fsync", real_fsync)
     cfg.resume = True
-    run(cfg, tmp_path)
+    run(job_spec(cfg, tmp_path))
     assert len(read_rows(tmp_path / SAMPLES)) == 6
 
 

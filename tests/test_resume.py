@@ -105,13 +105,13 @@ def test_a_consistent_forgery_is_caught_by_rescoring_on_resume(tmp_path):
     """A sample's baseline row and its variant row edited together (score 1 on both, baseline_score 1, no flip): no
     row contradicts another, yet the prediction does not contain the answer. Extending the run re-scores every row
     written from its prediction with the task's scorer, and stops at the first edited line."""
-    from evalkit.cli.job import run
+    from evalkit.cli.job import job_spec, run
     from evalkit.errors import ConfigError
     from tests.conftest import compose_config
 
     args = ["model=tiny-random", "task.context_lengths=[128]", "task.depths=[0.0,1.0]", "policy.budget=0.5"]
     out = tmp_path / "run"
-    run(compose_config(*args, "task.samples_per_cell=1"), out)
+    run(job_spec(compose_config(*args, "task.samples_per_cell=1"), out))
     path = out / "samples.jsonl"
     rows = read_rows(path)
     assert all(r["score"] == 0.0 for r in rows)  # the random model finds no needle
@@ -120,7 +120,7 @@ def test_a_consistent_forgery_is_caught_by_rescoring_on_resume(tmp_path):
         r["flip"] = None
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     try:
-        run(compose_config(*args, "task.samples_per_cell=2", "resume=true"), out)
+        run(job_spec(compose_config(*args, "task.samples_per_cell=2", "resume=true"), out))
     except ConfigError as err:
         message = str(err)
     else:

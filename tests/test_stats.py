@@ -225,10 +225,8 @@ def test_plan_prints_the_samples_a_pass_needs(capsys, tmp_path):
     ],
 )
 def test_bad_thresholds_are_one_line_errors(cfg, message):
-    from omegaconf import OmegaConf
-
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-        thresholds(OmegaConf.create(cfg), "'test'")
+        thresholds(cfg, "'test'")
 
 
 def test_verdict_lists_every_cell(tmp_path):

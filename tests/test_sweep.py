@@ -17,7 +17,7 @@ def test_variants_run_on_the_same_samples_with_one_prefill_each(tmp_path, monkey
     prefill of the context: there is exactly one per sample, over exactly that sample's context, whatever the number
     of variants; every other forward continues a cache that already holds the context (the question, then one token
     per decode step). Were each variant to prefill on its own, there would be 1 + 7 context forwards per sample."""
-    from evalkit.cli.job import run
+    from evalkit.cli.job import job_spec, run
 
     forwards: list[tuple[int, int, int]] = []  # (tokens already cached, tokens given, rows) for every forward
     prefills: list[int] = []  # context length of every call of engine.prefill
@@ -49,7 +49,7 @@ def test_variants_run_on_the_same_samples_with_one_prefill_each(tmp_path, monkey
         "task.context_lengths=[256]",
         "task.depths=[0.0,0.5,1.0]",
     )
-    run(cfg, tmp_path)
+    run(job_spec(cfg, tmp_path))
 
     rows = read_rows(tmp_path / "samples.jsonl")
     by_sample = defaultdict(dict)

@@ -17,9 +17,8 @@ import dataclasses
 from collections.abc import Generator
 from typing import Any, Protocol
 
-from omegaconf import DictConfig
-
 from evalkit.errors import ConfigError
+from evalkit.modelspec import ModelSpec
 from evalkit.records import BASELINE, Job, Result
 
 # evalkit's protocols say which tokens its engine compresses (the context, or the whole prompt); an engine's cache
@@ -27,18 +26,30 @@ from evalkit.records import BASELINE, Job, Result
 PROTOCOL = "engine: every token in the engine's cache type"
 
 
+@dataclasses.dataclass(frozen=True)
+class BackendSpec:
+    """What a backend reads of the run besides its own settings (conf/backend): the model, the variants as
+    `variants=[...]` lists them (each engine reads its own names: llama.cpp's cache types), the storage `quant=`
+    asks for (evalkit's own, refused elsewhere), and the seed."""
+
+    model: ModelSpec
+    variants: tuple[str, ...] = ()
+    quant: str = "none"
+    seed: int = 0
+
+
 class Backend(Protocol):
     """What evalkit.run asks of an engine other than its own."""
 
     name: str
 
-    def check(self, cfg: DictConfig, task: Any) -> None:
+    def check(self, spec: BackendSpec, task: Any) -> None:
         """ConfigError for what is wrong before anything loads or is contacted: variants, settings, the task."""
 
     def variant_names(self) -> list[str]:
         """The variants' names, as rows record them (the baseline is `baseline`)."""
 
-    def open(self, cfg: DictConfig, jobs: list[Job]) -> dict[str, Any]:
+    def open(self, spec: BackendSpec, jobs: list[Job]) -> dict[str, Any]:
         """Load the engine or reach the servers, and refuse (ConfigError) what cannot give a fair comparison; return
         what run.json records of the engine (`engine`, `engine_version`, settings) and of the model (`model`)."""
 
@@ -50,20 +61,20 @@ class Backend(Protocol):
 
 
 class Driven:
-    """A backend as the run's sample loop drives an engine (evalkit.run.loop.Engine): its config bound, its rows'
+    """A backend as the run's sample loop drives an engine (evalkit.run.loop.Engine): its spec bound, its rows'
     protocol the engine's cache type, and no budget clipped (its variants are cache types, which hold every token)."""
 
     protocol = PROTOCOL
     interruptible = True
 
-    def __init__(self, backend: Backend, cfg: DictConfig):
-        self.backend, self.cfg = backend, cfg
+    def __init__(self, backend: Backend, spec: BackendSpec):
+        self.backend, self.spec = backend, spec
 
     def variant_names(self) -> list[str]:
         return self.backend.variant_names()
 
     def open(self, jobs: list[Job]) -> dict[str, Any]:
-        return self.backend.open(self.cfg, jobs)
+        return self.backend.open(self.spec, jobs)
 
     def run(self, jobs: list[Job]) -> Generator[tuple[Job, list[Result]]]:
         answers = self.backend.run(jobs)
@@ -95,12 +106,11 @@ def check_generates(backend: str, task: Any) -> None:
         raise ConfigError(f"backend={backend}: task={task.name} is driven by lm-eval, which runs with backend=hf only")
 
 
-def check_variants_unused(cfg: DictConfig, backend: str) -> None:
+def check_variants_unused(spec: BackendSpec, backend: str) -> None:
     """A run on another engine stores nothing in evalkit's own formats: `quant=...` is refused, not silently
     ignored."""
-    quant = (cfg.get("quant") or {}).get("name", "none")
-    if quant != "none":
+    if spec.quant != "none":
         raise ConfigError(
-            f"quant={quant} is evalkit's own storage (backend=hf); with backend={backend} the engine's KV types are "
-            "the variants: drop quant=..."
+            f"quant={spec.quant} is evalkit's own storage (backend=hf); with backend={backend} the engine's KV types "
+            "are the variants: drop quant=..."
         )

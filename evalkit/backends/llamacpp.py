@@ -24,9 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from omegaconf import DictConfig, ListConfig
 
-from evalkit.backends import Job, Result, check_generates, check_variants_unused
+from evalkit.backends import BackendSpec, Job, Result, check_generates, check_variants_unused
 from evalkit.backends.agreement import full_vocabulary
 from evalkit.backends.kvbytes import CACHE_TYPES, ENGINE_STATE, FORMAT, block_bytes, ggml_type
 from evalkit.embedded import file_sha256, gguf_path
@@ -107,21 +106,20 @@ class LlamaCpp:
     _lib: Any = field(default=None, init=False, repr=False)
     _types: dict[str, tuple[str, str]] = field(default_factory=dict, init=False, repr=False)
 
-    def check(self, cfg: DictConfig, task: Any) -> None:
+    def check(self, spec: BackendSpec, task: Any) -> None:
         check_fields(self, "backend")
         check_generates(self.name, task)
-        check_variants_unused(cfg, self.name)
-        if cfg.model.get("kind") != "gguf":
+        check_variants_unused(spec, self.name)
+        if spec.model.kind != "gguf":
             raise ConfigError(
-                f"backend=llamacpp runs a model's GGUF file: model={cfg.model.name} is not one evalkit ships as GGUF; "
+                f"backend=llamacpp runs a model's GGUF file: model={spec.model.name} is not one evalkit ships as GGUF; "
                 "use model=smollm2-135m or model=gemma3-270m"
             )
-        listed = cfg.get("variants")
-        if not listed or not isinstance(listed, (list, ListConfig)):
+        if not spec.variants:
             raise ConfigError(
                 "backend=llamacpp compares KV cache types: give them as 'variants=[llamacpp:q8_0,llamacpp:q4_0]'"
             )
-        self.variants = [parse_variant(str(s)) for s in listed]
+        self.variants = [parse_variant(s) for s in spec.variants]
         names = [v.name for v in self.variants]
         if len(set(names)) != len(names):
             raise ConfigError(f"variants: {sorted({n for n in names if names.count(n) > 1})} are listed more than once")
@@ -138,7 +136,7 @@ class LlamaCpp:
     def variant_names(self) -> list[str]:
         return [v.name for v in self.variants]
 
-    def open(self, cfg: DictConfig, jobs: list[Job]) -> dict[str, Any]:
+    def open(self, spec: BackendSpec, jobs: list[Job]) -> dict[str, Any]:
         if importlib.util.find_spec("llama_cpp") is None:
             raise ConfigError(INSTALL)
         # OpenMP threads that spin while waiting starve each other on a shared or oversubscribed CPU (3x slower here);
@@ -146,8 +144,8 @@ class LlamaCpp:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         llama_cpp = self._lib = importlib.import_module("llama_cpp")  # optional and heavy: loaded when a run opens it
         self._version = f"llama-cpp-python {llama_cpp.__version__}"
-        path = gguf_path(cfg.model)
-        self._arch = arch_from_config(read_source(cfg.model).raw, cfg.model.name)
+        path = gguf_path(spec.model)
+        self._arch = arch_from_config(read_source(spec.model).raw, spec.model.name)
         longest = max((len(j.ids) + j.max_new_tokens for j in jobs), default=1)
         n_ctx = self.n_ctx or -(-longest // 256) * 256
         if longest > n_ctx:
@@ -155,7 +153,9 @@ class LlamaCpp:
         threads = self.threads or os.cpu_count() or 1
         self._types = {"baseline": BASELINE_TYPES, **{c.name: (c.k, c.v) for c in self.variants}}
         for name, (k, v) in self._types.items():
-            self._contexts[name] = _context(llama_cpp, path, n_ctx, self.n_batch, threads, self.flash_attn, k, v, cfg)
+            self._contexts[name] = _context(
+                llama_cpp, path, n_ctx, self.n_batch, threads, self.flash_attn, k, v, spec.seed
+            )
         return {
             "engine": {
                 "backend": self.name,
@@ -168,11 +168,11 @@ class LlamaCpp:
                 "system": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
             },
             "model": {
-                "name": cfg.model.name,
+                "name": spec.model.name,
                 "fingerprint": file_sha256(path),
                 "weights_bytes": path.stat().st_size,
                 "dtype": "gguf",
-                "source": f"{cfg.model.package}=={cfg.model.package_version} ({path.name}) in llama.cpp",
+                "source": f"{spec.model.package}=={spec.model.package_version} ({path.name}) in llama.cpp",
             },
         }
 
@@ -277,7 +277,9 @@ def state_caches(arch: Arch, tokens: int) -> list[tuple[int, int]]:
     return [(tokens, full), (min(tokens, arch.window or tokens), arch.sliding_layers)]
 
 
-def _context(llama_cpp, path: Path, n_ctx: int, n_batch: int, threads: int, flash_attn: bool, k: str, v: str, cfg):
+def _context(
+    llama_cpp, path: Path, n_ctx: int, n_batch: int, threads: int, flash_attn: bool, k: str, v: str, seed: int
+):
     try:
         return llama_cpp.Llama(
             model_path=str(path),
@@ -289,7 +291,7 @@ def _context(llama_cpp, path: Path, n_ctx: int, n_batch: int, threads: int, flas
             flash_attn=flash_attn,
             type_k=int(ggml_type(k)),
             type_v=int(ggml_type(v)),
-            seed=int(cfg.seed),
+            seed=seed,
             logits_all=False,
             swa_full=False,  # sliding-window layers cache their window, as llama.cpp's CLI and server do by default
             verbose=False,

@@ -25,9 +25,8 @@ from urllib.parse import urlparse
 
 import httpx
 import openai
-from omegaconf import DictConfig
 
-from evalkit.backends import Job, Result, check_generates, check_variants_unused
+from evalkit.backends import BackendSpec, Job, Result, check_generates, check_variants_unused
 from evalkit.backends.agreement import top_tokens
 from evalkit.backends.kvbytes import CACHE_TYPES, DECLARED, declared_bytes, per_element
 from evalkit.errors import ConfigError
@@ -85,13 +84,13 @@ class OpenAI:
     _owner: str = field(default="", init=False, repr=False)
     _warned: bool = field(default=False, init=False, repr=False)
 
-    def check(self, cfg: DictConfig, task: Any) -> None:
+    def check(self, spec: BackendSpec, task: Any) -> None:
         check_fields(self, "backend")
         self.endpoints, self.kv_dtypes = dict(self.endpoints or {}), dict(self.kv_dtypes or {})
         self.extra = dict(self.extra or {})
         check_generates(self.name, task)
-        check_variants_unused(cfg, self.name)
-        if cfg.get("variants"):
+        check_variants_unused(spec, self.name)
+        if spec.variants:
             raise ConfigError(
                 "backend=openai takes its variants from backend.endpoints (one server each): drop variants=[...] and "
                 "give 'backend.endpoints={baseline:URL,fp8:URL}'"
@@ -137,7 +136,7 @@ class OpenAI:
     def variant_names(self) -> list[str]:
         return [n for n in self.endpoints if n != BASELINE]
 
-    def open(self, cfg: DictConfig, jobs: list[Job]) -> dict[str, Any]:
+    def open(self, spec: BackendSpec, jobs: list[Job]) -> dict[str, Any]:
         for client_log in ("httpx", "httpx2"):  # the HTTP client logs every request at INFO, into Hydra's job log
             logging.getLogger(client_log).setLevel(logging.WARNING)
         key = os.environ.get(self.api_key_env) or "EMPTY"  # local servers take any key; never recorded
@@ -147,7 +146,7 @@ class OpenAI:
         }
         self._served = self._check_models()
         self._version = self._engine_version()
-        self._arch = arch_from_config(read_source(cfg.model).raw, cfg.model.name)
+        self._arch = arch_from_config(read_source(spec.model).raw, spec.model.name)
         if jobs:
             self._check_greedy(jobs[0])
         return {

@@ -107,10 +107,16 @@ def check_shadowed(group: str, name: str, path: tuple[str, ...] | None = None) -
 def unknown_choice(group: str, name: str, path: tuple[str, ...], where: str = "", within: str = "") -> ConfigError:
     """`{where}unknown policy 'snapk'{within} (did you mean snapkv?); valid names: ...`"""
     valid = options(group, path)
-    near = difflib.get_close_matches(name, valid, n=1)
-    hint = f" (did you mean {near[0]}?)" if near else ""
     mine = "" if path else f"; {SEARCHPATH_HINT.format(group=group)}"
-    return ConfigError(f"{where}unknown {group} {name!r}{within}{hint}; valid names: {', '.join(valid)}{mine}")
+    return ConfigError(
+        f"{where}unknown {group} {name!r}{within}{did_you_mean(name, valid)}; valid names: {', '.join(valid)}{mine}"
+    )
+
+
+def did_you_mean(name: str, valid: list[str]) -> str:
+    """` (did you mean NEAR?)` for the valid name nearest a mistyped one, or nothing when none is near."""
+    near = difflib.get_close_matches(str(name), valid, n=1)
+    return f" (did you mean {near[0]}?)" if near else ""
 
 
 def check_choices(overrides: list[str]) -> None:

@@ -16,13 +16,14 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from evalkit.backends import Backend, BackendSpec
 from evalkit.cli.choices import check_shadowed, options, searchpath, unknown_choice
 from evalkit.errors import ConfigError
 from evalkit.fields import cli, describe, fits, init_fields, unknown_key
-from evalkit.gate.thresholds import thresholds
 from evalkit.kv import contract
 from evalkit.kv.quantized import QuantSpec
 from evalkit.kv.variant import Variant
+from evalkit.modelspec import ModelSpec
 from evalkit.policies import KVPolicy
 from evalkit.run import models
 from evalkit.tasks import Task
@@ -277,32 +278,19 @@ def check_settings(cfg: DictConfig) -> None:
         )
 
 
-def check(cfg: DictConfig) -> None:
-    """Every check that needs no model, on a composed config: what `run` checks before it loads one, run up front
-    for every job of a command (evalkit.cli.precheck)."""
-    task = build(cfg.task, "task")
-    validate(cfg, task, [v.policy for v in variants(cfg)] if backend(cfg, task) is None else [])
-
-
-def backend(cfg: DictConfig, task: Task):
-    """The engine of a run other than evalkit's own (issue 25, evalkit.backends: `backend=llamacpp`, `backend=openai`),
-    built from conf/backend and checked, nothing loaded or contacted yet; None for `backend=hf`."""
-    node = cfg.get("backend")
-    if node is None or node.get("name", "hf") == "hf":
-        return None
+def backend(node: DictConfig, spec: BackendSpec, task: Task) -> Backend:
+    """The engine of a run other than evalkit's own (`backend=llamacpp`, `backend=openai`: evalkit.backends), built
+    from conf/backend and checked, nothing loaded or contacted yet."""
     engine = build(node, "backend")
-    engine.check(cfg, task)
+    engine.check(spec, task)
     return engine
 
 
-def validate(cfg: DictConfig, task: Task, policies: list[KVPolicy]) -> None:
-    """Everything that can be known wrong before the model loads."""
-    check_settings(cfg)
-    if cfg.gate.name != "none":  # the gate's thresholds too: a bad one must not wait for the end of the run
-        thresholds(cfg.gate, repr(cfg.gate.name))
+def validate(cfg: DictConfig, model: ModelSpec, task: Task, policies: list[KVPolicy]) -> None:
+    """What the task, the model and the policies can be known to get wrong together before the model loads."""
     task.validate()  # its fields against their annotations first (Task.validate), then its own checks
-    models.check_source(cfg.model)
-    models.check_attention(cfg.model)
+    models.check_source(model)
+    models.check_attention(model)
     if task.teacher_forced and cfg.protocol != "query_agnostic":
         raise ConfigError(
             f"task={task.name} teacher-forces a continuation that is never compressed: use protocol=query_agnostic"
@@ -313,16 +301,16 @@ def validate(cfg: DictConfig, task: Task, policies: list[KVPolicy]) -> None:
                 policy.validate(None)
         return
     try:
-        limit = models.max_context(cfg.model) - int(cfg.reserve_tokens)
+        limit = models.max_context(model) - int(cfg.reserve_tokens)
     except OSError as err:
         raise ConfigError(
-            f"model.name_or_path={cfg.model.name_or_path!r}: its config could not be read ({_first(err)}); give a "
+            f"model.name_or_path={model.name_or_path!r}: its config could not be read ({_first(err)}); give a "
             "local folder with config.json or a Hub id on a machine that reaches the Hub, or set model.max_context"
         ) from None
     too_long = [n for n in task.lengths() if n > limit]
     if too_long:
         raise ConfigError(
-            f"context lengths {too_long} exceed what {cfg.model.name} can take: {models.max_context(cfg.model)} "
+            f"context lengths {too_long} exceed what {model.name} can take: {models.max_context(model)} "
             f"tokens less {cfg.reserve_tokens} reserved for the question and answer = {limit}; use shorter lengths"
         )
     for policy in policies:

@@ -8,9 +8,7 @@ are merged into one report, and judged by one gate.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import re
 import shlex
 import sys
 import time
@@ -27,6 +25,7 @@ from evalkit.cli.choices import check_choices
 from evalkit.cli.overrides import RUNNING_FLAGS
 from evalkit.errors import EXIT_USAGE, ConfigError, InternalError, JobError
 from evalkit.exits import error, internal
+from evalkit.names import safe_name
 from evalkit.records import SAMPLE_COUNT
 from evalkit.run import interrupt
 
@@ -41,19 +40,6 @@ OmegaConf.register_new_resolver(
 # the count in their folder names: a sweep over counts runs each in a folder of its own.
 SAME_RECORDS = ("resume", "results_root", "device", "model", "task", "policy")
 NOT_RECORDS = ("gate", "logger", "hydra")
-
-
-def safe_name(text: str) -> str:
-    """`text` as one folder name: path separators, `..`, shell glob and quoting characters and spaces become `_`
-    or go (brackets of lists), so an override value can never climb out of the results folder or need quoting."""
-    name = re.sub(r"[^A-Za-z0-9._=,@+%:-]", "_", str(text).replace("[", "").replace("]", ""))
-    name = re.sub(r"_{2,}", "_", re.sub(r"\.{2,}", "_", name)).strip("._") or "_"
-    if len(name) > MAX_NAME:  # a long sweep list: keep the start readable, make it unique by a digest
-        name = f"{name[: MAX_NAME - 13]}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
-    return name
-
-
-MAX_NAME = 200  # filesystems allow 255 bytes per name
 
 
 def dirname(overrides, count: bool = False) -> str:
@@ -97,28 +83,28 @@ def sweeping(argv: list[str]) -> bool:
 
 @hydra.main(version_base="1.3", config_path="pkg://evalkit.conf", config_name="config")
 def _job(cfg: DictConfig) -> None:
-    from evalkit.cli.job import run
+    from evalkit.cli.job import job_spec, run
 
     hc = HydraConfig.get()
     out_dir = Path(hc.runtime.output_dir)
     in_sweep = hc.mode == RunMode.MULTIRUN
     try:
         _inside_results_root(cfg, hc, out_dir)
+        spec = job_spec(cfg, out_dir)
         with interrupt.deferred():
-            run(cfg, out_dir)
-        if cfg.logger.name == "wandb":
+            run(spec)
+        lg = spec.logger
+        if lg.name == "wandb":
             from evalkit.report.wandb_log import log_run
 
-            lg = cfg.logger
-            gate_t = OmegaConf.to_container(cfg.gate, resolve=True) if cfg.gate.name != "none" else None
-            local = log_run(out_dir, lg.project, lg.get("group"), lg.get("entity"), lg.get("mode") or "auto", gate_t)
+            gate_t = spec.gate.values if spec.gate is not None else None
+            local = log_run(out_dir, lg.project, lg.group, lg.entity, lg.mode, gate_t)
             print(f"evalkit: W&B runs written to {', '.join(map(str, local))}")
-        if cfg.gate.name != "none" and not in_sweep:  # a sweep is gated once, on all its jobs (evalkit.sweep)
+        if spec.gate is not None and not in_sweep:  # a sweep is gated once, on all its jobs (evalkit.cli.sweep)
             from evalkit.gate.command import gate
             from evalkit.gate.outputs import print_verdict
-            from evalkit.gate.thresholds import thresholds
 
-            verdict = gate([out_dir], thresholds(cfg.gate, repr(cfg.gate.name)), wandb=cfg.logger.name == "wandb")
+            verdict = gate([out_dir], spec.gate.thresholds, wandb=lg.name == "wandb")
             print_verdict(verdict)
             sys.exit(0 if verdict.passed else 1)
     except ConfigError as err:

@@ -1,18 +1,15 @@
 """Hydra's own errors as one-line ConfigErrors, before Hydra runs: the command line's overrides are parsed and the
 config composed here, the way `@hydra.main` would, and every mistake (an unknown key, a malformed override, a value
-of the wrong type, a mandatory value left unset) is named with its fix. Also the type check of a policy's or a task's
-fields against their dataclass annotations (`check_fields`).
-
-Policies and tasks import `check_fields` from here, so this module imports evalkit.config (which imports them)
-only inside `precheck`."""
+of the wrong type, a mandatory value left unset) is named with its fix; then each job's run spec is built, and so
+checked, and kept for the job to run (evalkit.cli.spec)."""
 
 from __future__ import annotations
 
 from hydra import initialize_config_module
 
 from evalkit.cli.choices import searching, searchpath_of
-from evalkit.cli.config import check
 from evalkit.cli.overrides import RUNNING_FLAGS, check_resolved, compose_job, jobs, parse
+from evalkit.cli.spec import forget, keep, run_spec
 from evalkit.errors import ConfigError
 
 
@@ -25,6 +22,7 @@ def precheck(argv: list[str]) -> None:
         return
     sweep = bool(flags & {"-m", "--multirun"})
     parsed = parse([a for a in argv if not a.startswith("-")])
+    forget()  # the specs an earlier command of this process built are not this one's
 
     with initialize_config_module(config_module="evalkit.conf", version_base="1.3"):
         for job in jobs(parsed, sweep):
@@ -32,7 +30,7 @@ def precheck(argv: list[str]) -> None:
                 cfg = compose_job(job)
                 check_resolved(cfg)
                 with searching(searchpath_of(job)):  # the user's config folders, as Hydra will search them
-                    check(cfg)
+                    keep(run_spec(cfg))
             except ConfigError as err:
                 if not sweep:
                     raise

@@ -32,11 +32,12 @@ class MergeJobs(Callback):
 
     def _merge(self, config: DictConfig) -> None:
         global exit_code
-        from evalkit.gate.thresholds import thresholds
+        from evalkit.gate.thresholds import resolved, thresholds
 
         sweep = Path(config.hydra.sweep.dir)
+        where = repr(config.gate.name)
         try:
-            limits = thresholds(config.gate, repr(config.gate.name)) if config.gate.name != "none" else None
+            limits = thresholds(resolved(config.gate, where), where) if config.gate.name != "none" else None
         except ConfigError as err:
             exit_code = error(err)
             return

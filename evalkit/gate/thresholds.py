@@ -9,7 +9,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from evalkit.errors import ConfigError
@@ -46,7 +46,7 @@ def load_thresholds(name_or_path: str) -> Thresholds:
     except Exception as err:  # noqa: BLE001 - YAML or OmegaConf errors: a file the user wrote
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ConfigError(f"gate {name_or_path!r}: {path} is not valid YAML ({first}); fix the file") from None
-    return thresholds(node, repr(name_or_path))
+    return thresholds(resolved(node, repr(name_or_path)), repr(name_or_path))
 
 
 # Each threshold: the types it takes, its range as (low, high, low included, high included), and an example. None
@@ -100,13 +100,13 @@ def resolved(node, where: str) -> dict:
         ) from None
 
 
-def thresholds(node, where: str) -> Thresholds:
-    """Thresholds from a gate config (conf/gate/*.yaml, or the run's `gate` node); `where` names it in errors. Every
-    threshold is typed and ranged (RANGES); a gate left with no accuracy check is refused."""
-    if not isinstance(node, (dict, DictConfig)):
-        kind = "a list" if isinstance(node, (list, ListConfig)) else type(node).__name__
+def thresholds(values: Any, where: str) -> Thresholds:
+    """Thresholds from a gate config as plain values (conf/gate/*.yaml, or the run's `gate` node, resolved); `where`
+    names it in errors. Every threshold is typed and ranged (RANGES); a gate left with no accuracy check is refused."""
+    if not isinstance(values, dict):
+        kind = "a list" if isinstance(values, list) else type(values).__name__
         raise ConfigError(f"gate {where} is {kind}, not a mapping of thresholds (max_drop: 0.05, ...); fix its YAML")
-    cfg = {k: v for k, v in resolved(node, where).items() if k != "name"}
+    cfg = {k: v for k, v in values.items() if k != "name"}
     unknown = set(cfg) - set(Thresholds.__dataclass_fields__)
     if unknown:
         raise ConfigError(f"gate {where}: unknown thresholds {sorted(unknown)}")

@@ -3,7 +3,6 @@ records written beside lm-eval's output, under evalkit's exit codes."""
 
 from __future__ import annotations
 
-import difflib
 import functools
 import sys
 import time
@@ -16,14 +15,17 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import simple_parse_args_string
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
+from evalkit.cli.choices import did_you_mean, options
 from evalkit.cli.config import variants as parse_variants
+from evalkit.cli.spec import model_spec
 from evalkit.errors import ConfigError
 from evalkit.lmeval.evaluate import documents, load_tasks, model_tokenizer, refuse_reconstruction
 from evalkit.lmeval.metrics import choose_metrics
 from evalkit.lmeval.model import EvalkitLM
 from evalkit.lmeval.registry import task_dir
+from evalkit.modelspec import ModelSpec
 from evalkit.records import BASELINE, RUN, SAMPLES, Job, RecordWriter, Result, RunInfo, pair, write_json
 from evalkit.run import models
 from evalkit.run.loop import finish
@@ -34,20 +36,18 @@ MODEL_ARGS = ("model", "variant", "device", "max_gen_toks", "rolling_split", "me
 
 
 def unknown_arg(key: str) -> str:
-    near = difflib.get_close_matches(key, MODEL_ARGS, n=1)
-    hint = f" (did you mean {near[0]}?)" if near else ""
+    hint = did_you_mean(key, list(MODEL_ARGS))
     return f"--model_args {key}=...: the evalkit model takes no {key!r}{hint}; its arguments: {', '.join(MODEL_ARGS)}"
 
 
-def model_config(name: str) -> DictConfig:
+def model_config(name: str) -> ModelSpec:
     """conf/model/NAME.yaml, or a ConfigError listing the model names there."""
-    path = files("evalkit.conf") / "model" / f"{name}.yaml"
-    if not path.is_file():
-        names = sorted(p.name[:-5] for p in (files("evalkit.conf") / "model").iterdir() if p.name.endswith(".yaml"))
-        near = difflib.get_close_matches(str(name), names, n=1)
-        hint = f" (did you mean {near[0]}?)" if near else ""
-        raise ConfigError(f"--model_args model={name!r}: unknown model{hint}; valid names: {', '.join(names)}")
-    return OmegaConf.load(path)
+    valid = options("model", ())
+    if name not in valid:
+        raise ConfigError(
+            f"--model_args model={name!r}: unknown model{did_you_mean(name, valid)}; valid names: {', '.join(valid)}"
+        )
+    return model_spec(OmegaConf.load(files("evalkit.conf") / "model" / f"{name}.yaml"))
 
 
 @register_model("evalkit")

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
 from platformdirs import user_cache_dir
 
 from evalkit.errors import ConfigError
@@ -17,6 +16,7 @@ from evalkit.kv.variant import Variant
 from evalkit.lmeval.metrics import OWN_LENGTH, choose_metrics, doc_score
 from evalkit.lmeval.model import EvalkitLM
 from evalkit.lmeval.registry import task_dir
+from evalkit.modelspec import ModelSpec
 from evalkit.records import BASELINE, Job, Result, write_json
 from evalkit.run import models
 from evalkit.run.hf import HFEngine
@@ -106,8 +106,8 @@ class LmevalEngine(HFEngine):
 
     interruptible = False  # lm-eval runs every request in one call: Ctrl-C stops it at once
 
-    def __init__(self, cfg: DictConfig, task, variants: list[Variant], out_dir: Path):
-        super().__init__(cfg, task, variants)
+    def __init__(self, model: ModelSpec, device: str, task, variants: list[Variant], out_dir: Path):
+        super().__init__(model, device, task, variants)
         self.out_dir = out_dir
 
     def run(self, jobs: list[Job]) -> Generator[tuple[Job, list[Result]]]:

@@ -10,14 +10,16 @@ from pathlib import Path
 from hydra import compose as hydra_compose
 from hydra import initialize_config_module
 from hydra.errors import HydraException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from evalkit.cli.overrides import check_resolved, composition_error, parse
 from evalkit.errors import ConfigError
 from evalkit.exits import guarded
+from evalkit.modelspec import ModelSpec
+from evalkit.names import safe_name
 from evalkit.plan.guide import make_plan
-from evalkit.plan.outputs import _safe, log_wandb, print_console, write
+from evalkit.plan.outputs import log_wandb, print_console, write
 from evalkit.plan.settings import settings
 
 
@@ -60,8 +62,8 @@ def compose(argv: list[str]) -> DictConfig:
 def run(argv: list[str]) -> int:
     cfg = compose(argv)
     s = settings(cfg.plan)
-    p = make_plan(cfg.model, s)
-    out = Path(s.out) if s.out else Path(str(cfg.results_root)) / "plan" / _safe(p["model"])
+    p = make_plan(ModelSpec.from_mapping(OmegaConf.to_container(cfg.model, resolve=True)), s)
+    out = Path(s.out) if s.out else Path(str(cfg.results_root)) / "plan" / safe_name(p["model"])
     print_console(p)
     for path in write(p, out):
         print(f"evalkit: wrote {path}")

@@ -6,9 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
 from evalkit.capacity import free_bytes, sequences
+from evalkit.modelspec import ModelSpec
 from evalkit.plan.arch import Arch, arch_from_config, element_bytes, format_bytes, kv_bytes_per_sequence
 from evalkit.plan.measured import measured_variants
 from evalkit.plan.params import count_params
@@ -156,7 +155,7 @@ def _eviction_step(s: Settings, measured: list) -> dict[str, str]:
     )
 
 
-def make_plan(model: DictConfig, s: Settings) -> dict[str, Any]:
+def make_plan(model: ModelSpec, s: Settings) -> dict[str, Any]:
     """The whole plan of `model` at these settings: what plan.json holds and every output shows."""
     source = read_source(model)
     arch = arch_from_config(source.raw, model_label(model))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -191,7 +190,3 @@ def log_wandb(cfg: DictConfig, p: dict[str, Any], out: Path) -> Path:
     local = Path(run.dir).parent
     run.finish()
     return local
-
-
-def _safe(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._=,@+-]", "_", text).strip("._") or "_"

@@ -10,10 +10,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
-
 from evalkit.embedded import byte_tokenizer, converted_folder
 from evalkit.errors import ConfigError
+from evalkit.modelspec import ModelSpec
 from evalkit.plan.params import metadata_params
 
 
@@ -35,9 +34,9 @@ def _read_json(path: Path, what: str) -> dict:
     return data
 
 
-def read_source(model: DictConfig) -> Source:
+def read_source(model: ModelSpec) -> Source:
     """The model's config dict, read without its weights, by model.kind."""
-    kind = model.get("kind")
+    kind = model.kind
     if kind == "tiny-random":
         from transformers import AutoConfig
 
@@ -45,7 +44,7 @@ def read_source(model: DictConfig) -> Source:
             model.architecture,
             vocab_size=len(byte_tokenizer()),
             max_position_embeddings=int(model.max_context),
-            **OmegaConf.to_container(model.config),
+            **model.config,
         ).to_dict()
         return Source(raw, f"tiny-random {model.architecture} config (conf/model/{model.name}.yaml)")
     if kind == "gguf":
@@ -55,7 +54,7 @@ def read_source(model: DictConfig) -> Source:
     raise ConfigError(f"model.kind={kind!r} is not one of ['gguf', 'hf', 'tiny-random']")
 
 
-def _gguf_source(model: DictConfig) -> Source:
+def _gguf_source(model: ModelSpec) -> Source:
     """An embedded model: the folder evalkit converted it into (config.json and the safetensors header), else the
     GGUF file's header (its metadata and tensor shapes, not its tensor data)."""
     folder = converted_folder(model)
@@ -67,7 +66,7 @@ def _gguf_source(model: DictConfig) -> Source:
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError(f"model {model.name} needs the package {model.package}; install it with: {model.pip_install}")
     with tempfile.TemporaryDirectory() as work:
-        if model.get("assemble"):  # a chunked package: its own assemble() joins the file (no tensor is parsed)
+        if model.assemble:  # a chunked package: its own assemble() joins the file (no tensor is parsed)
             path = Path(importlib.import_module(model.module).assemble(Path(work) / model.gguf_file))
         else:
             path = Path(spec.submodule_search_locations[0]) / model.gguf_file
@@ -79,7 +78,7 @@ def _gguf_source(model: DictConfig) -> Source:
     return Source(raw, f"GGUF header of {model.gguf_file}", None, (params, "GGUF tensor shapes"))
 
 
-def _hf_source(model: DictConfig) -> Source:
+def _hf_source(model: ModelSpec) -> Source:
     """model.name_or_path: a config.json file, a local folder, or a Hub id (its config.json, from the local cache
     when offline)."""
     name = str(model.name_or_path)
@@ -96,7 +95,7 @@ def _hf_source(model: DictConfig) -> Source:
     from huggingface_hub import hf_hub_download
 
     try:
-        config = Path(hf_hub_download(name, "config.json", revision=model.get("revision")))
+        config = Path(hf_hub_download(name, "config.json", revision=model.revision))
     except Exception as err:  # noqa: BLE001 - not found, offline and not cached, a malformed id: all the user's to fix
         raise ConfigError(
             f"model.name_or_path={name!r}: no config.json here or in the Hub cache ({str(err).splitlines()[0]}); "
@@ -104,15 +103,15 @@ def _hf_source(model: DictConfig) -> Source:
         ) from None
     raw = _read_json(config, "model.name_or_path")
     try:
-        index = Path(hf_hub_download(name, "model.safetensors.index.json", revision=model.get("revision")))
+        index = Path(hf_hub_download(name, "model.safetensors.index.json", revision=model.revision))
         params = metadata_params(index.parent, raw)
     except Exception:  # noqa: BLE001 - a single-file or non-safetensors model: counted from the config
         params = None
     return Source(raw, f"{name} (Hub config.json)", None, params)
 
 
-def model_label(model: DictConfig) -> str:
-    if model.get("kind") == "hf":
+def model_label(model: ModelSpec) -> str:
+    if model.kind == "hf":
         p = Path(str(model.name_or_path))
         return p.stem if p.suffix == ".json" and p.name != "config.json" else (p.name or str(model.name_or_path))
     return str(model.name)

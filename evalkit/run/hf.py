@@ -9,10 +9,9 @@ import time
 from collections.abc import Generator
 from typing import Any
 
-from omegaconf import DictConfig
-
 from evalkit.kv import contract
 from evalkit.kv.variant import Variant
+from evalkit.modelspec import ModelSpec
 from evalkit.records import BASELINE, Job, Result
 from evalkit.run import models
 from evalkit.run.divergence import logit_divergence
@@ -23,13 +22,13 @@ from evalkit.tasks import Task
 
 
 class HFEngine:
-    """The baseline and `variants` of `task` on the model `cfg.model` names, on `cfg.device`."""
+    """The baseline and `variants` of `task` on `model`, on `device`."""
 
     protocol = None  # the run's: evalkit's protocols say which tokens this engine compresses
     interruptible = True
 
-    def __init__(self, cfg: DictConfig, task: Task, variants: list[Variant]):
-        self.cfg, self.task, self.variants = cfg, task, variants
+    def __init__(self, model: ModelSpec, device: str, task: Task, variants: list[Variant]):
+        self.model, self.device, self.task, self.variants = model, device, task, variants
         self.loaded: models.LoadedModel | None = None
 
     def variant_names(self) -> list[str]:
@@ -37,7 +36,7 @@ class HFEngine:
 
     def open(self, jobs: list[Job]) -> dict[str, Any]:
         """Load the weights and let each policy learn what it needs from them; run.json's `model` and `prepared`."""
-        self.loaded = models.load(self.cfg.model, self.cfg.device)
+        self.loaded = models.load(self.model, self.device)
         opened: dict[str, Any] = {"model": self.loaded.info()}
         prepared = prepare_policies(self.variants, self.loaded)
         if prepared:

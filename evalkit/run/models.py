@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from evalkit.attention import sdpa
 from evalkit.embedded import byte_tokenizer, converted_folder, file_sha256, gguf_path
 from evalkit.errors import ConfigError
+from evalkit.modelspec import ModelSpec
 
 T = TypeVar("T")
 
@@ -49,13 +49,13 @@ class LoadedModel:
         }
 
 
-def max_context(cfg: DictConfig) -> int:
+def max_context(spec: ModelSpec) -> int:
     """The model's maximum context in tokens, known without loading its weights."""
-    if cfg.get("max_context"):
-        return int(cfg.max_context)
-    if cfg.kind == "hf":
-        return int(AutoConfig.from_pretrained(cfg.name_or_path).max_position_embeddings)
-    raise ConfigError(f"model {cfg.name}: set model.max_context")
+    if spec.max_context:
+        return int(spec.max_context)
+    if spec.kind == "hf":
+        return int(AutoConfig.from_pretrained(spec.name_or_path).max_position_embeddings)
+    raise ConfigError(f"model {spec.name}: set model.max_context")
 
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -82,13 +82,13 @@ def pick_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def check_source(cfg: DictConfig) -> None:
+def check_source(spec: ModelSpec) -> None:
     """ConfigError, before anything loads, for an hf model in a local folder that asks to run its own code
     (`auto_map` in config.json or tokenizer_config.json: transformers would need trust_remote_code, which evalkit
     never passes). Hub ids are checked as they load (`_refused`)."""
-    if cfg.get("kind") != "hf" or not isinstance(cfg.get("name_or_path"), str):
+    if spec.kind != "hf" or not isinstance(spec.name_or_path, str):
         return
-    folder = Path(cfg.name_or_path).expanduser()
+    folder = Path(spec.name_or_path).expanduser()
     for name in ("config.json", "tokenizer_config.json"):
         path = folder / name
         if not path.is_file():
@@ -97,41 +97,41 @@ def check_source(cfg: DictConfig) -> None:
             data = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, ValueError) as err:
             raise ConfigError(
-                f"model.name_or_path={cfg.name_or_path!r}: {name} is not readable JSON ({err}); fix or replace it"
+                f"model.name_or_path={spec.name_or_path!r}: {name} is not readable JSON ({err}); fix or replace it"
             ) from None
         if isinstance(data, dict) and data.get("auto_map"):
-            raise _remote_code(cfg, f"auto_map in {name}")
+            raise _remote_code(spec, f"auto_map in {name}")
 
 
-def _remote_code(cfg: DictConfig, why: str) -> ConfigError:
+def _remote_code(spec: ModelSpec, why: str) -> ConfigError:
     return ConfigError(
-        f"model.name_or_path={cfg.name_or_path!r} asks to run its own Python code to load ({why}; trust_remote_code),"
+        f"model.name_or_path={spec.name_or_path!r} asks to run its own Python code to load ({why}; trust_remote_code),"
         " which evalkit never does; use a model whose architecture transformers implements"
     )
 
 
-def _refused(cfg: DictConfig, err: Exception) -> ConfigError | None:
+def _refused(spec: ModelSpec, err: Exception) -> ConfigError | None:
     """The one-line ConfigError for a model transformers or torch refuse to load: one that needs its own code run,
     or pickle weights (*.bin) that hold more than tensors and so cannot load with torch's weights_only unpickler.
     None for any other error."""
     if isinstance(err, pickle.UnpicklingError):
         reason = next((ln.strip() for ln in str(err).splitlines() if "Unsupported global" in ln), "").split(" was ")[0]
         return ConfigError(
-            f"model.name_or_path={cfg.name_or_path!r} holds pickle weights that torch refuses to load safely "
+            f"model.name_or_path={spec.name_or_path!r} holds pickle weights that torch refuses to load safely "
             f"(weights_only{': ' + reason if reason else ''}); use a model with *.safetensors weights (convert these "
             "once, only if you trust their source, with save_pretrained)"
         )
     if isinstance(err, ValueError) and "trust_remote_code" in str(err):
-        return _remote_code(cfg, "custom code in the repository")
+        return _remote_code(spec, "custom code in the repository")
     return None
 
 
 ATTENTION = ("sdpa", "flash_attention_2")
 
 
-def check_attention(cfg: DictConfig) -> None:
+def check_attention(spec: ModelSpec) -> None:
     """ConfigError for an attention implementation evalkit cannot run, before any weights load."""
-    impl = cfg.get("attn_implementation", "sdpa")
+    impl = spec.attn_implementation
     if impl not in ATTENTION:
         raise ConfigError(f"model.attn_implementation={impl!r} is not one of {list(ATTENTION)}")
     if impl == "flash_attention_2":
@@ -144,94 +144,94 @@ def check_attention(cfg: DictConfig) -> None:
             raise ConfigError("model.attn_implementation=flash_attention_2 runs on CUDA GPUs only; use sdpa here")
 
 
-def load(cfg: DictConfig, device: str = "auto") -> LoadedModel:
+def load(spec: ModelSpec, device: str = "auto") -> LoadedModel:
     """Load the model described by a `conf/model/*.yaml` config, in eval mode, on `device`; with
     `model.device_map` (hf models: `auto`, `balanced`, ...), accelerate places it across the available GPUs."""
     start = time.perf_counter()
     loaders = {"gguf": _load_gguf, "hf": _load_hf, "tiny-random": _load_tiny_random}
-    if cfg.kind not in loaders:
-        raise ConfigError(f"model.kind={cfg.kind!r} is not one of {sorted(loaders)}")
-    check_attention(cfg)
-    model, tokenizer, fingerprint, source = loaders[cfg.kind](cfg)
+    if spec.kind not in loaders:
+        raise ConfigError(f"model.kind={spec.kind!r} is not one of {sorted(loaders)}")
+    check_attention(spec)
+    model, tokenizer, fingerprint, source = loaders[spec.kind](spec)
     if model.config._attn_implementation == "sdpa":
         model.set_attn_implementation(sdpa.register())  # SDPA that policies can observe
-    if not cfg.get("device_map"):
+    if not spec.device_map:
         model.to(pick_device(device))
     model.eval()
-    return LoadedModel(cfg.name, model, tokenizer, fingerprint, time.perf_counter() - start, source)
+    return LoadedModel(spec.name, model, tokenizer, fingerprint, time.perf_counter() - start, source)
 
 
-def load_tokenizer(cfg: DictConfig) -> PreTrainedTokenizerBase:
+def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
     """The model's tokenizer alone, without its weights: samples are built and checked before the weights load.
     (An embedded GGUF model is converted first, once, as `load` would.)"""
-    if cfg.kind == "tiny-random":
+    if spec.kind == "tiny-random":
         return byte_tokenizer()
-    if cfg.kind == "gguf":
-        cached = converted_folder(cfg)
+    if spec.kind == "gguf":
+        cached = converted_folder(spec)
         if not (cached / "evalkit.json").exists():
-            _convert_gguf(cfg, cached)
+            _convert_gguf(spec, cached)
         return AutoTokenizer.from_pretrained(cached)
-    if cfg.kind == "hf":
-        return _from_hf(cfg, lambda: AutoTokenizer.from_pretrained(cfg.name_or_path, revision=cfg.get("revision")))
-    raise ConfigError(f"model.kind={cfg.kind!r} is not one of ['gguf', 'hf', 'tiny-random']")
+    if spec.kind == "hf":
+        return _from_hf(spec, lambda: AutoTokenizer.from_pretrained(spec.name_or_path, revision=spec.revision))
+    raise ConfigError(f"model.kind={spec.kind!r} is not one of ['gguf', 'hf', 'tiny-random']")
 
 
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _dtype(cfg: DictConfig) -> torch.dtype:
-    name = cfg.get("dtype", "float32")
+def _dtype(spec: ModelSpec) -> torch.dtype:
+    name = spec.dtype
     if name not in DTYPES:
         raise ConfigError(f"model.dtype={name!r} is not one of {list(DTYPES)}")
     return getattr(torch, name)
 
 
-def _load_hf(cfg: DictConfig):
-    kwargs = {"dtype": _dtype(cfg), "attn_implementation": cfg.get("attn_implementation", "sdpa")}
-    if cfg.get("revision"):
-        kwargs["revision"] = cfg.revision
-    if cfg.get("device_map"):
-        kwargs["device_map"] = cfg.device_map
-    tokenizer = load_tokenizer(cfg)
-    model = _from_hf(cfg, lambda: AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs))
-    fingerprint = getattr(model.config, "_commit_hash", None) or str(cfg.name_or_path)
-    return model, tokenizer, fingerprint, str(cfg.name_or_path)
+def _load_hf(spec: ModelSpec):
+    kwargs = {"dtype": _dtype(spec), "attn_implementation": spec.attn_implementation}
+    if spec.revision:
+        kwargs["revision"] = spec.revision
+    if spec.device_map:
+        kwargs["device_map"] = spec.device_map
+    tokenizer = load_tokenizer(spec)
+    model = _from_hf(spec, lambda: AutoModelForCausalLM.from_pretrained(spec.name_or_path, **kwargs))
+    fingerprint = getattr(model.config, "_commit_hash", None) or str(spec.name_or_path)
+    return model, tokenizer, fingerprint, str(spec.name_or_path)
 
 
-def _from_hf(cfg: DictConfig, load: Callable[[], T]) -> T:
+def _from_hf(spec: ModelSpec, load: Callable[[], T]) -> T:
     """`load()` (a from_pretrained of model.name_or_path), its refusals and a missing folder as one-line errors."""
     try:
         return load()
     except (ValueError, pickle.UnpicklingError) as err:
-        refused = _refused(cfg, err)
+        refused = _refused(spec, err)
         if refused is None:
             raise
         raise refused from None
     except OSError as err:
         raise ConfigError(
-            f"model.name_or_path={cfg.name_or_path!r} could not be loaded ({str(err).splitlines()[0]}); "
+            f"model.name_or_path={spec.name_or_path!r} could not be loaded ({str(err).splitlines()[0]}); "
             "give a local folder with config.json, tokenizer and weights, or a Hub id on a machine that reaches the Hub"
         ) from err
 
 
-def _load_gguf(cfg: DictConfig):
-    cached = converted_folder(cfg)
+def _load_gguf(spec: ModelSpec):
+    cached = converted_folder(spec)
     if not (cached / "evalkit.json").exists():
-        _convert_gguf(cfg, cached)
+        _convert_gguf(spec, cached)
     meta = json.loads((cached / "evalkit.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(cached)
     model = AutoModelForCausalLM.from_pretrained(
-        cached, dtype=_dtype(cfg), attn_implementation=cfg.get("attn_implementation", "sdpa")
+        cached, dtype=_dtype(spec), attn_implementation=spec.attn_implementation
     )
-    return model, tokenizer, meta["gguf_sha256"], f"{cfg.package}=={cfg.package_version} via {cached}"
+    return model, tokenizer, meta["gguf_sha256"], f"{spec.package}=={spec.package_version} via {cached}"
 
 
-def _convert_gguf(cfg: DictConfig, target: Path) -> None:
+def _convert_gguf(spec: ModelSpec, target: Path) -> None:
     """Dequantize the GGUF once and store it as safetensors; written to a temporary folder, then renamed."""
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        gguf = gguf_path(cfg)
+        gguf = gguf_path(spec)
         print(f"evalkit: converting {gguf.name} to safetensors (once) into {target}", flush=True)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -244,8 +244,8 @@ def _convert_gguf(cfg: DictConfig, target: Path) -> None:
         meta = {
             "gguf_file": gguf.name,
             "gguf_sha256": file_sha256(gguf),
-            "package": cfg.package,
-            "package_version": cfg.package_version,
+            "package": spec.package,
+            "package_version": spec.package_version,
         }
         (out / "evalkit.json").write_text(json.dumps(meta, indent=2))
         if target.exists():  # a concurrent conversion finished first
@@ -255,18 +255,18 @@ def _convert_gguf(cfg: DictConfig, target: Path) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _load_tiny_random(cfg: DictConfig):
+def _load_tiny_random(spec: ModelSpec):
     tokenizer = byte_tokenizer()
     config = AutoConfig.for_model(
-        cfg.architecture,
+        spec.architecture,
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        max_position_embeddings=int(cfg.max_context),
-        **OmegaConf.to_container(cfg.config),
+        max_position_embeddings=int(spec.max_context),
+        **spec.config,
     )
-    config._attn_implementation = cfg.get("attn_implementation", "sdpa")
-    torch.manual_seed(int(cfg.seed))
-    model = AutoModelForCausalLM.from_config(config, dtype=_dtype(cfg))
-    return model, tokenizer, f"tiny-random:{cfg.architecture}:seed={cfg.seed}", "random init from config"
+    config._attn_implementation = spec.attn_implementation
+    torch.manual_seed(int(spec.seed))
+    model = AutoModelForCausalLM.from_config(config, dtype=_dtype(spec))
+    return model, tokenizer, f"tiny-random:{spec.architecture}:seed={spec.seed}", "random init from config"

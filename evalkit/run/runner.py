@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from evalkit.backends import Backend, Driven
 from evalkit.errors import ConfigError
@@ -23,62 +22,64 @@ from evalkit.run.rows import budget_clipped
 from evalkit.tasks import Sample, Task
 from evalkit.tasks.prompt import Prompt, build_prompt, prompt_text
 
+if TYPE_CHECKING:
+    from evalkit.cli.spec import RunSpec
 
-def run(
-    cfg: DictConfig, out_dir: Path, task: Task, variants: list[Variant], engine: Backend | None = None
-) -> dict[str, Any]:
-    """Run `task` with the baseline and `variants` (built and checked by the command line, evalkit.cli.job) into
-    `out_dir`, or through another engine (`engine`: evalkit.backends); return the summary."""
+
+def run(spec: RunSpec) -> dict[str, Any]:
+    """Run the spec's task with the baseline and its variants (built and checked by the command line,
+    evalkit.cli.spec) into its folder, or through another engine (its `engine`: evalkit.backends); return the
+    summary."""
+    out_dir, task, variants, engine = spec.out_dir, spec.task, list(spec.variants), spec.engine
     if task.external and any(v.chunk for v in variants):
         raise ConfigError(f"task={task.name}: lm-eval drives its own forwards, so prefill=chunked is not supported")
-    _check_attention(cfg, variants)
+    _check_attention(spec, variants)
     print(f"evalkit: run folder: {out_dir}")
     with RunLock(out_dir):  # before evalkit writes anything there: one writer per folder
-        return _run(cfg, out_dir, task, variants, engine)
+        return _run(spec, out_dir, task, variants, engine)
 
 
 def _run(
-    cfg: DictConfig, out_dir: Path, task: Task, variants: list[Variant], engine: Backend | None = None
+    spec: RunSpec, out_dir: Path, task: Task, variants: list[Variant], engine: Backend | None = None
 ) -> dict[str, Any]:
     rows_path = out_dir / SAMPLES
-    config = OmegaConf.to_container(cfg, resolve=True)
-    run_info = start(out_dir, config, bool(cfg.resume), task)
+    run_info = start(out_dir, spec.config, spec.resume, task)
     read_rows(rows_path, repair=True)  # before anything loads: a bad line refused, a torn last one cut
     if interrupt.requested():  # a sweep's job that starts after Ctrl-C
         raise interrupt.Interrupted(f"stopped before {out_dir} started")
-    torch.manual_seed(int(cfg.seed))
+    torch.manual_seed(spec.seed)
     jobs = None  # lm-eval finds its own documents
     if not task.external:
         # The tokenizer loads before the weights: every sample is built and checked before any of them runs.
-        tokenizer = models.load_tokenizer(cfg.model)
+        tokenizer = models.load_tokenizer(spec.model)
         samples = task.samples(tokenizer)
         check_samples_unchanged(run_info, samples, out_dir)
-        prompts = [build_prompt(tokenizer, s, cfg.protocol) for s in samples]
+        prompts = [build_prompt(tokenizer, s, spec.protocol) for s in samples]
         check_written(rows_path, task, samples, prompts)
-        check_samples(samples, prompts, models.max_context(cfg.model), cfg, task, variants)
+        check_samples(samples, prompts, models.max_context(spec.model), spec, task, variants)
         write_json(out_dir / RUN, run_info.to_dict())
         # what a server is sent: the prompt as text
         texts = {s.id: prompt_text(tokenizer, s)[0] for s in samples} if engine is not None else {}
         jobs = [job(task, s, p, texts.get(s.id, "")) for s, p in zip(samples, prompts, strict=True)]
-    run_samples(_engine(cfg, out_dir, task, variants, engine), out_dir, run_info, task, jobs)
+    run_samples(_engine(spec, out_dir, task, variants, engine), out_dir, run_info, task, jobs)
     summary = finish(out_dir)
     print(f"\nrecords: {rows_path}")
     return summary
 
 
-def _engine(cfg: DictConfig, out_dir: Path, task: Task, variants: list[Variant], backend: Backend | None) -> Engine:
+def _engine(spec: RunSpec, out_dir: Path, task: Task, variants: list[Variant], backend: Backend | None) -> Engine:
     """The engine that answers the run's samples: another (evalkit.backends), lm-eval's driver, or evalkit's own."""
     if backend is not None:
-        return Driven(backend, cfg)
+        return Driven(backend, spec.backend)
     if task.external:
         from evalkit.lmeval.evaluate import LmevalEngine
 
-        return LmevalEngine(cfg, task, variants, out_dir)
-    return HFEngine(cfg, task, variants)
+        return LmevalEngine(spec.model, spec.device, task, variants, out_dir)
+    return HFEngine(spec.model, spec.device, task, variants)
 
 
 def check_samples(
-    samples: list[Sample], prompts: list[Prompt], limit: int, cfg: DictConfig, task: Task, variants: list[Variant]
+    samples: list[Sample], prompts: list[Prompt], limit: int, spec: RunSpec, task: Task, variants: list[Variant]
 ) -> None:
     """What only tokenized samples can tell, for all of them before any runs: does each fit the model (`limit`
     tokens), can every budget hold on it? A budget larger than a sample's context is run as the full context and
@@ -91,7 +92,7 @@ def check_samples(
     if too_long:
         more = f" and {len(too_long) - 5} more" if len(too_long) > 5 else ""
         raise ConfigError(
-            f"{len(too_long)} sample(s) need more tokens (prompt + answer) than {cfg.model.name}'s {limit}: "
+            f"{len(too_long)} sample(s) need more tokens (prompt + answer) than {spec.model.name}'s {limit}: "
             f"{', '.join(too_long[:5])}{more}; shorten their contexts (nothing was run)"
         )
     for s, p in zip(samples, prompts, strict=True):
@@ -108,10 +109,10 @@ def check_samples(
             )
 
 
-def _check_attention(cfg: DictConfig, variants: list[Variant]) -> None:
+def _check_attention(spec: RunSpec, variants: list[Variant]) -> None:
     """Before the weights load: what needs evalkit's observed SDPA (attention scores, packed quantized history).
     Whether the implementation itself can run here, models.load checks."""
-    impl = cfg.model.get("attn_implementation", "sdpa")
+    impl = spec.model.attn_implementation
     needs = sorted({str(o) for v in variants for o in v.policy.needs()})
     if impl != "sdpa" and needs:
         raise ConfigError(

@@ -7,10 +7,10 @@ from __future__ import annotations
 import csv
 import json
 import os
-import re
 from pathlib import Path
 
 from evalkit.errors import ConfigError
+from evalkit.names import safe_name
 
 FILES = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv"}
 
@@ -18,7 +18,7 @@ FILES = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv"
 def fetch_command(path: str, config: str | None, data_dir: str | None, split: str) -> str:
     """The command that saves the dataset to a folder on a machine that reaches the Hub."""
     args = [repr(path)] + [f"{k}={v!r}" for k, v in (("name", config), ("data_dir", data_dir)) if v]
-    folder = re.sub(r"[^A-Za-z0-9_.-]+", "_", "-".join(str(x) for x in (path, config, data_dir) if x))
+    folder = safe_name("-".join(str(x) for x in (path, config, data_dir) if x))
     return (
         f'python -c "import datasets; datasets.load_dataset({", ".join(args)}, split={split!r})'
         f".save_to_disk('{folder}')\" (then copy {folder}/ here and give task.path={folder})"
