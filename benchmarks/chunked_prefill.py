@@ -21,8 +21,8 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 from eviction_cost import context_ids, load, policies, rss_mb  # noqa: E402
 
+from evalkit.engine.engine import chunked_prefill, prefill
 from evalkit.kv.cache import compress, held_per_layer, kv_bytes
-from evalkit.run.engine import chunked_prefill, prefill
 
 
 def child(policy: str, mode: str, length: int, budget: int, chunk: int) -> None:

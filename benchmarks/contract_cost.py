@@ -21,6 +21,8 @@ from omegaconf import OmegaConf
 
 from evalkit import policies as policy_module
 from evalkit.cli.spec import model_spec
+from evalkit.engine import models
+from evalkit.engine.engine import run_sample
 from evalkit.kv import contract
 from evalkit.kv.variant import Variant
 from evalkit.policies import adakv, chunkkv
@@ -28,8 +30,6 @@ from evalkit.policies.adakv import AdaKV
 from evalkit.policies.h2o import H2O
 from evalkit.policies.pyramidkv import PyramidKV
 from evalkit.policies.snapkv import SnapKV
-from evalkit.run import models
-from evalkit.run.engine import run_sample
 from evalkit.tasks.needle import NeedleTask
 from evalkit.tasks.prompt import build_prompt
 

@@ -34,10 +34,10 @@ from omegaconf import OmegaConf
 
 from evalkit.cli.config import variants as configured_variants
 from evalkit.cli.spec import model_spec
+from evalkit.engine import models
+from evalkit.engine.engine import prefill, run_sample
 from evalkit.kv.cache import compress
 from evalkit.kv.variant import Variant
-from evalkit.run import models
-from evalkit.run.engine import prefill, run_sample
 from evalkit.tasks.needle import NeedleTask
 from evalkit.tasks.prompt import build_prompt
 

@@ -33,11 +33,11 @@ from omegaconf import OmegaConf
 
 from evalkit.cli.spec import model_spec
 from evalkit.embedded import cache_root
+from evalkit.engine import models
+from evalkit.engine.engine import Variant, prefill, run_sample
 from evalkit.policies.h2o import H2O
 from evalkit.policies.kvzip import KVzip
 from evalkit.policies.snapkv import SnapKV
-from evalkit.run import models
-from evalkit.run.engine import Variant, prefill, run_sample
 from evalkit.tasks.needle import NeedleTask
 from evalkit.tasks.prompt import build_prompt
 

@@ -24,10 +24,10 @@ from omegaconf import OmegaConf
 
 from evalkit.attention.sdpa import causal_tail_mask, observe
 from evalkit.cli.spec import model_spec
+from evalkit.engine import models
+from evalkit.engine.engine import prefill
 from evalkit.kv.cache import full_attention_layers, share
 from evalkit.policies.kvzip_pass import PREVIOUS_IDS, reconstruct
-from evalkit.run import models
-from evalkit.run.engine import prefill
 from evalkit.tasks.needle import NeedleTask
 from evalkit.tasks.prompt import Repeat, build_prompt
 

@@ -18,10 +18,10 @@ import torch
 from omegaconf import OmegaConf
 
 from evalkit.cli.spec import model_spec
+from evalkit.engine import models
+from evalkit.engine.engine import run_sample
 from evalkit.kv.variant import Variant
 from evalkit.policies.streaming_llm import StreamingLLM
-from evalkit.run import models
-from evalkit.run.engine import run_sample
 from evalkit.tasks.needle import NeedleTask
 from evalkit.tasks.prompt import build_prompt
 

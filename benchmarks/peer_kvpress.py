@@ -61,6 +61,8 @@ from omegaconf import OmegaConf
 
 from evalkit.cli.spec import model_spec
 from evalkit.embedded import converted_folder
+from evalkit.engine import models
+from evalkit.engine.engine import prefill, reconstruction
 from evalkit.kv.cache import compress, held_positions
 from evalkit.policies import KVPolicy
 from evalkit.policies.adakv import AdaKV
@@ -73,8 +75,6 @@ from evalkit.policies.pyramidkv import PyramidKV
 from evalkit.policies.snapkv import SnapKV
 from evalkit.policies.streaming_llm import StreamingLLM
 from evalkit.policies.tova import TOVA
-from evalkit.run import models
-from evalkit.run.engine import prefill, reconstruction
 from evalkit.tasks.needle import NeedleTask
 from evalkit.tasks.prompt import Repeat, build_prompt
 

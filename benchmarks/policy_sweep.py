@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from evalkit.cli.choices import options  # noqa: E402
+from evalkit.config.choices import options  # noqa: E402
 
 WRAPPERS = {"chunkkv", "adakv"}  # run over snapkv
 RUNS = {

@@ -28,10 +28,10 @@ from omegaconf import OmegaConf
 
 from evalkit.cli.config import quant_spec
 from evalkit.cli.spec import model_spec
+from evalkit.engine import models
+from evalkit.engine.engine import run_sample
 from evalkit.kv.variant import Variant
 from evalkit.policies.none import FullCache
-from evalkit.run import models
-from evalkit.run.engine import run_sample
 from evalkit.tasks.needle import NeedleTask
 from evalkit.tasks.prompt import build_prompt
 

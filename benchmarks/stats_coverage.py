@@ -6,7 +6,7 @@ whose loss rate sits at the flip limit) PASSes, and how often a variant at the p
 Contexts are drawn independently; within one, m questions share a random effect (a Dirichlet-multinomial with
 intra-context correlation icc, evalkit.gate.power.draw_contexts). 0/1 scores, or graded ones (a loss or gain moves a
 score by 0.1, or by 0.5). Every draw is judged by the gate's own decision at its default thresholds (the betting
-test of evalkit.gate.betting that evalkit.gate.checks calls at every look, vectorised over draws;
+test of evalkit.stats.betting that evalkit.gate.checks calls at every look, vectorised over draws;
 tests/test_stats_coverage.py checks it against evalkit.gate.decide on single draws), at:
 
 - one look at n contexts;
@@ -34,12 +34,11 @@ from functools import lru_cache
 
 import numpy as np
 
-from evalkit.gate import betting, decide
 from evalkit.gate.checks import evaluate, kl_cap
 from evalkit.gate.contexts import group
 from evalkit.gate.power import betting_contexts, betting_power_counts, draw_contexts
-from evalkit.gate.stats import binary_bounds
 from evalkit.gate.thresholds import Thresholds
+from evalkit.stats import betting, binary_bounds, decide
 
 T = Thresholds()
 ALPHA = 1 - T.confidence

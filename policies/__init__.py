@@ -31,7 +31,7 @@ class Probe:
 
 
 class Probes(Protocol):
-    """Prompts for a policy to learn from, built by the run pipeline with the model's tokenizer (evalkit.run.probes):
+    """Prompts for a policy to learn from, built by the run pipeline with the model's tokenizer (evalkit.engine.probes):
     policies never build prompts or tasks themselves."""
 
     def needles(self, context: int, depths: list[float]) -> list[Probe]:

@@ -29,9 +29,9 @@ from omegaconf import DictConfig, OmegaConf
 import evalkit.cli.main  # noqa: F401  (registers the resolvers of the run-folder pattern)
 from evalkit.cli.config import build
 from evalkit.cli.spec import model_spec
+from evalkit.engine import models
+from evalkit.engine.engine import prefill, reconstruction
 from evalkit.kv.cache import compress
-from evalkit.run import models
-from evalkit.run.engine import prefill, reconstruction
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)

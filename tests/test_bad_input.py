@@ -14,10 +14,10 @@ import pytest
 from datasets import Dataset
 
 from evalkit.cli import precheck as precheck_module
+from evalkit.cli.lmeval import CommandLineLM, model_config
 from evalkit.cli.main import main as evalkit_main
 from evalkit.errors import ConfigError
 from evalkit.gate.judge import extend_command
-from evalkit.lmeval.cli import CommandLineLM, model_config
 from evalkit.lmeval.metrics import choose_metrics
 from evalkit.plan.arch import arch_from_config
 from evalkit.plan.settings import settings as plan_settings
@@ -166,7 +166,7 @@ def test_unknown_model_args_and_models_are_refused(tiny):
     from lm_eval.tasks import TaskManager
 
     from evalkit.lmeval.evaluate import load_tasks
-    from evalkit.lmeval.registry import task_dir
+    from evalkit.tasks.lmeval_index import task_dir
 
     manager = TaskManager(include_path=str(task_dir()))
     tasks = manager.load(load_tasks(manager, ["evalkit_recall"]))["tasks"]

@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 
-from evalkit.cli.choices import options
+from evalkit.config.choices import options
+from evalkit.engine.engine import greedy, prefill, run_sample
 from evalkit.kv.cache import enforce, held_per_layer, kv_bytes, share
 from evalkit.kv.variant import Variant
-from evalkit.run.engine import greedy, prefill, run_sample
 from evalkit.tasks.prompt import Prompt
 from tests.conftest import CTX, QUESTION, STEPS, compressed, policy
 

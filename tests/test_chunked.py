@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from evalkit.engine.engine import chunked_prefill, greedy, prefill
 from evalkit.errors import ConfigError
 from evalkit.kv.cache import held_per_layer, kv_bytes
 from evalkit.kv.variant import Variant
-from evalkit.run.engine import chunked_prefill, greedy, prefill
 from tests.conftest import CTX, ROOT, by_kv_head, compose_config, policy, pool_by_hand
 
 BUDGET, CHUNK = 40, 16

@@ -15,13 +15,13 @@ import torch
 from torch import Tensor
 
 from evalkit.cli.config import variants
+from evalkit.engine.engine import greedy, prefill
 from evalkit.errors import ConfigError
 from evalkit.kv.cache import enforce, held_per_layer
 from evalkit.policies import KVPolicy, LayerView
 from evalkit.policies.chunkkv import ChunkKV
 from evalkit.policies.h2o import H2O
 from evalkit.policies.snapkv import SnapKV
-from evalkit.run.engine import greedy, prefill
 from tests.conftest import CTX, STEPS, compose_config, compressed, policy, run_cli
 
 
@@ -201,7 +201,7 @@ def test_cli_runs_chunkkv_beside_its_inner_policy_on_the_same_samples(tmp_path):
 def test_chunked_prefill_keeps_the_budget_after_every_chunk(tiny, ids):
     """The wrapper supports a chunked prefill when its inner policy does (H2O): after each 32-token chunk every
     layer holds the budget for the tokens seen, so the cache never holds more than the budget plus one chunk."""
-    from evalkit.run.engine import chunked_prefill
+    from evalkit.engine.engine import chunked_prefill
 
     pol = policy("chunkkv", 24, inner="h2o")
     cache, _, peak_tokens = chunked_prefill(tiny.model, ids[:, :CTX], pol, 32)

@@ -8,10 +8,11 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from evalkit.cli.choices import check_choices, options
 from evalkit.cli.config import build, wrapped_fields
 from evalkit.cli.precheck import precheck
 from evalkit.cli.spec import model_spec, run_spec
+from evalkit.config.choices import check_choices, options
+from evalkit.engine import models
 from evalkit.errors import ConfigError
 from evalkit.fields import describe, fits
 from evalkit.policies import KVPolicy
@@ -21,7 +22,6 @@ from evalkit.policies.pyramidkv import PyramidKV
 from evalkit.policies.random import RandomKeep
 from evalkit.policies.snapkv import SnapKV
 from evalkit.policies.streaming_llm import StreamingLLM
-from evalkit.run import models
 from evalkit.tasks import Task
 from evalkit.tasks.fidelity import FidelityTask
 from evalkit.tasks.lmeval import LmEvalTask

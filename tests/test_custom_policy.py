@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from evalkit.cli.choices import check_choices, options, searching
 from evalkit.cli.config import variants
 from evalkit.cli.precheck import precheck
+from evalkit.config.choices import check_choices, options, searching
 from evalkit.errors import ConfigError
 from tests.conftest import compose_config, importable, run_cli
 

@@ -1,15 +1,15 @@
-"""Decoding a sample's caches together (evalkit.run.decode.decode_batch) and sharing the decode of caches that keep the
-same tokens (evalkit.run.outcome.decode_jobs): each variant's result must be what decoding it alone gives."""
+"""Decoding a sample's caches together (engine.decode.decode_batch) and sharing the decode of caches that keep the
+same tokens (evalkit.engine.outcome.decode_jobs): each variant's result must be what decoding it alone gives."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from evalkit.engine.decode import Row, decode_batch, greedy
+from evalkit.engine.engine import Variant, evictor, prefill, run_sample
 from evalkit.kv.cache import held_positions, kv_bytes, share
 from evalkit.kv.quantized import QuantSpec
-from evalkit.run.decode import Row, decode_batch, greedy
-from evalkit.run.engine import Variant, evictor, prefill, run_sample
 from evalkit.tasks.prompt import Prompt
 from tests.conftest import CTX, compressed, policy
 

@@ -28,9 +28,9 @@ from pathlib import Path
 import pytest
 from hydra import initialize_config_module
 
-from evalkit.cli.choices import check_choices, options
-from evalkit.cli.overrides import check_resolved, compose_job, parse
 from evalkit.cli.precheck import precheck
+from evalkit.config.choices import check_choices, options
+from evalkit.config.overrides import check_resolved, compose_job, parse
 from evalkit.errors import ConfigError
 from tests.conftest import ROOT, importable
 
@@ -227,8 +227,8 @@ def test_lmeval_commands_parse(argv, monkeypatch):
     from omegaconf import OmegaConf
 
     from evalkit.cli.config import variants
-    from evalkit.lmeval.cli import CommandLineLM
-    from evalkit.lmeval.registry import task_dir
+    from evalkit.cli.lmeval import CommandLineLM
+    from evalkit.tasks.lmeval_index import task_dir
 
     monkeypatch.setattr(sys, "argv", ["lm-eval", *argv])
     args = HarnessCLI().parse_args()

@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from evalkit.attention.observation import Attended, PrefillRecorder
+from evalkit.engine.engine import prefill
 from evalkit.errors import ConfigError
 from evalkit.kv.cache import compress
 from evalkit.kv.variant import Variant
 from evalkit.policies import LayerView
 from evalkit.policies.expected_attention import ExpectedAttention, QueryStats, Stats
-from evalkit.run.engine import prefill
 from tests.conftest import CTX, compressed, policy
 
 BUDGET = 24

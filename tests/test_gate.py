@@ -9,10 +9,10 @@ from scipy.stats import binomtest
 
 from evalkit.gate.command import main
 from evalkit.gate.judge import judge
-from evalkit.gate.stats import mcnemar_exact
 from evalkit.gate.thresholds import Thresholds, load_thresholds
 from evalkit.records.schema import flip_cause
 from evalkit.records.summary import paired, summarize
+from evalkit.stats import mcnemar_exact
 from tests.conftest import as_written, drew, run_cli
 
 

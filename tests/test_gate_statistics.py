@@ -16,7 +16,7 @@ from evalkit.gate.judge import judge
 from evalkit.gate.thresholds import Thresholds
 from tests.test_gate import rows
 
-THETAS = (1, 0.8, 0.6, 0.4)  # evalkit.gate.betting's bets, weighted 1/4 each
+THETAS = (1, 0.8, 0.6, 0.4)  # evalkit.stats.betting's bets, weighted 1/4 each
 
 
 def binomial_tail(k: int, n: int, p: float) -> float:

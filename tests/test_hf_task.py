@@ -11,9 +11,9 @@ import pytest
 import torch
 from datasets import Dataset
 
+from evalkit.engine.engine import compress_context, decode, run_sample
 from evalkit.errors import ConfigError
 from evalkit.kv.variant import Variant
-from evalkit.run.engine import compress_context, decode, run_sample
 from evalkit.scoring import infinitebench, longbench, loogle, needle_in_haystack, ruler, zero_scrolls
 from evalkit.tasks.hf import HfTask
 from evalkit.tasks.prompt import build_prompt

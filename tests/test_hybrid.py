@@ -8,10 +8,10 @@ from omegaconf import OmegaConf
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from evalkit.cli.spec import model_spec
+from evalkit.engine import models
+from evalkit.engine.engine import run_sample
 from evalkit.kv.cache import EvictingLayer, kv_bytes
 from evalkit.kv.variant import Variant
-from evalkit.run import models
-from evalkit.run.engine import run_sample
 from evalkit.tasks.prompt import Prompt
 from tests.conftest import ROOT, policy
 
@@ -53,8 +53,8 @@ def test_eviction_applies_to_global_layers_only_and_bytes_cover_both(gemma, prom
 
 
 def test_hybrid_cache_layers_keep_their_types(gemma, prompt):
+    from evalkit.engine.engine import prefill
     from evalkit.kv.cache import compress
-    from evalkit.run.engine import prefill
 
     pol = policy("snapkv", 0.25)
     full, obs = prefill(gemma.model, prompt.ids[:, :CTX], [pol])

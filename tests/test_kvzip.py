@@ -11,14 +11,14 @@ import torch
 from omegaconf import OmegaConf
 
 from evalkit.cli.spec import model_spec
+from evalkit.engine import models
+from evalkit.engine.engine import Variant, prefill, reconstruction, run_sample
 from evalkit.errors import ConfigError
 from evalkit.kv.cache import compress, kv_bytes, select
 from evalkit.kv.quantized import QuantSpec
 from evalkit.policies import LayerView
 from evalkit.policies.kvzip import KVzip
 from evalkit.policies.kvzip_pass import Reconstruction, block_attention
-from evalkit.run import models
-from evalkit.run.engine import Variant, prefill, reconstruction, run_sample
 from evalkit.tasks import Sample
 from evalkit.tasks.prompt import Repeat, build_prompt
 from tests.conftest import ROOT, policy
@@ -285,7 +285,7 @@ def test_one_forward_on_a_hybrid_model_matches_eager_per_chunk_passes():
 
 def test_baseline_and_full_cache_unchanged_beside_kvzip(tiny, prompt):
     """The second pass reads the prefilled cache in place: the baseline's tokens and logits must be those of a run
-    without kvzip (within float rounding: beside kvzip the baseline decodes in a batch of two, evalkit.run.decode), and
+    without kvzip (within float rounding: beside kvzip the baseline decodes in a batch of two: engine.decode), and
     the full cache must not change or grow (catches a pass that writes into the prefilled cache)."""
     alone, _ = run_sample(tiny.model, prompt, [], 6, set())
     beside, (out,) = run_sample(tiny.model, prompt, [Variant(policy("kvzip", 0.25))], 6, set())

@@ -1,17 +1,21 @@
-"""The architecture as a test (docs/architecture.md): every import statement of evalkit/, policies/ and kernels/ is
-walked, those inside functions included (a `TYPE_CHECKING` block, for annotations, excepted). There is no cycle, and
-each layer imports only itself and the layers it sits on:
+"""The architecture as a test (docs/architecture.md): the folders are the layers. Every import statement of evalkit/,
+policies/ and kernels/ is walked, those inside functions included (a `TYPE_CHECKING` block, for annotations,
+excepted), and each folder imports only itself and the folders it sits on:
 
-    command line (evalkit.cli, evalkit.lmeval.cli)
-      -> run pipeline (evalkit.run, evalkit.lmeval, evalkit.backends)
-        -> tasks -> KV storage (evalkit.kv) -> policies -> attention and kernels -> leaves
-      -> verdict (evalkit.gate), report, planner: no torch, and nothing of the pipeline
-    Hydra's overrides and config names (evalkit.cli.overrides, choices): no torch, shared by the planner
-    leaves (errors, exits, sigint, units, fields, records, capacity, embedded): nothing of evalkit's
+    evalkit/cli/            every command line, Hydra's config composed, the run spec built once
+      evalkit/run/          one sample loop for every engine, resume, the writer
+        evalkit/backends/   llama.cpp and OpenAI-compatible servers    } the engines: each turns a sample
+        evalkit/lmeval/     lm-eval's driver                            } into outcomes, never importing the run
+          evalkit/engine/   the HF engine: load, prefill once, compress, decode
+            evalkit/tasks/ -> evalkit/kv/ -> policies/ -> evalkit/attention/ -> kernels/ -> leaves
+      evalkit/plan/ -> evalkit/report/ -> evalkit/gate/ -> leaves: no torch, nothing of the pipeline
+      evalkit/config/       Hydra's config names and overrides, no torch: the command lines' and the planner's
+    leaves: the modules directly in evalkit/, evalkit/records/, evalkit/scoring/, evalkit/stats/: nothing above them
 
-An import inside a function is allowed only where the module it imports is heavy and the caller's start-up must not
-pay for it (the command line answers a typo before torch loads); it is never a way around a cycle, which this test
-would see.
+There is no exceptions list: no module sits outside its folder's layer. A module's own `__main__.py` is an entry
+point (`python -m evalkit.X`), which may import the command line it starts. An import inside a function points down
+like any other; only a command line or an entry point writes one, to keep its start-up off a heavy library (a typo
+is answered before torch loads), and never inside the layers below, where it could only hide a cycle.
 """
 
 from __future__ import annotations
@@ -24,42 +28,27 @@ from tests.conftest import ROOT
 
 PACKAGES = {"evalkit": ROOT / "evalkit", "evalkit.policies": ROOT / "policies", "evalkit.kernels": ROOT / "kernels"}
 
-# Layer of a module: the first prefix that matches (longest prefixes first).
-LAYER_OF = [
-    ("evalkit.lmeval.cli", "cli"),
-    ("evalkit.lmeval.__main__", "cli"),
-    ("evalkit.lmeval.registry", "tasks"),
-    ("evalkit.__main__", "cli"),
-    ("evalkit.cli.overrides", "hydra"),
-    ("evalkit.cli.choices", "hydra"),
-    ("evalkit.cli", "cli"),
-    ("evalkit.run", "run"),
-    ("evalkit.lmeval", "run"),
-    ("evalkit.backends", "run"),
-    ("evalkit.tasks", "tasks"),
-    ("evalkit.attention", "attention"),
-    ("evalkit.kv", "kv"),
-    ("evalkit.policies", "policies"),
-    ("evalkit.kernels", "attention"),
-    ("evalkit.gate", "gate"),
-    ("evalkit.report", "report"),
-    ("evalkit.plan", "plan"),
-    ("evalkit", "leaves"),
-]
-BELOW = {
-    "leaves": set(),
-    "attention": {"leaves"},
-    "policies": {"attention", "leaves"},
-    "kv": {"policies", "attention", "leaves"},
-    "tasks": {"leaves"},
-    "gate": {"leaves"},
-    "report": {"gate", "leaves"},
-    "hydra": {"leaves"},
-    "plan": {"report", "gate", "hydra", "leaves"},
-    "run": {"tasks", "kv", "policies", "attention", "gate", "plan", "leaves"},
+LEAVES = "leaves"
+LEAF_PACKAGES = ("records", "scoring", "stats")  # folders of leaves: they import only leaves
+ENTRY = "entry points"
+# Each folder and the folders it may import (besides itself and the leaves).
+SITS_ON = {
+    "evalkit.kernels": set(),
+    "evalkit.attention": {"evalkit.kernels"},
+    "evalkit.policies": {"evalkit.attention", "evalkit.kernels"},
+    "evalkit.kv": {"evalkit.policies", "evalkit.attention", "evalkit.kernels"},
+    "evalkit.tasks": set(),
+    "evalkit.engine": {"evalkit.tasks", "evalkit.kv", "evalkit.policies", "evalkit.attention", "evalkit.kernels"},
+    "evalkit.gate": set(),
+    "evalkit.report": {"evalkit.gate"},
+    "evalkit.config": set(),
+    "evalkit.plan": {"evalkit.report", "evalkit.gate", "evalkit.config"},
 }
-BELOW["cli"] = set(BELOW) | {"run"}
-TORCH_FREE = {"leaves", "hydra", "gate", "report", "plan"}
+SITS_ON["evalkit.backends"] = {"evalkit.engine", "evalkit.plan", *SITS_ON["evalkit.engine"], *SITS_ON["evalkit.plan"]}
+SITS_ON["evalkit.lmeval"] = {"evalkit.engine", *SITS_ON["evalkit.engine"]}
+SITS_ON["evalkit.run"] = {"evalkit.backends", "evalkit.lmeval", *SITS_ON["evalkit.backends"]}
+SITS_ON["evalkit.cli"] = {"evalkit.run", "evalkit.config", *SITS_ON["evalkit.run"]}
+TORCH_FREE = {LEAVES, "evalkit.config", "evalkit.gate", "evalkit.report", "evalkit.plan"}
 HEAVY = ("torch", "transformers", "triton")
 
 
@@ -72,8 +61,18 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def layer(module: str) -> str:
-    return next(name for prefix, name in LAYER_OF if module == prefix or module.startswith(prefix + "."))
+def folder(module: str) -> str:
+    """The layer of a module: its folder (evalkit.X for evalkit/X/...); the leaves for the modules directly in
+    evalkit/ and for the leaf packages; the entry points for the __main__ modules."""
+    if module.endswith("__main__"):
+        return ENTRY
+    parts = module.split(".")
+    if parts[:2] in (["evalkit", "policies"], ["evalkit", "kernels"]):
+        return ".".join(parts[:2])
+    is_package = (ROOT / "evalkit" / parts[1]).is_dir() if len(parts) > 1 else False
+    if len(parts) == 1 or not is_package or parts[1] in LEAF_PACKAGES:
+        return LEAVES
+    return ".".join(parts[:2])
 
 
 def imports(module: str, path: Path, known: dict[str, Path]) -> list[tuple[str, int, bool]]:
@@ -126,16 +125,16 @@ def graph() -> dict[str, list[tuple[str, int, bool]]]:
     return {m: imports(m, p, known) for m, p in known.items()}
 
 
-def test_no_import_cycle():
-    edges = {m: {t for t, _, _ in targets if t.startswith("evalkit")} for m, targets in graph().items()}
-    index, low, stack, on, cycles, counter = {}, {}, [], set(), [], [0]
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one node (Tarjan)."""
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
 
     def visit(v: str) -> None:
         index[v] = low[v] = counter[0]
         counter[0] += 1
         stack.append(v)
         on.add(v)
-        for w in edges.get(v, ()):
+        for w in sorted(edges.get(v, ())):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -150,20 +149,63 @@ def test_no_import_cycle():
                 if w == v:
                     break
             if len(component) > 1:
-                cycles.append(sorted(component))
+                found.append(sorted(component))
 
     for v in sorted(edges):
         if v not in index:
             visit(v)
-    assert cycles == []
+    return found
 
 
-def test_each_layer_imports_only_what_it_sits_on():
+def evalkit_edges() -> list[tuple[str, str, int, bool]]:
+    return [(m, t, line, inside) for m, ts in graph().items() for t, line, inside in ts if t.startswith("evalkit")]
+
+
+def test_no_module_cycle():
+    edges = defaultdict(set)
+    for m, t, _, _ in evalkit_edges():
+        edges[m].add(t)
+    assert cycles(edges) == []
+
+
+def test_no_folder_cycle():
+    edges = defaultdict(set)
+    for m, t, _, _ in evalkit_edges():
+        if folder(m) != folder(t):
+            edges[folder(m)].add(folder(t))
+    assert cycles(edges) == []
+
+
+def test_the_sits_on_table_is_acyclic_and_names_every_folder():
+    """The table itself is a layering (no folder sits on one that sits on it), and every folder of the tree has a
+    row: a new folder must be placed before it can import anything."""
+    assert cycles({k: set(v) for k, v in SITS_ON.items()}) == []
+    folders = {folder(m) for m in modules()} - {LEAVES, ENTRY}
+    assert sorted(folders - set(SITS_ON)) == []
+
+
+def test_each_folder_imports_only_what_it_sits_on():
     wrong = [
-        f"{m} ({layer(m)}) imports {t} ({layer(t)}), line {line}"
-        for m, targets in graph().items()
-        for t, line, _ in targets
-        if t.startswith("evalkit") and layer(t) != layer(m) and layer(t) not in BELOW[layer(m)]
+        f"{m} ({folder(m)}) imports {t} ({folder(t)}), line {line}"
+        for m, t, line, _ in evalkit_edges()
+        if folder(m) not in (folder(t), ENTRY, LEAVES) and folder(t) != LEAVES and folder(t) not in SITS_ON[folder(m)]
+    ]
+    assert wrong == []
+
+
+def test_leaves_import_only_leaves():
+    wrong = [f"{m} imports {t}, line {line}" for m, t, line, _ in evalkit_edges() if folder(m) == LEAVES != folder(t)]
+    assert wrong == []
+
+
+def test_imports_inside_functions_only_in_command_lines():
+    """A function-level import of an evalkit module keeps a command's start-up light; below the command lines it
+    would only hide a cycle, so there is none."""
+    top = {"evalkit.cli", ENTRY, "evalkit.gate", "evalkit.report", "evalkit.plan"}
+    wrong = [
+        f"{m}: import {t} inside a function, line {line}"
+        for m, t, line, inside in evalkit_edges()
+        if inside and folder(m) not in top and folder(m) != folder(t)
     ]
     assert wrong == []
 
@@ -177,38 +219,20 @@ def test_the_verdict_report_planner_and_leaves_never_import_torch():
         f"{m}: {t}, line {line}"
         for m, targets in graph().items()
         for t, line, _ in targets
-        if layer(m) in TORCH_FREE and t in HEAVY and (m, t) not in allowed
+        if folder(m) in TORCH_FREE and t in HEAVY and (m, t) not in allowed
     ]
     assert heavy == []
 
 
-def test_layers_are_named_for_every_module():
-    """A new module lands in a layer by its package; this catches a module outside every layer's prefix."""
-    unplaced = [m for m in modules() if layer(m) not in BELOW]
-    assert unplaced == []
-
-
-def test_function_level_imports_of_evalkit_modules_are_the_listed_lazy_ones():
-    """Imports of evalkit modules inside functions: only to keep a command's start-up off torch, scipy, plotly or
-    lm-eval. Each is listed here with its reason; a new one must argue its case the same way."""
-    lazy = {
-        ("evalkit.cli.main", "evalkit.cli.job"): "torch and transformers load only once the config is known good",
-        ("evalkit.cli.main", "evalkit.cli.precheck"): "a typo is answered before the policies (torch) load",
-        ("evalkit.cli.main", "evalkit.cli.sweep"): "the sweep merge (gate, report) only after a -m sweep",
-        ("evalkit.cli.main", "evalkit.gate.command"): "the gate (scipy, statsmodels) only with gate=...",
-        ("evalkit.cli.main", "evalkit.gate.outputs"): "the gate only with gate=...",
-        ("evalkit.cli.main", "evalkit.gate.thresholds"): "the gate only with gate=...",
-        ("evalkit.cli.main", "evalkit.report.wandb_log"): "W&B only with logger=wandb",
-        ("evalkit.cli.sweep", "evalkit.gate.command"): "Hydra builds the callback for every run; it judges sweeps only",
-        ("evalkit.cli.sweep", "evalkit.gate.outputs"): "as above",
-        ("evalkit.cli.sweep", "evalkit.gate.thresholds"): "as above",
-        ("evalkit.cli.sweep", "evalkit.report.build"): "as above (plotly, matplotlib)",
-        ("evalkit.run.runner", "evalkit.lmeval.evaluate"): "lm-eval only for task=lm_eval",
-        ("evalkit.kernels", "evalkit.kernels.quant"): "triton only where a kernel runs",
-    }
-    found = defaultdict(list)
-    for m, targets in graph().items():
-        for t, line, inside in targets:
-            if inside and t.startswith("evalkit"):
-                found[m, t].append(line)
-    assert sorted(set(found) - set(lazy)) == []
+def test_nothing_of_the_pipeline_reads_hydra_config():
+    """The run spec is built once in evalkit/cli/; the pipeline below it (the run, the engines, tasks, storage,
+    policies, attention, kernels, the report and the leaves) takes it, not a DictConfig. The planner composes its own
+    config as a command line does, and the gate reads a thresholds YAML with its `${...}` interpolations."""
+    above = {"evalkit.cli", "evalkit.config", "evalkit.plan", "evalkit.gate", ENTRY}
+    found = [
+        f"{m}: {t}, line {line}"
+        for m, targets in graph().items()
+        for t, line, _ in targets
+        if t in ("omegaconf", "hydra") and folder(m) not in above
+    ]
+    assert found == []

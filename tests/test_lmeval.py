@@ -17,16 +17,16 @@ lm_eval = pytest.importorskip("lm_eval", reason="pip install 'lm-eval>=0.4.9,<0.
 from omegaconf import OmegaConf  # noqa: E402
 
 from evalkit.cli.config import variants as parse_variants  # noqa: E402
+from evalkit.engine import engine as engine_module  # noqa: E402
+from evalkit.engine import outcome as outcome_module  # noqa: E402
+from evalkit.engine.engine import run_sample  # noqa: E402
 from evalkit.kv.cache import held_per_layer  # noqa: E402
 from evalkit.kv.variant import Variant  # noqa: E402
 from evalkit.lmeval import evaluate as lm_evaluate  # noqa: E402
 from evalkit.lmeval import metrics as lm_metrics  # noqa: E402
 from evalkit.lmeval import model as lm_model  # noqa: E402
-from evalkit.lmeval.registry import task_manager  # noqa: E402
 from evalkit.records import read_rows  # noqa: E402
-from evalkit.run import engine as engine_module  # noqa: E402
-from evalkit.run import outcome as outcome_module  # noqa: E402
-from evalkit.run.engine import run_sample  # noqa: E402
+from evalkit.tasks.lmeval_index import task_manager  # noqa: E402
 from evalkit.tasks.prompt import Prompt  # noqa: E402
 from tests.conftest import ROOT, run_cli  # noqa: E402
 
@@ -97,7 +97,7 @@ def streaming_by_mask(tiny, context: str, continuation: str, sinks: int, budget:
 
 def capture_caches(monkeypatch) -> list:
     """The caches the adapter teacher-forces on, in order (baseline, then variant, per request), as the engine's one
-    decode path (evalkit.run.outcome) hands them to teacher_forced."""
+    decode path (evalkit.engine.outcome) hands them to teacher_forced."""
     caches = []
     real = outcome_module.teacher_forced
     monkeypatch.setattr(

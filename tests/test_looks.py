@@ -24,7 +24,7 @@ from evalkit.report.__main__ import main as report_main
 from tests.conftest import ROOT, drew, run_cli
 from tests.test_gate import rows, run_info
 
-THETAS = (1, 0.8, 0.6, 0.4)  # evalkit.gate.betting's bets, weighted 1/4 each
+THETAS = (1, 0.8, 0.6, 0.4)  # evalkit.stats.betting's bets, weighted 1/4 each
 
 
 def drop_wealth(lost: int, n: int, margin: float = 0.05) -> float:

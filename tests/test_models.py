@@ -7,8 +7,8 @@ import torch
 from omegaconf import OmegaConf
 
 from evalkit.cli.spec import model_spec
+from evalkit.engine import models
 from evalkit.errors import ConfigError
-from evalkit.run import models
 from tests.conftest import ROOT
 
 

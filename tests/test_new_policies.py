@@ -13,6 +13,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from evalkit.attention.observation import Attended, StepRecorder, Window, WindowQueries
+from evalkit.engine.engine import greedy
 from evalkit.kv.cache import EvictingLayer, enforce, held_per_layer
 from evalkit.policies import LayerView
 from evalkit.policies.keydiff import KeyDiff
@@ -20,7 +21,6 @@ from evalkit.policies.streaming_llm import StreamingLLM
 from evalkit.policies.tova import TOVA
 from evalkit.policies.window import SlidingWindow
 from evalkit.records import SAMPLES, read_rows
-from evalkit.run.engine import greedy
 from tests.conftest import CTX, QUESTION, compressed, policy, run_cli
 
 BUDGET = 24

@@ -22,6 +22,8 @@ from omegaconf import OmegaConf
 from torch import Tensor
 
 from evalkit.cli.spec import model_spec
+from evalkit.engine import models
+from evalkit.engine.engine import prefill, reconstruction
 from evalkit.kv.cache import compress, held_positions, select
 from evalkit.policies import LayerView
 from evalkit.policies.adakv import AdaKV
@@ -34,8 +36,6 @@ from evalkit.policies.pyramidkv import PyramidKV
 from evalkit.policies.snapkv import SnapKV
 from evalkit.policies.streaming_llm import StreamingLLM
 from evalkit.policies.tova import TOVA
-from evalkit.run import models
-from evalkit.run.engine import prefill, reconstruction
 from evalkit.tasks.prompt import Repeat
 from tests.conftest import ROOT
 

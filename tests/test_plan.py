@@ -207,9 +207,9 @@ def test_gate_capacity_uses_the_plan_arithmetic():
 
 
 def test_cache_root_is_the_models():
-    """plan reads the embedded models' converted folder where evalkit.run.models converts them: one function."""
+    """plan reads the embedded models' converted folder where evalkit.engine.models converts them: one function."""
+    from evalkit.engine import models
     from evalkit.plan import sources
-    from evalkit.run import models
 
     assert sources.converted_folder is models.converted_folder
 

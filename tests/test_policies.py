@@ -13,10 +13,10 @@ import torch
 from evalkit.attention.fused import attention_mass
 from evalkit.attention.observation import AttentionMass, Window, WindowQueries
 from evalkit.attention.sdpa import causal_tail_mask
+from evalkit.engine.engine import greedy, prefill
 from evalkit.errors import ConfigError
 from evalkit.kv.cache import compress, share
 from evalkit.policies.pyramidkv import pyramid
-from evalkit.run.engine import greedy, prefill
 from tests.conftest import CTX, QUESTION, by_kv_head, compressed, policy, pool_by_hand
 
 BUDGET = 24

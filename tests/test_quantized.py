@@ -20,12 +20,12 @@ from evalkit import kernels
 from evalkit.attention.observation import StepRecorder
 from evalkit.attention.sdpa import causal_tail_mask, evalkit_sdpa, observe
 from evalkit.cli.config import quant_spec
+from evalkit.engine.engine import greedy, run_sample
 from evalkit.errors import ConfigError
 from evalkit.kernels import naive
 from evalkit.kv.cache import EvictingLayer, fp16_bytes, held_per_layer, kv_bytes, share
 from evalkit.kv.quantized import Fp8Layer, QuantizedLayer, QuantSpec, attention_path, quantize_cache
 from evalkit.kv.variant import Variant
-from evalkit.run.engine import greedy, run_sample
 from evalkit.tasks.prompt import Prompt
 from tests.conftest import CTX, QUESTION, compose_config, compressed, policy
 

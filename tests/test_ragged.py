@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from evalkit.attention.observation import Attended
+from evalkit.engine.engine import evictor, greedy, teacher_forced
 from evalkit.errors import ConfigError
 from evalkit.kv.cache import allocated_per_layer, deployed_bytes, held_per_layer, kv_bytes
 from evalkit.kv.quantized import QuantSpec
@@ -24,7 +25,6 @@ from evalkit.policies.adakv import AdaKV
 from evalkit.policies.duo_attention import NeedleAttention, read_pattern
 from evalkit.policies.knorm import KNorm
 from evalkit.records import SAMPLES, read_rows
-from evalkit.run.engine import evictor, greedy, teacher_forced
 from tests.conftest import CTX, DUO_PATTERN, QUESTION, compressed, policy, run_cli
 
 # -- AdaKV ----------------------------------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ import torch
 from omegaconf import OmegaConf
 
 from evalkit.cli.spec import model_spec
+from evalkit.engine import models
 from evalkit.records import read_rows
-from evalkit.run import models
 from evalkit.tasks.needle import NeedleTask
 from evalkit.tasks.prompt import build_prompt
 from tests.conftest import ROOT, run_cli

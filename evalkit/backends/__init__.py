@@ -1,6 +1,6 @@
 """Backends: the engine that produces a run's paired rows.
 
-`backend=hf` is evalkit's own engine (evalkit.run.engine, every policy and storage). `backend=llamacpp` runs llama.cpp
+`backend=hf` is evalkit's own engine (evalkit.engine, every policy and storage). `backend=llamacpp` runs llama.cpp
 in-process on the model's GGUF file, its KV cache types as variants; `backend=openai` sends the rendered prompt to
 one OpenAI-compatible server per variant (vLLM, SGLang, llama.cpp's server). The run loop (evalkit.run) builds the
 samples and prompts, hands each backend the `Job`s still to do (evalkit.records), scores what comes back with the

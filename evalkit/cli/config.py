@@ -17,7 +17,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from evalkit.backends import Backend, BackendSpec
-from evalkit.cli.choices import check_shadowed, options, searchpath, unknown_choice
+from evalkit.config.choices import check_shadowed, options, searchpath, unknown_choice
+from evalkit.engine import models
 from evalkit.errors import ConfigError
 from evalkit.fields import cli, describe, fits, init_fields, unknown_key
 from evalkit.kv import contract
@@ -25,7 +26,6 @@ from evalkit.kv.quantized import QuantSpec
 from evalkit.kv.variant import Variant
 from evalkit.modelspec import ModelSpec
 from evalkit.policies import KVPolicy
-from evalkit.run import models
 from evalkit.tasks import Task
 from evalkit.tasks.prompt import PROTOCOLS
 

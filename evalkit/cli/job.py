@@ -8,9 +8,12 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from evalkit.backends import Driven
 from evalkit.cli.spec import RunSpec, take
+from evalkit.engine.hf import HFEngine
 from evalkit.kv import contract
 from evalkit.run import runner
+from evalkit.run.loop import Engine
 
 
 def job_spec(cfg: DictConfig, out_dir: Path) -> RunSpec:
@@ -22,4 +25,15 @@ def run(spec: RunSpec) -> dict[str, Any]:
     """Run the spec's task with the baseline and its variants (or another engine's, backend=...) into its folder;
     return the summary."""
     with contract.guarding([v.policy for v in spec.variants]):  # a user's policy raising anywhere is its fault: exit 2
-        return runner.run(spec)
+        return runner.run(spec, engine(spec))
+
+
+def engine(spec: RunSpec) -> Engine:
+    """The engine that answers the run's samples: another (evalkit.backends), lm-eval's driver, or evalkit's own."""
+    if spec.engine is not None:
+        return Driven(spec.engine, spec.backend)
+    if spec.task.external:
+        from evalkit.lmeval.evaluate import LmevalEngine  # lm-eval loads only for task=lm_eval
+
+        return LmevalEngine(spec.model, spec.device, spec.task, list(spec.variants), spec.out_dir)
+    return HFEngine(spec.model, spec.device, spec.task, list(spec.variants))

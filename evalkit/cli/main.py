@@ -21,8 +21,8 @@ from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from evalkit.cli.choices import check_choices
-from evalkit.cli.overrides import RUNNING_FLAGS
+from evalkit.config.choices import check_choices
+from evalkit.config.overrides import RUNNING_FLAGS
 from evalkit.errors import EXIT_USAGE, ConfigError, InternalError, JobError
 from evalkit.exits import error, internal
 from evalkit.names import safe_name

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from hydra import initialize_config_module
 
-from evalkit.cli.choices import searching, searchpath_of
-from evalkit.cli.overrides import RUNNING_FLAGS, check_resolved, compose_job, jobs, parse
 from evalkit.cli.spec import forget, keep, run_spec
+from evalkit.config.choices import searching, searchpath_of
+from evalkit.config.overrides import RUNNING_FLAGS, check_resolved, compose_job, jobs, parse
 from evalkit.errors import ConfigError
 
 

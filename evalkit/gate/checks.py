@@ -1,7 +1,7 @@
 """The evidence on one variant: for each criterion (the accuracy drop, the flip rate, the KL) a p-value for "holds"
 (a PASS needs every one: an intersection-union test) and one for "broken" (a FAIL), with the bounds they agree with.
 
-Every judgement, the first included, is the anytime-valid betting test of evalkit.gate.betting on the per-context means
+Every judgement, the first included, is the anytime-valid betting test of evalkit.stats.betting on the per-context means
 (docs/gate-statistics.md): its bets are constant, so the wealth over nested prefixes of the same contexts is one
 supermartingale, and judging again (after more samples, in a fresh folder, from a report or a CI job) adds no error.
 """
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from evalkit.gate import betting
 from evalkit.gate.contexts import KL_CAP_FACTOR, Contexts
+from evalkit.stats import betting
 
 
 @dataclass

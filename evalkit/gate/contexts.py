@@ -21,7 +21,7 @@ from evalkit.records.summary import cell_key
 
 GRADED_FLIP_DELTA = 0.1  # the default gate.graded_flip_delta: a graded score must fall by more than this to count
 # A row's KL counts up to this many times gate.max_mean_kl (3 nats at the default), so that the judged quantity is
-# bounded (evalkit.gate.betting): the gate bounds the mean of min(KL, cap), which is the mean KL while no row exceeds
+# bounded (evalkit.stats.betting): the gate bounds the mean of min(KL, cap), which is the mean KL while no row exceeds
 # the cap; rows above it are counted and reported. At 10 x, 3% of rows at 3 nats (a true mean at the limit) counted
 # as 1 nat each and PASSed 96% of the time at 300 documents.
 KL_CAP_FACTOR = 30

@@ -18,11 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from evalkit.gate import betting
 from evalkit.gate.checks import Evidence, evaluate, kl_cap, kl_words
 from evalkit.gate.contexts import Contexts, by_cell, group
 from evalkit.gate.power import betting_cell_samples, contexts_needed, judged_once_lossless, lossless_contexts
-from evalkit.gate.stats import adjust, binary_bounds
+from evalkit.stats import adjust, betting, binary_bounds
 
 
 @dataclass

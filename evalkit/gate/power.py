@@ -8,7 +8,7 @@ look is the anytime-valid betting test (evalkit.gate.checks):
   `icc`: icc 0, independent questions; 1, a context's questions share one fate), and the chance is counted over
   seeded draws (Monte Carlo).
 - The advice after an INCONCLUSIVE look: contexts drawn like the ones seen, about 80% chance at the next look
-  (evalkit.gate.betting.contexts_to_show, a normal approximation to the wealth's growth).
+  (evalkit.stats.betting.contexts_to_show, a normal approximation to the wealth's growth).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import math
 import numpy as np
 from scipy.stats import binom
 
-from evalkit.gate import betting
 from evalkit.gate.checks import kl_cap
+from evalkit.stats import betting
 
 POWER = 0.8  # the chance of a PASS the advice sizes for
 LIMIT = 20_000  # samples beyond which the planner says "no PASS in reach"

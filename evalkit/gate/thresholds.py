@@ -14,7 +14,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from evalkit.errors import ConfigError
 from evalkit.gate.contexts import GRADED_FLIP_DELTA
-from evalkit.gate.stats import MULTIPLICITY
+from evalkit.stats import MULTIPLICITY
 
 
 @dataclass

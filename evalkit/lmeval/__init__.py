@@ -4,7 +4,7 @@ Every request is answered twice from one prefill: by the full cache (the baselin
 (the variant). lm-eval scores the variant's answers; the baseline's are kept and replayed through lm-eval a
 second time (`EvalkitLM.baseline()`), so both are scored by lm-eval's own metrics on the same documents.
 
-Every request type runs as the engine runs a sample (`evalkit.run.engine.run_sample`): the context is prefilled and
+Every request type runs as the engine runs a sample (`evalkit.engine.engine.run_sample`): the context is prefilled and
 compressed (in one shot, or in chunks for `:chunkN` variants), then the continuation is fed one token at a time
 (`teacher_forced`, or `greedy` for generate_until), and a policy with `decode=true` evicts back to its budget after
 every forward. One compressed context serves every choice of a multiple-choice item (each choice runs on its own

@@ -11,16 +11,16 @@ import numpy as np
 import torch
 from platformdirs import user_cache_dir
 
+from evalkit.engine import models
+from evalkit.engine.hf import HFEngine
+from evalkit.engine.rows import hf_engine
 from evalkit.errors import ConfigError
 from evalkit.kv.variant import Variant
 from evalkit.lmeval.metrics import OWN_LENGTH, choose_metrics, doc_score
 from evalkit.lmeval.model import EvalkitLM
-from evalkit.lmeval.registry import task_dir
 from evalkit.modelspec import ModelSpec
 from evalkit.records import BASELINE, Job, Result, write_json
-from evalkit.run import models
-from evalkit.run.hf import HFEngine
-from evalkit.run.rows import hf_engine
+from evalkit.tasks.lmeval_index import task_dir
 
 
 def refuse_reconstruction(variants: list[Variant]) -> None:

@@ -12,13 +12,13 @@ from lm_eval.api.model import LM
 from torch import Tensor
 from tqdm import tqdm
 
+from evalkit.engine import models
+from evalkit.engine.engine import Compressed, Outcome, compress_context, decode, run_sample
+from evalkit.engine.probes import NeedleProbes
+from evalkit.engine.rows import baseline_fields, kv_fields
 from evalkit.errors import ConfigError
 from evalkit.kv import contract
 from evalkit.kv.variant import Variant
-from evalkit.run import models
-from evalkit.run.engine import Compressed, Outcome, compress_context, decode, run_sample
-from evalkit.run.probes import NeedleProbes
-from evalkit.run.rows import baseline_fields, kv_fields
 from evalkit.tasks.prompt import Prompt, context_digest
 
 
@@ -41,7 +41,7 @@ def _scored(logits: list[Tensor], targets: Tensor) -> tuple[float, bool]:
 
 class EvalkitLM(LM):
     """An lm-eval model running an evalkit variant beside the full-cache baseline, on a loaded model. lm-eval's
-    command line builds it from strings (evalkit.lmeval.cli.CommandLineLM); the run pipeline from objects."""
+    command line builds it from strings (evalkit.cli.lmeval.CommandLineLM); the run pipeline from objects."""
 
     def __init__(
         self,
@@ -74,7 +74,7 @@ class EvalkitLM(LM):
         return self.tok(text, add_special_tokens=special).input_ids
 
     def _context(self, ids: Tensor, where: str) -> Compressed:
-        """Prefill ids (1, n) and compress them as the engine does (evalkit.run.engine.compress_context)."""
+        """Prefill ids (1, n) and compress them as the engine does (evalkit.engine.engine.compress_context)."""
         self.variant.check(ids.shape[1], where)
         return compress_context(self.model, ids, [self.variant])
 

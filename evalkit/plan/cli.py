@@ -13,7 +13,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from evalkit.cli.overrides import check_resolved, composition_error, parse
+from evalkit.config.overrides import check_resolved, composition_error, parse
 from evalkit.errors import ConfigError
 from evalkit.exits import guarded
 from evalkit.modelspec import ModelSpec
@@ -24,7 +24,7 @@ from evalkit.plan.settings import settings
 
 
 def _check_choices(argv: list[str]) -> None:
-    """`model=NAME` and `logger=NAME` name a conf/ file (evalkit.cli.choices.check_choices asks it of a run)."""
+    """`model=NAME` and `logger=NAME` name a conf/ file (evalkit.config.choices.check_choices asks it of a run)."""
 
     for arg in argv:
         key, _, value = arg.lstrip("+").partition("=")

@@ -7,8 +7,8 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from evalkit.gate.stats import mcnemar_exact, paired_drop
 from evalkit.records.schema import BASELINE, flip_cause
+from evalkit.stats import mcnemar_exact, paired_drop
 from evalkit.units import fmt_bytes
 
 FIDELITY = ("kl_mean", "top1_agreement", "ppl_ratio")

@@ -1,2 +1,2 @@
-"""The run pipeline: models loaded, samples run (one prefill, every variant compressed and decoded: engine), rows
-recorded as they finish (rows), a run folder's identity and resume (resume), one writer per folder (lock)."""
+"""The run: every sample built and checked (runner), one sample loop for every engine (loop), a run folder's
+identity and resume (resume), Ctrl-C between samples (interrupt)."""

@@ -1,4 +1,4 @@
-"""The sample loop, one for every engine: evalkit's own (evalkit.run.hf), llama.cpp and OpenAI-compatible servers
+"""The sample loop, one for every engine: evalkit's own (evalkit.engine.hf), llama.cpp and OpenAI-compatible servers
 (evalkit.backends) and lm-eval's driver (evalkit.lmeval.evaluate) each turn a Job into Results; resume, Ctrl-C,
 the rows written, the progress bar and the summary are here, once.
 

@@ -12,9 +12,9 @@ import subprocess
 import sys
 import time
 import uuid
+from importlib import metadata
 from pathlib import Path
 
-import hydra
 import torch
 import transformers
 
@@ -181,7 +181,7 @@ def versions() -> dict[str, str]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "hydra": hydra.__version__,
+        "hydra": metadata.version("hydra-core"),  # the version alone: the run reads no Hydra config
         "evalkit": evalkit.__version__,
         "evalkit_git": git_sha(),
     }

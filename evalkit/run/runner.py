@@ -9,16 +9,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from evalkit.backends import Backend, Driven
+from evalkit.backends import Backend
+from evalkit.engine import models
+from evalkit.engine.rows import budget_clipped
 from evalkit.errors import ConfigError
 from evalkit.kv.variant import Variant
 from evalkit.lock import RunLock
 from evalkit.records import RUN, SAMPLES, read_rows, write_json
-from evalkit.run import interrupt, models
-from evalkit.run.hf import HFEngine
+from evalkit.run import interrupt
 from evalkit.run.loop import Engine, finish, job, run_samples
 from evalkit.run.resume import check_samples_unchanged, check_written, start
-from evalkit.run.rows import budget_clipped
 from evalkit.tasks import Sample, Task
 from evalkit.tasks.prompt import Prompt, build_prompt, prompt_text
 
@@ -26,21 +26,21 @@ if TYPE_CHECKING:
     from evalkit.cli.spec import RunSpec
 
 
-def run(spec: RunSpec) -> dict[str, Any]:
+def run(spec: RunSpec, answering: Engine) -> dict[str, Any]:
     """Run the spec's task with the baseline and its variants (built and checked by the command line,
-    evalkit.cli.spec) into its folder, or through another engine (its `engine`: evalkit.backends); return the
-    summary."""
+    evalkit.cli.spec) into its folder, answered by `answering` (evalkit.run.loop.Engine: evalkit's own, another
+    engine's, or lm-eval's driver, chosen by evalkit.cli.job); return the summary."""
     out_dir, task, variants, engine = spec.out_dir, spec.task, list(spec.variants), spec.engine
     if task.external and any(v.chunk for v in variants):
         raise ConfigError(f"task={task.name}: lm-eval drives its own forwards, so prefill=chunked is not supported")
     _check_attention(spec, variants)
     print(f"evalkit: run folder: {out_dir}")
     with RunLock(out_dir):  # before evalkit writes anything there: one writer per folder
-        return _run(spec, out_dir, task, variants, engine)
+        return _run(spec, out_dir, task, variants, engine, answering)
 
 
 def _run(
-    spec: RunSpec, out_dir: Path, task: Task, variants: list[Variant], engine: Backend | None = None
+    spec: RunSpec, out_dir: Path, task: Task, variants: list[Variant], engine: Backend | None, answering: Engine
 ) -> dict[str, Any]:
     rows_path = out_dir / SAMPLES
     run_info = start(out_dir, spec.config, spec.resume, task)
@@ -61,21 +61,10 @@ def _run(
         # what a server is sent: the prompt as text
         texts = {s.id: prompt_text(tokenizer, s)[0] for s in samples} if engine is not None else {}
         jobs = [job(task, s, p, texts.get(s.id, "")) for s, p in zip(samples, prompts, strict=True)]
-    run_samples(_engine(spec, out_dir, task, variants, engine), out_dir, run_info, task, jobs)
+    run_samples(answering, out_dir, run_info, task, jobs)
     summary = finish(out_dir)
     print(f"\nrecords: {rows_path}")
     return summary
-
-
-def _engine(spec: RunSpec, out_dir: Path, task: Task, variants: list[Variant], backend: Backend | None) -> Engine:
-    """The engine that answers the run's samples: another (evalkit.backends), lm-eval's driver, or evalkit's own."""
-    if backend is not None:
-        return Driven(backend, spec.backend)
-    if task.external:
-        from evalkit.lmeval.evaluate import LmevalEngine
-
-        return LmevalEngine(spec.model, spec.device, task, variants, out_dir)
-    return HFEngine(spec.model, spec.device, task, variants)
 
 
 def check_samples(

@@ -8,7 +8,7 @@ the datasets cache is a one-line error naming the command that fetches it on a c
 
 Columns follow kvpress's layout (`context`, `question`, `answer_prefix`, `answer`, `max_new_tokens`, `task`), or
 are mapped (`task.columns.context=document`). Several rows on one context are answered from one prefill and one
-compression of it (the query-agnostic setting; evalkit.run.engine.run_sample's `shared`), each row scored on its own.
+compression of it (the query-agnostic setting; evalkit.engine.engine.run_sample's `shared`), each row scored on its own.
 The `task` column (subtask) is the breakdown key `subtask` of reports and of the gate's cells.
 
 Rows are validated as JSONL rows are (evalkit.tasks.jsonl), named by their index in the dataset and their column,

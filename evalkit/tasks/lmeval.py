@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from evalkit.errors import ConfigError
-from evalkit.lmeval.registry import task_manager
 from evalkit.tasks import Task
+from evalkit.tasks.lmeval_index import task_manager
 
 
 @dataclass(kw_only=True)

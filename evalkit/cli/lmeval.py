@@ -17,19 +17,19 @@ from lm_eval.tasks import TaskManager
 from lm_eval.utils import simple_parse_args_string
 from omegaconf import OmegaConf
 
-from evalkit.cli.choices import did_you_mean, options
 from evalkit.cli.config import variants as parse_variants
 from evalkit.cli.spec import model_spec
+from evalkit.config.choices import did_you_mean, options
+from evalkit.engine import models
 from evalkit.errors import ConfigError
 from evalkit.lmeval.evaluate import documents, load_tasks, model_tokenizer, refuse_reconstruction
 from evalkit.lmeval.metrics import choose_metrics
 from evalkit.lmeval.model import EvalkitLM
-from evalkit.lmeval.registry import task_dir
 from evalkit.modelspec import ModelSpec
 from evalkit.records import BASELINE, RUN, SAMPLES, Job, RecordWriter, Result, RunInfo, pair, write_json
-from evalkit.run import models
 from evalkit.run.loop import finish
 from evalkit.run.resume import versions
+from evalkit.tasks.lmeval_index import task_dir
 
 # What `--model_args` takes for the evalkit model (CommandLineLM's own arguments).
 MODEL_ARGS = ("model", "variant", "device", "max_gen_toks", "rolling_split", "metric", "records")

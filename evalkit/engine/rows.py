@@ -1,5 +1,5 @@
-"""What evalkit's engine records of one decode: the row fields built from its Outcome (the run's rows, evalkit.run.hf,
-and lm-eval's, evalkit.lmeval.model); the rows themselves are built by evalkit.records.pair."""
+"""What evalkit's engine records of one decode: the row fields built from its Outcome (the run's rows, engine.hf, and
+lm-eval's, evalkit.lmeval.model); the rows themselves are built by evalkit.records.pair."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any
 import torch
 import transformers
 
+from evalkit.engine import models
+from evalkit.engine.engine import Outcome
 from evalkit.kv.variant import Variant
-from evalkit.run import models
-from evalkit.run.engine import Outcome
 from evalkit.tasks.prompt import Prompt
 
 

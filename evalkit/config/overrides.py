@@ -15,7 +15,7 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from evalkit.cli.choices import GROUPS
+from evalkit.config.choices import GROUPS
 from evalkit.errors import ConfigError
 from evalkit.fields import example, init_fields, unknown_key
 

@@ -14,7 +14,7 @@ decision needs; `bounds(...)[0]` and `[1]` together are a two-sided interval at 
 - graded scores (F1, agreement): the BCa bootstrap (Efron 1987, JASA 82:171-185; Efron and Tibshirani 1993, sec.
   14.3) of the mean difference only where it holds, from BCA_SAMPLES samples of which BCA_NONZERO differ (at 20
   samples with 69% ties its upper bound falls below the true drop 26.6% of the time); elsewhere the bounded-mean
-  bound of evalkit.gate.betting, which needs no more than scores in [0, 1] (a uniform drop of 0.04 is bounded, where the
+  bound of stats.betting, which needs no more than scores in [0, 1] (a uniform drop of 0.04 is bounded, where the
   bootstrap collapses to a point).
 
 These are the per-sample figures of summaries and reports; the gate judges contexts by betting (evalkit.gate.checks).
@@ -29,7 +29,7 @@ import numpy as np
 from scipy.optimize import brentq
 from scipy.stats import beta, binomtest, norm
 
-from evalkit.gate import betting
+from evalkit.stats import betting
 
 BOOTSTRAP_ITERS = 9_999
 BOOTSTRAP_BATCH_ELEMENTS = 1 << 22  # resampled indices held at once (32 MiB of int64), whatever n

@@ -2,7 +2,7 @@
 
 `decode_jobs` decodes every cache prepared for a sample: caches whose kept tokens equal an earlier one's, stored the
 same way and never evicting while decoding, reuse that decode (the outcome records whose, `decoded_like`); the rest
-decode greedily in one batch (evalkit.run.decode.decode_batch), or one by one when teacher-forced or on a model with
+decode greedily in one batch (evalkit.engine.decode.decode_batch), or one by one when teacher-forced or on a model with
 sliding-window layers. A batch's seconds are shared out evenly among its caches.
 """
 
@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
+from evalkit.engine.decode import Decoded, Row, batchable, decode_batch, greedy, teacher_forced
 from evalkit.kv.cache import (
     allocated_per_layer,
     allowed_per_layer,
@@ -27,7 +28,6 @@ from evalkit.kv.cache import (
     retained_fraction,
 )
 from evalkit.kv.quantized import attention_path
-from evalkit.run.decode import Decoded, Row, batchable, decode_batch, greedy, teacher_forced
 
 
 @dataclass
@@ -54,7 +54,9 @@ class Outcome:
     # per layer, the tokens per KV head the policy contract allowed (budget + declared protected; evalkit.kv.contract)
     tokens_allowed: list[int | float] = field(default_factory=list)
     decoded_like: str | None = None  # the variant whose decode this one reused: the same kept tokens, stored alike
-    decode_batch: int = 1  # caches decoded together in one batch (evalkit.run.decode.decode_batch), this one included
+    decode_batch: int = (
+        1  # caches decoded together in one batch (evalkit.engine.decode.decode_batch), this one included
+    )
 
 
 @dataclass

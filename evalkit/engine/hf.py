@@ -9,15 +9,15 @@ import time
 from collections.abc import Generator
 from typing import Any
 
+from evalkit.engine import models
+from evalkit.engine.divergence import logit_divergence
+from evalkit.engine.engine import Outcome, compress_context, decode
+from evalkit.engine.probes import NeedleProbes
+from evalkit.engine.rows import baseline_fields, budget_clipped, hf_engine, kv_fields, prediction_text
 from evalkit.kv import contract
 from evalkit.kv.variant import Variant
 from evalkit.modelspec import ModelSpec
 from evalkit.records import BASELINE, Job, Result
-from evalkit.run import models
-from evalkit.run.divergence import logit_divergence
-from evalkit.run.engine import Outcome, compress_context, decode
-from evalkit.run.probes import NeedleProbes
-from evalkit.run.rows import baseline_fields, budget_clipped, hf_engine, kv_fields, prediction_text
 from evalkit.tasks import Task
 
 
@@ -84,7 +84,7 @@ class HFEngine:
                 "seconds": {k: round(v, 4) for k, v in outcome.seconds.items()},
                 # decoded in one batch with this many caches (its seconds.decode a share of the batch's); or not
                 # decoded at all: the variant named kept the same tokens, stored alike, and its decode is this
-                # row's (evalkit.run.outcome)
+                # row's (evalkit.engine.outcome)
                 "decode_batch": outcome.decode_batch,
                 "decoded_like": outcome.decoded_like,
                 **extra,

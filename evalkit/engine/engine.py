@@ -18,6 +18,8 @@ from transformers.cache_utils import Cache
 
 from evalkit.attention.observation import Observation, PrefillRecorder, StepRecorder
 from evalkit.attention.sdpa import observe
+from evalkit.engine.decode import Decoded, greedy, teacher_forced
+from evalkit.engine.outcome import Held, Job, Outcome, decode_jobs, outcome
 from evalkit.kv.cache import (
     compress,
     enforce,
@@ -28,8 +30,6 @@ from evalkit.kv.cache import (
 )
 from evalkit.kv.variant import Variant
 from evalkit.policies import KVPolicy
-from evalkit.run.decode import Decoded, greedy, teacher_forced
-from evalkit.run.outcome import Held, Job, Outcome, decode_jobs, outcome
 from evalkit.tasks.prompt import Prompt, Repeat
 
 
@@ -184,7 +184,7 @@ def decode(
     """The baseline's and every variant's Outcome for one question (1, q) after the compressed context: each decodes
     from a copy of its cache (greedy; or teacher-forced when `forced`), a policy that evicts while decoding doing so
     after every forward. The decodes run as one batch, and a variant that keeps the same tokens as another reuses
-    its decode (evalkit.run.outcome.decode_jobs). `evidence`: the context positions whose retention is recorded."""
+    its decode (evalkit.engine.outcome.decode_jobs). `evidence`: the context positions whose retention is recorded."""
     first = compressed.decodes == 0
     compressed.decodes += 1
     jobs = []
