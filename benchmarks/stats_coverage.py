@@ -34,11 +34,12 @@ from functools import lru_cache
 
 import numpy as np
 
+from evalkit.gate import decide
 from evalkit.gate.checks import evaluate, kl_cap
 from evalkit.gate.contexts import group
 from evalkit.gate.power import betting_contexts, betting_power_counts, draw_contexts
 from evalkit.gate.thresholds import Thresholds
-from evalkit.stats import betting, binary_bounds, decide
+from evalkit.stats import betting, binary_bounds
 
 T = Thresholds()
 ALPHA = 1 - T.confidence
