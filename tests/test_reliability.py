@@ -7,17 +7,15 @@ import errno
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from evalkit.errors import ConfigError
 from evalkit.records import SAMPLES, read_rows
-from tests.conftest import ROOT, compose_config, run_cli
+from tests.conftest import ROOT, compose_config, interrupted, run_cli
 
 TINY = ["model=tiny-random", "task.context_lengths=[128]", "task.depths=[0.0,0.5,1.0]"]
 
@@ -39,23 +37,15 @@ def test_the_same_command_twice_gives_identical_records(tmp_path):
 def test_ctrl_c_stops_after_the_sample_in_flight_and_the_printed_command_resumes(tmp_path):
     out = tmp_path / "run"
     args = [*TINY, "task.samples_per_cell=40", "policy=h2o", f"hydra.run.dir={out}"]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "evalkit", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    deadline = time.time() + 120
-    while not ((out / SAMPLES).exists() and (out / SAMPLES).stat().st_size) and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    err = err.decode()
-    assert proc.returncode == 130, err
+    returncode, err = interrupted(args, out, timeout=120)
+    assert returncode == 130, err
     rows = read_rows(out / SAMPLES)
     data = (out / SAMPLES).read_bytes()
     assert data.endswith(b"\n") and len(data.splitlines()) == len(rows)  # whole rows only
     assert 0 < len(rows) < 2 * 120 and len(rows) % 2 == 0  # each sample: its baseline and its variant row
     command = err.split("to resume: ", 1)[1].strip()
     assert command.startswith("python -m evalkit ") and command.endswith("resume=true")
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     resumed = subprocess.run(
         [sys.executable, *shlex.split(command)[1:]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )

@@ -199,6 +199,14 @@ def _named(group: str, name: str, spec: str) -> DictConfig:
     return load_option(group, name, "variants: ", f" in {spec!r}")
 
 
+def listed_variants(cfg: DictConfig) -> tuple[str, ...]:
+    """`variants=[...]` as written, each a string (empty: none listed)."""
+    listed = cfg.get("variants")
+    if listed and not isinstance(listed, (list, ListConfig)):
+        raise ConfigError(f"variants={listed!r} is not a list; write e.g. 'variants=[snapkv@0.25,h2o@0.5+int4]'")
+    return tuple(str(s) for s in listed or ())
+
+
 def variants(cfg: DictConfig) -> list[Variant]:
     """The variants a run evaluates: `variants=[snapkv@0.25,h2o@0.5+int4,h2o@1024:chunk512]` when given, else
     `policy` + `quant`.
@@ -208,13 +216,11 @@ def variants(cfg: DictConfig) -> list[Variant]:
     every variant in chunks of `prefill.chunk` tokens and, with `prefill.compare_oneshot`, also runs each one-shot,
     on the same samples, for the side-by-side comparison.
     """
-    listed = cfg.get("variants")
-    if listed and not isinstance(listed, (list, ListConfig)):
-        raise ConfigError(f"variants={listed!r} is not a list; write e.g. 'variants=[snapkv@0.25,h2o@0.5+int4]'")
+    listed = listed_variants(cfg)
     if not listed:
         out = [Variant(build(cfg.policy, "policy"), quant_spec(cfg.quant))]
     else:
-        out = [_parse_variant(cfg, str(spec)) for spec in cfg.variants]
+        out = [_parse_variant(cfg, spec) for spec in listed]
     prefill = cfg.get("prefill") or {}
     if prefill.get("name", "oneshot") not in ("oneshot", "chunked"):
         raise ConfigError(f"prefill={prefill.get('name')!r} is not one of ['chunked', 'oneshot']")

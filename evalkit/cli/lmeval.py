@@ -180,9 +180,3 @@ def main() -> int:
     finally:
         lm_eval.simple_evaluate = real
     return 0
-
-
-if __name__ == "__main__":
-    from evalkit.exits import guarded
-
-    sys.exit(guarded(main))

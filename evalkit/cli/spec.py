@@ -11,11 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from evalkit.backends import Backend, BackendSpec
-from evalkit.cli.config import backend, build, check_settings, validate, variants
-from evalkit.errors import ConfigError
+from evalkit.cli.config import backend, build, check_settings, listed_variants, validate, variants
 from evalkit.gate.thresholds import Thresholds, resolved, thresholds
 from evalkit.kv import contract
 from evalkit.kv.variant import Variant
@@ -100,25 +99,17 @@ def logger_spec(node: DictConfig | None) -> LoggerSpec:
     )
 
 
-def _listed(cfg: DictConfig) -> tuple[str, ...]:
-    """`variants=[...]` as written, each a string."""
-    listed = cfg.get("variants")
-    if listed and not isinstance(listed, (list, ListConfig)):
-        raise ConfigError(f"variants={listed!r} is not a list; write e.g. 'variants=[snapkv@0.25,h2o@0.5+int4]'")
-    return tuple(str(s) for s in listed or ())
-
-
 def run_spec(cfg: DictConfig) -> RunSpec:
     """The job a composed config asks for, built and checked: every check that needs no model, in the order a user
     meets them (the task, another engine, the variants, the settings, the gate, what the task and model allow)."""
     task: Task = build(cfg.task, "task")
     model = model_spec(cfg.model)
-    listed = _listed(cfg)
+    listed = listed_variants(cfg)
     node = cfg.get("backend")
     other = None
     if node is not None and node.get("name", "hf") != "hf":
         quant = str((cfg.get("quant") or {}).get("name", "none"))
-        other = BackendSpec(model, listed, quant, cfg.get("seed", 0))
+        other = BackendSpec(model, listed, quant, cfg.get("seed", 0))  # checked below (check_settings)
     engine = backend(node, other, task) if other is not None else None
     chosen = tuple(variants(cfg)) if engine is None else ()
     policies = [v.policy for v in chosen]

@@ -13,7 +13,7 @@ from evalkit.engine import models
 from evalkit.engine.divergence import logit_divergence
 from evalkit.engine.engine import Outcome, compress_context, decode
 from evalkit.engine.probes import NeedleProbes
-from evalkit.engine.rows import baseline_fields, budget_clipped, hf_engine, kv_fields, prediction_text
+from evalkit.engine.rows import budget_clipped, hf_engine, kv_fields, prediction_text
 from evalkit.kv import contract
 from evalkit.kv.variant import Variant
 from evalkit.modelspec import ModelSpec
@@ -77,7 +77,6 @@ class HFEngine:
                 "policy": dataclasses.asdict(variant.policy) if variant is not None else {"name": BASELINE},
                 "quant": dataclasses.asdict(variant.quant) if variant is not None and variant.quant else None,
                 **kv_fields(outcome, variant, prompt.n_context),
-                **baseline_fields(baseline),
                 "evidence_retained_per_layer": outcome.evidence_retained,
                 "budget_clipped": budget_clipped(variant, prompt),
                 "generated_tokens": len(outcome.tokens),

@@ -130,7 +130,7 @@ def full_attention_layers(cache: Cache) -> list[int]:
     return [i for i, layer in enumerate(cache.layers) if not getattr(layer, "is_sliding", False)]
 
 
-def compress(cache: Cache, policy: KVPolicy, observations: dict[int, dict[str, Tensor]] | None = None) -> Cache:
+def compress(cache: Cache, policy: KVPolicy, observations: dict[int, dict[Observation, object]] | None = None) -> Cache:
     """A new cache holding what `policy` keeps of the prefilled full `cache`; `cache` itself is unchanged.
 
     `observations` maps a layer index to what the prefill (and any second pass) recorded there for the variants

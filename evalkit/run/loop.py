@@ -10,6 +10,7 @@ sample finishes (evalkit.records.pair, RecordWriter). The caller holds the folde
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import sys
 from collections.abc import Generator
 from contextlib import nullcontext
@@ -121,7 +122,7 @@ def _write(
     answers = engine.run(pending)
     try:
         with nullcontext() if engine.interruptible else interrupt.immediate():
-            for i in range(len(pending) if total is not None else sys.maxsize):
+            for i in itertools.count():
                 if engine.interruptible and interrupt.requested():  # before the next sample: none is lost
                     raise interrupt.Interrupted(
                         f"stopped: {len(pending) - i} of {total} samples left to run in {where}"
