@@ -25,6 +25,12 @@ from transformers import AutoModelForCausalLM, DynamicCache
 SINKS, WINDOW, KERNEL, BETA = 4, 32, 5, 20
 
 
+def layer_ratios(ratio: float, n_layers: int = 30, spread: float = 0.2) -> list[float]:
+    """A compression ratio per layer, from ratio - spread at the first layer to ratio + spread at the last (the same
+    list benchmarks/peer_kvpress.py gives evalkit's per_layer)."""
+    return [ratio - spread + 2 * spread * i / (n_layers - 1) for i in range(n_layers)]
+
+
 def presses(ratio: float) -> dict[str, tuple[object, str]]:
     """name -> (press, attention implementation it needs)."""
     return {
@@ -45,6 +51,18 @@ def presses(ratio: float) -> dict[str, tuple[object, str]]:
         "kvzip": (kvpress.KVzipPress(compression_ratio=ratio), "sdpa"),
         "kvzip_layerwise": (kvpress.KVzipPress(compression_ratio=ratio, layerwise=True), "sdpa"),
         "kvzip_plus": (kvpress.KVzipPress(compression_ratio=ratio, kvzip_plus_normalization=True), "sdpa"),
+        # attention-free scorers at their defaults: LagKV (4 sinks, partitions of 128), CurDKV (4 sinks, key x value
+        # leverage over windows of 16, no random projection); Compactor's non-causal chunked attention (chunks of 256)
+        # SnapKV under a ratio per layer (layer_ratios: linear in depth, `ratio` on average)
+        "per_layer_snapkv": (
+            kvpress.PerLayerCompressionPress(
+                kvpress.SnapKVPress(window_size=WINDOW, kernel_size=KERNEL), compression_ratios=layer_ratios(ratio)
+            ),
+            "sdpa",
+        ),
+        "lagkv": (kvpress.LagKVPress(compression_ratio=ratio), "sdpa"),
+        "cur": (kvpress.CURPress(compression_ratio=ratio), "sdpa"),
+        "non_causal_attn": (kvpress.NonCausalAttnPress(compression_ratio=ratio), "sdpa"),
         # head-adaptive: kvpress keeps every key and masks the evicted ones (module.masked_key_indices)
         "adakv_snapkv": (
             kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=ratio, window_size=WINDOW, kernel_size=KERNEL)),

@@ -31,6 +31,11 @@ count as an integer budget. Pairs compared (kvpress press <-> evalkit policy):
                                                  together, kvpress's default layerwise=False)
     KVzipPress(layerwise=True)               <-> kvzip (layerwise: true; each layer's heads ranked together)
     KVzipPress(kvzip_plus_normalization)     <-> kvzip (plus: true)
+    LagKVPress (defaults)                    <-> lagkv (4 sinks, partitions of 128)
+    CURPress (defaults)                      <-> cur (4 sinks, key x value leverage, windows of 16)
+    NonCausalAttnPress (defaults)            <-> non_causal_attn (chunks of 256)
+    PerLayerCompressionPress(SnapKVPress)    <-> per_layer(snapkv) (ratios linear in depth, ratio +- 0.2);
+                                                 per_layer(snapkv)* at kvpress's count per layer, int(T (1 - r))
 
 kvpress keeps, for KVzip, n - int(n x ratio) tokens over all layers and heads (per layer: Hkv T - int(Hkv T ratio));
 evalkit is given kvpress's per-head count int(T (1 - ratio)) and keeps that times Hkv x layers, so at some lengths
@@ -66,11 +71,15 @@ from evalkit.engine.engine import prefill, reconstruction
 from evalkit.kv.cache import compress, held_positions
 from evalkit.policies import KVPolicy
 from evalkit.policies.adakv import AdaKV
+from evalkit.policies.cur import CUR
 from evalkit.policies.expected_attention import ExpectedAttention
 from evalkit.policies.h2o import H2O
 from evalkit.policies.keydiff import KeyDiff
 from evalkit.policies.knorm import KNorm
 from evalkit.policies.kvzip import KVzip
+from evalkit.policies.lagkv import LagKV
+from evalkit.policies.non_causal import NonCausalAttention
+from evalkit.policies.per_layer import PerLayer
 from evalkit.policies.pyramidkv import PyramidKV
 from evalkit.policies.snapkv import SnapKV
 from evalkit.policies.streaming_llm import StreamingLLM
@@ -99,6 +108,10 @@ PAIRS = {
     "kvzip": "kvzip",
     "kvzip_layerwise": "kvzip(layerwise)",
     "kvzip_plus": "kvzip+",
+    "lagkv": "lagkv",
+    "cur": "cur",
+    "non_causal_attn": "non_causal_attn",
+    "per_layer_snapkv": "per_layer(snapkv)",
 }
 
 
@@ -123,7 +136,21 @@ class KVzipAt(KVzip):
         return slots - int(slots * self.ratio)
 
 
-STARRED = ("pyramidkv", "kvzip", "kvzip_layerwise", "kvzip_plus")  # also compared at kvpress's exact counts
+# also compared at kvpress's exact counts
+STARRED = ("pyramidkv", "kvzip", "kvzip_layerwise", "kvzip_plus", "per_layer_snapkv")
+
+
+@dataclass(kw_only=True)
+class PerLayerAt(PerLayer):
+    """evalkit's per_layer held to kvpress's own count per layer, int(T x (1 - ratio)), not ceil(f x T)."""
+
+    def keep_per_layer(self, seen: int, n_layers: int) -> list[int]:
+        return [n_kept(seen, 1 - f) for f in self.layer_budgets]
+
+
+def layer_ratios(ratio: float, n_layers: int = 30, spread: float = 0.2) -> list[float]:
+    """kvpress's compression ratio per layer for PerLayerCompressionPress (benchmarks/_kvpress_side.py's list)."""
+    return [ratio - spread + 2 * spread * i / (n_layers - 1) for i in range(n_layers)]
 
 
 def n_kept(n_tokens: int, ratio: float) -> int:
@@ -133,6 +160,7 @@ def n_kept(n_tokens: int, ratio: float) -> int:
 
 def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) -> dict[str, KVPolicy]:
     k = n_kept(n_tokens, ratio)
+    kept = [1 - r for r in layer_ratios(ratio)]  # per_layer's fractions kept
     snap = {"window": WINDOW, "kernel": KERNEL, "pooling": "avg", "decode": False}
     pols = {
         "streaming_llm": StreamingLLM(budget=k, n_sink=SINKS, decode=False),
@@ -151,6 +179,11 @@ def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) ->
         "kvzip*": KVzipAt(budget=k, ratio=ratio),
         "kvzip(layerwise)*": KVzipAt(budget=k, ratio=ratio, layerwise=True),
         "kvzip+*": KVzipAt(budget=k, ratio=ratio, plus=True),
+        "lagkv": LagKV(budget=k),  # kvpress's defaults are its defaults: 4 sinks, partitions of 128
+        "cur": CUR(budget=k),  # 4 sinks, key x value shares over windows of 16
+        "non_causal_attn": NonCausalAttention(budget=k),  # chunks of 256
+        "per_layer(snapkv)": PerLayer(inner=SnapKV(**snap), budget=1 - ratio, layer_budgets=kept),
+        "per_layer(snapkv)*": PerLayerAt(inner=SnapKV(**snap), budget=1 - ratio, layer_budgets=kept),
     }
     for pol in pols.values():
         pol.validate(n_tokens)
@@ -236,6 +269,7 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
         },
         "settings": meta["settings"],
         "n_kept": {f"{r}": n_kept(n, r) for r in RATIOS},
+        "per_layer_ratios": {f"{r}": layer_ratios(r) for r in RATIOS},  # PerLayerCompressionPress's, per layer
         "repeat": prompt["repeat"],  # KVzip's repeat prompt (evalkit.tasks.prompt.Repeat) for these ids
         "n_kept_rule": "kvpress keeps int(n_tokens * (1 - compression_ratio)) per head (PyramidKV: its per-layer "
         "budgets, see held_per_layer); evalkit must be given this count as an integer budget",
@@ -251,6 +285,14 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
             "kvzip": {"policy": "kvzip", "n_sink": 4, "chunk_size": 2048, "layerwise": False},
             "kvzip_layerwise": {"policy": "kvzip", "n_sink": 4, "chunk_size": 2048, "layerwise": True},
             "kvzip_plus": {"policy": "kvzip", "n_sink": 4, "chunk_size": 2048, "plus": True},
+            "lagkv": {"policy": "lagkv", "n_sink": 4, "lag_size": 128},
+            "cur": {"policy": "cur", "n_sink": 4, "combine": "product", "window": 16},
+            "non_causal_attn": {"policy": "non_causal_attn", "chunk": 256},
+            "per_layer_snapkv": {
+                "policy": "per_layer",
+                "inner": "snapkv",
+                "layer_budgets": "1 - compression ratio per layer, linear from ratio - 0.2 to ratio + 0.2",
+            },
             "expected_attention": {
                 "policy": "expected_attention",
                 "n_future_positions": 512,

@@ -1,7 +1,8 @@
 """Every policy at two budgets on four needle-style tasks, each task one sweep (one prefill per sample for all
 variants), on SmolLM2; and one variant alone, to show what the sweep's shared prefill saves.
 
-    python benchmarks/policy_sweep.py [--out DIR] [--budgets 0.5 0.25] [--samples 1] [--only needle] [OVERRIDE...]
+    python benchmarks/policy_sweep.py [--out DIR] [--budgets 0.5 0.25] [--samples 1] [--only needle]
+        [--policies lagkv cur] [OVERRIDE...]
 
 Runs (each `python -m evalkit ... 'variants=[...]'`, every policy in conf/policy but `none`, wrappers over snapkv):
   needle            task=needle (query-agnostic: the question after compression)
@@ -28,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from evalkit.config.choices import options  # noqa: E402
 
-WRAPPERS = {"chunkkv", "adakv"}  # run over snapkv
+WRAPPERS = {"chunkkv", "adakv", "per_layer"}  # run over snapkv
 RUNS = {
     "needle": ["task=needle"],
     "needle_aware": ["task=needle", "protocol=query_aware"],
@@ -37,8 +38,9 @@ RUNS = {
 }
 
 
-def variants(budgets: list[str]) -> list[str]:
-    names = [f"{n}(snapkv)" if n in WRAPPERS else n for n in options("policy") if n != "none"]
+def variants(budgets: list[str], policies: list[str] | None = None) -> list[str]:
+    chosen = [n for n in options("policy") if n != "none" and (not policies or n in policies)]
+    names = [f"{n}(snapkv)" if n in WRAPPERS else n for n in chosen]
     return [f"{n}@{b}" for b in budgets for n in names]
 
 
@@ -79,10 +81,11 @@ def main() -> None:
     ap.add_argument("--budgets", nargs="+", default=["0.5", "0.25"])
     ap.add_argument("--samples", default="1", help="task.samples_per_cell")
     ap.add_argument("--only", nargs="*", default=list(RUNS) + ["single"])
+    ap.add_argument("--policies", nargs="*", help="only these conf/policy names (default: every one)")
     ap.add_argument("overrides", nargs="*", help="more evalkit overrides for every run, e.g. model=tiny-random")
     args = ap.parse_args()
     out = Path(args.out)
-    listed = variants(args.budgets)
+    listed = variants(args.budgets, args.policies)
     quoted = ",".join(f'"{v}"' for v in listed)
     seconds, summaries = {}, {}
     for name in [r for r in [*RUNS, "single"] if r in args.only]:

@@ -40,6 +40,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parent.parent
+# A command runs as on a user's CPU machine: quantized KV through the PyTorch references, not Triton's interpreter
+# (ten times slower; test_kernels and test_quantized check the Triton kernels against those references).
+COMMAND_ENV = {"TOKENIZERS_PARALLELISM": "false", "TRITON_INTERPRET": "0"}
 
 
 def compose_config(*overrides: str) -> DictConfig:
@@ -60,7 +63,7 @@ def run_cli(
     command line's own entry point, evalkit.cli.main.main, with sys.argv, the environment and the working folder
     set as the command would have them, and every one restored after), unless `process`: a subprocess, for a test
     whose subject is the process itself (what a fresh interpreter imports, signals, two processes at once)."""
-    env = {"TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    env = {**COMMAND_ENV, **(env or {})}
     if process:
         return subprocess.run(
             [sys.executable, "-m", "evalkit", *args],
@@ -76,7 +79,7 @@ def run_cli(
 def interrupted(args: list[str], out: Path, timeout: float) -> tuple[int, str]:
     """`python -m evalkit ARGS` into `out` in a subprocess, sent Ctrl-C (SIGINT) once its first row is written (or
     after `timeout` seconds); its exit code and stderr."""
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, **COMMAND_ENV}
     proc = subprocess.Popen(
         [sys.executable, "-m", "evalkit", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )

@@ -15,8 +15,8 @@ from evalkit.tasks.prompt import Prompt
 from tests.conftest import CTX, QUESTION, STEPS, compressed, policy
 
 POLICIES = options("policy")
-# compress once: decode=true is a config error for them (tested in test_policies, test_kvzip, test_expected_attention)
-ONCE = ("pyramidkv", "kvzip", "expected_attention", "adakv")
+# compress once (not `decodable`): decode=true is a config error for them (test_policies, test_kvzip, ...)
+ONCE = tuple(name for name in POLICIES if not policy(name, 0.25).decodable)
 # rank the tokens of all layers and heads together (KVzip as published): the budget holds over the whole cache, each
 # layer's and head's share follows the scores (by hand in test_kvzip)
 GLOBAL = ("kvzip",)

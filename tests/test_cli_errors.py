@@ -26,7 +26,8 @@ UNLOADABLE = ["model=hf", "model.name_or_path=/nonexistent/model", "model.max_co
     [
         (
             ["policy=h2oo"],
-            "unknown policy 'h2oo' (did you mean h2o?); valid names: adakv, chunkkv, duo_attention, expected_attention",
+            "unknown policy 'h2oo' (did you mean h2o?); valid names: adakv, chunkkv, cur, duo_attention, "
+            "expected_attention",
         ),
         (["task=haystack"], "unknown task 'haystack'"),
         (["model=llama"], "unknown model 'llama'"),

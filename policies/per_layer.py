@@ -1,0 +1,65 @@
+"""Per-layer compression: any scorer, with a budget of its own for every evicting layer.
+
+kvpress's PerLayerCompressionPress (an experimental wrapper, no paper of its own): layers differ in how much of the
+context they need, so each gets its own share. `layer_budgets` holds one fraction per evicting layer (in order; on a
+hybrid model the sliding-window layers keep their own bound and are not listed), each a fraction of the tokens seen
+as `budget` is; `budget` must be their mean, what the variant's label and the policy contract hold the cache to.
+An empty list (the default) gives every layer `budget`: the inner policy as it is.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from evalkit.errors import ConfigError
+from evalkit.policies import Probes, Wrapper
+
+
+def evicting_layers(config) -> int:
+    """The layers of a transformers model config that hold the whole context (its full-attention layers)."""
+    kinds = getattr(config, "layer_types", None)
+    return sum(k == "full_attention" for k in kinds) if kinds else config.num_hidden_layers
+
+
+@dataclass(kw_only=True)
+class PerLayer(Wrapper):
+    """The inner policy's choice at each layer, held to that layer's own fraction of the tokens seen."""
+
+    name: str = "per_layer"
+    layer_budgets: list[float] = field(default_factory=list)
+
+    def keep_per_layer(self, seen: int, n_layers: int) -> list[int]:
+        if not self.layer_budgets:
+            return self.inner.keep_per_layer(seen, n_layers)
+        self.check_layers(n_layers)
+        floor = self.inner.min_tokens()
+        return [min(seen, max(math.ceil(f * seen), floor)) for f in self.layer_budgets]
+
+    def check_layers(self, n_layers: int) -> None:
+        if self.layer_budgets and len(self.layer_budgets) != n_layers:
+            raise ConfigError(
+                f"{self.name}: policy.layer_budgets lists {len(self.layer_budgets)} fractions for the model's "
+                f"{n_layers} evicting layers; give one per layer"
+            )
+
+    def prepare(self, model, probes: Probes) -> dict | None:
+        self.check_layers(evicting_layers(model.config))  # before any sample runs
+        return super().prepare(model, probes)
+
+    def check_params(self) -> None:
+        super().check_params()
+        fractions = self.layer_budgets
+        if not fractions:
+            return
+        if not all(isinstance(f, float) and 0.0 < f <= 1.0 for f in fractions):
+            raise ConfigError(
+                f"policy.layer_budgets={fractions!r}: give one fraction in (0, 1] per evicting layer, "
+                "e.g. '[0.75,0.5,0.25]' for a 3-layer model"
+            )
+        mean = sum(fractions) / len(fractions)
+        if not isinstance(self.budget, float) or abs(self.budget - mean) > 1e-6:
+            raise ConfigError(
+                f"policy.budget={self.budget} is not the mean of policy.layer_budgets ({mean:.6g}); give "
+                f"budget={mean:.6g}, which the cache is held to"
+            )
