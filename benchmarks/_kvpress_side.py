@@ -60,6 +60,10 @@ def presses(ratio: float) -> dict[str, tuple[object, str]]:
             ),
             "sdpa",
         ),
+        # KeyDiff's block-wise processing of the prompt, blocks of 128 (BlockPress's default)
+        "block_keydiff": (kvpress.BlockPress(kvpress.KeyDiffPress(compression_ratio=ratio), block_size=128), "sdpa"),
+        # independent chunks of 256 tokens, each compressed by KeyDiff on its own
+        "chunk_keydiff": (kvpress.ChunkPress(kvpress.KeyDiffPress(compression_ratio=ratio), chunk_length=256), "sdpa"),
         "lagkv": (kvpress.LagKVPress(compression_ratio=ratio), "sdpa"),
         "cur": (kvpress.CURPress(compression_ratio=ratio), "sdpa"),
         "non_causal_attn": (kvpress.NonCausalAttnPress(compression_ratio=ratio), "sdpa"),

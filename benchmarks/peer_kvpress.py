@@ -34,6 +34,8 @@ count as an integer budget. Pairs compared (kvpress press <-> evalkit policy):
     LagKVPress (defaults)                    <-> lagkv (4 sinks, partitions of 128)
     CURPress (defaults)                      <-> cur (4 sinks, key x value leverage, windows of 16)
     NonCausalAttnPress (defaults)            <-> non_causal_attn (chunks of 256)
+    BlockPress(KeyDiffPress), blocks of 128  <-> block(keydiff) (block 128)
+    ChunkPress(KeyDiffPress), chunks of 256  <-> chunk(keydiff) (chunk 256)
     PerLayerCompressionPress(SnapKVPress)    <-> per_layer(snapkv) (ratios linear in depth, ratio +- 0.2);
                                                  per_layer(snapkv)* at kvpress's count per layer, int(T (1 - r))
 
@@ -71,6 +73,8 @@ from evalkit.engine.engine import prefill, reconstruction
 from evalkit.kv.cache import compress, held_positions
 from evalkit.policies import KVPolicy
 from evalkit.policies.adakv import AdaKV
+from evalkit.policies.block import Block
+from evalkit.policies.chunk import Chunk
 from evalkit.policies.cur import CUR
 from evalkit.policies.expected_attention import ExpectedAttention
 from evalkit.policies.h2o import H2O
@@ -112,6 +116,8 @@ PAIRS = {
     "cur": "cur",
     "non_causal_attn": "non_causal_attn",
     "per_layer_snapkv": "per_layer(snapkv)",
+    "block_keydiff": "block(keydiff)",
+    "chunk_keydiff": "chunk(keydiff)",
 }
 
 
@@ -182,6 +188,8 @@ def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) ->
         "lagkv": LagKV(budget=k),  # kvpress's defaults are its defaults: 4 sinks, partitions of 128
         "cur": CUR(budget=k),  # 4 sinks, key x value shares over windows of 16
         "non_causal_attn": NonCausalAttention(budget=k),  # chunks of 256
+        "chunk(keydiff)": Chunk(inner=KeyDiff(decode=False), budget=k, chunk=256),
+        "block(keydiff)": Block(inner=KeyDiff(decode=False), budget=k, block=128),
         "per_layer(snapkv)": PerLayer(inner=SnapKV(**snap), budget=1 - ratio, layer_budgets=kept),
         "per_layer(snapkv)*": PerLayerAt(inner=SnapKV(**snap), budget=1 - ratio, layer_budgets=kept),
     }
@@ -288,6 +296,8 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
             "lagkv": {"policy": "lagkv", "n_sink": 4, "lag_size": 128},
             "cur": {"policy": "cur", "n_sink": 4, "combine": "product", "window": 16},
             "non_causal_attn": {"policy": "non_causal_attn", "chunk": 256},
+            "block_keydiff": {"policy": "block", "inner": "keydiff", "block": 128},
+            "chunk_keydiff": {"policy": "chunk", "inner": "keydiff", "chunk": 256},
             "per_layer_snapkv": {
                 "policy": "per_layer",
                 "inner": "snapkv",

@@ -4,7 +4,8 @@ variants), on SmolLM2; and one variant alone, to show what the sweep's shared pr
     python benchmarks/policy_sweep.py [--out DIR] [--budgets 0.5 0.25] [--samples 1] [--only needle]
         [--policies lagkv cur] [OVERRIDE...]
 
-Runs (each `python -m evalkit ... 'variants=[...]'`, every policy in conf/policy but `none`, wrappers over snapkv):
+Runs (each `python -m evalkit ... 'variants=[...]'`, every policy in conf/policy but `none`; the wrappers over
+snapkv, block and chunk over keydiff):
   needle            task=needle (query-agnostic: the question after compression)
   needle_aware      task=needle protocol=query_aware (the question inside the compressed prompt)
   middoc            task=middoc
@@ -29,7 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 from evalkit.config.choices import options  # noqa: E402
 
-WRAPPERS = {"chunkkv", "adakv", "per_layer"}  # run over snapkv
+# a wrapper -> the inner policy it runs over
+WRAPPERS = {"chunkkv": "snapkv", "adakv": "snapkv", "per_layer": "snapkv", "block": "keydiff", "chunk": "keydiff"}
 RUNS = {
     "needle": ["task=needle"],
     "needle_aware": ["task=needle", "protocol=query_aware"],
@@ -40,7 +42,7 @@ RUNS = {
 
 def variants(budgets: list[str], policies: list[str] | None = None) -> list[str]:
     chosen = [n for n in options("policy") if n != "none" and (not policies or n in policies)]
-    names = [f"{n}(snapkv)" if n in WRAPPERS else n for n in chosen]
+    names = [f"{n}({WRAPPERS[n]})" if n in WRAPPERS else n for n in chosen]
     return [f"{n}@{b}" for b in budgets for n in names]
 
 

@@ -27,6 +27,8 @@ from evalkit.engine.engine import prefill, reconstruction
 from evalkit.kv.cache import compress, held_positions, select
 from evalkit.policies import LayerView
 from evalkit.policies.adakv import AdaKV
+from evalkit.policies.block import Block
+from evalkit.policies.chunk import Chunk
 from evalkit.policies.cur import CUR
 from evalkit.policies.expected_attention import ExpectedAttention
 from evalkit.policies.h2o import H2O
@@ -67,6 +69,10 @@ SAME = {
     "lagkv": lambda k: LagKV(budget=k),
     "cur": lambda k: CUR(budget=k),
     "non_causal_attn": lambda k: NonCausalAttention(budget=k),
+    # KeyDiff's block-wise processing of the prompt, blocks of 128 (kvpress's BlockPress)
+    "block_keydiff": lambda k: Block(inner=KeyDiff(decode=False), budget=k, block=128),
+    # independent chunks of 256 tokens, each KeyDiff's on its own (kvpress's ChunkPress)
+    "chunk_keydiff": lambda k: Chunk(inner=KeyDiff(decode=False), budget=k, chunk=256),
 }
 KVZIP = {"kvzip": {}, "kvzip_layerwise": {"layerwise": True}, "kvzip_plus": {"plus": True}}
 
