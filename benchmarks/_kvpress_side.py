@@ -64,6 +64,13 @@ def presses(ratio: float) -> dict[str, tuple[object, str]]:
         "block_keydiff": (kvpress.BlockPress(kvpress.KeyDiffPress(compression_ratio=ratio), block_size=128), "sdpa"),
         # independent chunks of 256 tokens, each compressed by KeyDiff on its own
         "chunk_keydiff": (kvpress.ChunkPress(kvpress.KeyDiffPress(compression_ratio=ratio), chunk_length=256), "sdpa"),
+        # CriticalKV's two stages over SnapKV (first stage half the budget, epsilon 1e-4: kvpress's defaults)
+        "criticalkv_snapkv": (
+            kvpress.CriticalKVPress(
+                kvpress.SnapKVPress(compression_ratio=ratio, window_size=WINDOW, kernel_size=KERNEL)
+            ),
+            "sdpa",
+        ),
         "lagkv": (kvpress.LagKVPress(compression_ratio=ratio), "sdpa"),
         "cur": (kvpress.CURPress(compression_ratio=ratio), "sdpa"),
         "non_causal_attn": (kvpress.NonCausalAttnPress(compression_ratio=ratio), "sdpa"),

@@ -36,6 +36,7 @@ count as an integer budget. Pairs compared (kvpress press <-> evalkit policy):
     NonCausalAttnPress (defaults)            <-> non_causal_attn (chunks of 256)
     BlockPress(KeyDiffPress), blocks of 128  <-> block(keydiff) (block 128)
     ChunkPress(KeyDiffPress), chunks of 256  <-> chunk(keydiff) (chunk 256)
+    CriticalKVPress(SnapKVPress)             <-> criticalkv(snapkv) (first stage 0.5, epsilon 1e-4)
     PerLayerCompressionPress(SnapKVPress)    <-> per_layer(snapkv) (ratios linear in depth, ratio +- 0.2);
                                                  per_layer(snapkv)* at kvpress's count per layer, int(T (1 - r))
 
@@ -75,6 +76,7 @@ from evalkit.policies import KVPolicy
 from evalkit.policies.adakv import AdaKV
 from evalkit.policies.block import Block
 from evalkit.policies.chunk import Chunk
+from evalkit.policies.critical import CriticalKV
 from evalkit.policies.cur import CUR
 from evalkit.policies.expected_attention import ExpectedAttention
 from evalkit.policies.h2o import H2O
@@ -98,6 +100,7 @@ FIXTURE = ROOT / "tests" / "data" / "kvpress_smollm2_kept.json"
 RATIOS = (0.5, 0.75)  # kvpress compression_ratio: the fraction REMOVED; kept fractions 0.5 and 0.25
 LENGTHS = (800, 1800)  # context lengths asked of the needle task (prose haystack); the first is the fixture's
 WINDOW, KERNEL, BETA, SINKS = 32, 5, 20, 4
+GROUP = 3  # SmolLM2-135M's query heads per KV head (9 / 3)
 # kvpress press name -> evalkit policy it is compared with (a label in the table)
 PAIRS = {
     "streaming_llm": "streaming_llm",
@@ -118,6 +121,7 @@ PAIRS = {
     "per_layer_snapkv": "per_layer(snapkv)",
     "block_keydiff": "block(keydiff)",
     "chunk_keydiff": "chunk(keydiff)",
+    "criticalkv_snapkv": "criticalkv(snapkv)",
 }
 
 
@@ -188,6 +192,9 @@ def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) ->
         "lagkv": LagKV(budget=k),  # kvpress's defaults are its defaults: 4 sinks, partitions of 128
         "cur": CUR(budget=k),  # 4 sinks, key x value shares over windows of 16
         "non_causal_attn": NonCausalAttention(budget=k),  # chunks of 256
+        # epsilon is in the inner scores' units: evalkit's SnapKV sums over the window's queries and the group's query
+        # heads where kvpress's averages, so kvpress's 1e-4 is 1e-4 x 32 x 3 here (SmolLM2: 9 query heads, 3 KV heads)
+        "criticalkv(snapkv)": CriticalKV(inner=SnapKV(**snap), budget=k, epsilon=1e-4 * WINDOW * GROUP),
         "chunk(keydiff)": Chunk(inner=KeyDiff(decode=False), budget=k, chunk=256),
         "block(keydiff)": Block(inner=KeyDiff(decode=False), budget=k, block=128),
         "per_layer(snapkv)": PerLayer(inner=SnapKV(**snap), budget=1 - ratio, layer_budgets=kept),
@@ -226,6 +233,8 @@ def evalkit_kept(model, prompt: dict, pols: dict[str, KVPolicy]) -> dict[str, li
     """Per policy, per layer, per KV head: the sorted positions evalkit keeps after one shared prefill (and KVzip's
     reconstruction pass over it)."""
     ids = torch.tensor([prompt["ids"]], device=model.device)
+    for pol in pols.values():  # what a policy reads from the model (CriticalKV's output projections); no probes
+        pol.prepare(model, None)
     full, obs = prefill(model, ids, list(pols.values()))
     reconstruction(model, full, ids, Repeat(**prompt["repeat"]), list(pols.values()), obs)
     out = {}
@@ -298,6 +307,12 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
             "non_causal_attn": {"policy": "non_causal_attn", "chunk": 256},
             "block_keydiff": {"policy": "block", "inner": "keydiff", "block": 128},
             "chunk_keydiff": {"policy": "chunk", "inner": "keydiff", "chunk": 256},
+            "criticalkv_snapkv": {
+                "policy": "criticalkv",
+                "inner": "snapkv",
+                "first_stage": 0.5,
+                "epsilon": "1e-4 x window 32 x group 3 (evalkit's SnapKV sums where kvpress's averages)",
+            },
             "per_layer_snapkv": {
                 "policy": "per_layer",
                 "inner": "snapkv",

@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 from evalkit.config.choices import options  # noqa: E402
 
 # a wrapper -> the inner policy it runs over
-WRAPPERS = {"chunkkv": "snapkv", "adakv": "snapkv", "per_layer": "snapkv", "block": "keydiff", "chunk": "keydiff"}
+WRAPPERS = {"chunkkv": "snapkv", "adakv": "snapkv", "criticalkv": "snapkv", "per_layer": "snapkv"}
+WRAPPERS |= {"block": "keydiff", "chunk": "keydiff"}
 RUNS = {
     "needle": ["task=needle"],
     "needle_aware": ["task=needle", "protocol=query_aware"],

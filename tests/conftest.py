@@ -34,7 +34,7 @@ from evalkit.cli.spec import model_spec
 from evalkit.engine import models
 from evalkit.engine.engine import prefill, reconstruction
 from evalkit.kv.cache import compress
-from evalkit.records import SAMPLES
+from evalkit.records import SAMPLES, read_rows
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
@@ -74,6 +74,17 @@ def run_cli(
             timeout=timeout,
         )
     return in_process(list(args), cwd or ROOT, env)
+
+
+def tiny_row(folder: Path, *args: str) -> dict:
+    """The one variant's row of `python -m evalkit model=tiny-random ARGS` on one 128-token needle, run into `folder`
+    (it must exit 0)."""
+    result = run_cli(
+        "model=tiny-random", *args, "task.context_lengths=[128]", "task.depths=[0.5]", f"hydra.run.dir={folder}"
+    )
+    assert result.returncode == 0, result.stderr
+    (row,) = [r for r in read_rows(folder / SAMPLES) if r["variant"] != "baseline"]
+    return row
 
 
 def interrupted(args: list[str], out: Path, timeout: float) -> tuple[int, str]:
@@ -175,7 +186,9 @@ def ids(tiny):
 
 
 def compressed(model, ids, pol):
-    """(full cache, compressed cache) after prefilling the context of `ids` for `pol`."""
+    """(full cache, compressed cache) after prefilling the context of `ids` for `pol`, prepared on the model first as
+    the engine prepares it (without probes: duo_attention is given its roles from a pattern file by `policy`)."""
+    pol.prepare(model, None)
     full, obs = prefill(model, ids[:, :CTX], [pol])
     reconstruction(model, full, ids[:, :CTX], None, [pol], obs)  # KVzip's second pass; nothing for the others
     return full, compress(full, pol, obs)

@@ -177,6 +177,7 @@ def test_seq_length_reports_tokens_seen_while_masks_use_tokens_held(tiny, ids):
 @pytest.mark.parametrize("name", [p for p in POLICIES if p not in ("none", "duo_attention")])
 def test_every_sample_is_compressed_and_runs_are_deterministic(tiny, name):
     pol = policy(name, 0.25)
+    pol.prepare(tiny.model, None)  # as the engine does once the model is loaded
     g = torch.Generator().manual_seed(1)
     prompts = [
         Prompt(torch.randint(3, 200, (1, n + QUESTION), generator=g), n, [], "query_agnostic") for n in (64, 80, 96)

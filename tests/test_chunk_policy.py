@@ -11,8 +11,7 @@ from evalkit.errors import ConfigError
 from evalkit.policies.chunk import Chunk, shares
 from evalkit.policies.h2o import H2O
 from evalkit.policies.knorm import KNorm
-from evalkit.records import SAMPLES, read_rows
-from tests.conftest import run_cli
+from tests.conftest import tiny_row
 from tests.test_block import Outlier, one_head
 
 
@@ -41,9 +40,6 @@ def test_a_scorer_that_needs_attention_observed_is_refused():
 
 
 def test_the_command_line_runs_chunk_over_keydiff(tmp_path):
-    args = ["model=tiny-random", "policy=chunk", "policy.chunk=32", "policy.budget=0.5", "task.context_lengths=[128]"]
-    result = run_cli(*args, "task.depths=[0.5]", f"hydra.run.dir={tmp_path}")
-    assert result.returncode == 0, result.stderr
-    (row,) = [r for r in read_rows(tmp_path / SAMPLES) if r["variant"] != "baseline"]
+    row = tiny_row(tmp_path, "policy=chunk", "policy.chunk=32", "policy.budget=0.5")
     assert row["variant"] == "chunk(keydiff)@0.5"
     assert row["tokens_held_per_layer"] == [math.ceil(0.5 * row["context_tokens"])] * 3

@@ -22,7 +22,7 @@ BUDGET, CHUNK = 40, 16
 # The policies whose choice can be made again after every chunk; PyramidKV's per-layer budgets are defined for the
 # whole prompt only. Checked against the classes' declarations below.
 CHUNKABLE = ("none", "streaming_llm", "h2o", "snapkv", "knorm", "random", "window", "keydiff", "tova")
-CHUNKABLE += ("chunkkv", "per_layer")  # wrappers over snapkv
+CHUNKABLE += ("chunkkv", "criticalkv", "per_layer")  # wrappers over snapkv
 
 
 def test_policies_declare_whether_they_can_evict_chunk_by_chunk():
@@ -124,7 +124,9 @@ def test_keeping_everything_in_chunks_reproduces_the_one_shot_logits(tiny, ids, 
 @pytest.mark.parametrize("name", [n for n in CHUNKABLE if n != "none"])  # none keeps everything by definition
 @pytest.mark.parametrize("chunk", [CHUNK, 7])
 def test_the_cache_never_holds_more_than_budget_plus_one_chunk(tiny, ids, name, chunk):
-    cache, peak_bytes, peak_tokens = chunked_prefill(tiny.model, ids[:, :CTX], policy(name, BUDGET), chunk)
+    pol = policy(name, BUDGET)
+    pol.prepare(tiny.model, None)  # as the engine does once the model is loaded
+    cache, peak_bytes, peak_tokens = chunked_prefill(tiny.model, ids[:, :CTX], pol, chunk)
     full, _ = prefill(tiny.model, ids[:, :CTX])
     per_token = kv_bytes(full) / CTX  # every layer of the tiny Llama is full attention
     assert held_per_layer(cache) == [BUDGET] * len(cache.layers)

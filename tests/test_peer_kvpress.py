@@ -29,6 +29,7 @@ from evalkit.policies import LayerView
 from evalkit.policies.adakv import AdaKV
 from evalkit.policies.block import Block
 from evalkit.policies.chunk import Chunk
+from evalkit.policies.critical import CriticalKV
 from evalkit.policies.cur import CUR
 from evalkit.policies.expected_attention import ExpectedAttention
 from evalkit.policies.h2o import H2O
@@ -73,6 +74,9 @@ SAME = {
     "block_keydiff": lambda k: Block(inner=KeyDiff(decode=False), budget=k, block=128),
     # independent chunks of 256 tokens, each KeyDiff's on its own (kvpress's ChunkPress)
     "chunk_keydiff": lambda k: Chunk(inner=KeyDiff(decode=False), budget=k, chunk=256),
+    # CriticalKV's two stages over SnapKV, first stage half the budget; epsilon in the inner scores' units: evalkit's
+    # SnapKV sums over the 32 window queries and the 3 query heads of a group, kvpress's averages (its 1e-4)
+    "criticalkv_snapkv": lambda k: CriticalKV(inner=SnapKV(**SNAP), budget=k, epsilon=1e-4 * 32 * 3),
 }
 KVZIP = {"kvzip": {}, "kvzip_layerwise": {"layerwise": True}, "kvzip_plus": {"plus": True}}
 
@@ -134,6 +138,8 @@ def kept_by_evalkit():
         kept = [1 - r for r in ratios]
         pols[f"per_layer_snapkv@{ratio}"] = PerLayer(inner=SnapKV(**SNAP), budget=1 - float(ratio), layer_budgets=kept)
         pols[f"per_layer_snapkv*@{ratio}"] = PerLayerAtCount(inner=SnapKV(**SNAP), budget=1.0, layer_budgets=kept)
+    for pol in pols.values():  # what a policy reads from the model (CriticalKV's output projections)
+        pol.prepare(loaded.model, None)
     ids = torch.tensor([FIXTURE["ids"]])
     full, obs = prefill(loaded.model, ids, list(pols.values()))
     reconstruction(loaded.model, full, ids, Repeat(**FIXTURE["header"]["repeat"]), list(pols.values()), obs)
