@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaConfig
 
 from evalkit.cli.precheck import precheck
+from evalkit.config.choices import options
 from evalkit.embedded import byte_tokenizer
 from evalkit.errors import ConfigError
 from tests.conftest import run_cli
@@ -26,8 +27,7 @@ UNLOADABLE = ["model=hf", "model.name_or_path=/nonexistent/model", "model.max_co
     [
         (
             ["policy=h2oo"],
-            "unknown policy 'h2oo' (did you mean h2o?); valid names: adakv, chunkkv, cur, duo_attention, "
-            "expected_attention",
+            f"unknown policy 'h2oo' (did you mean h2o?); valid names: {', '.join(options('policy'))}; your own",
         ),
         (["task=haystack"], "unknown task 'haystack'"),
         (["model=llama"], "unknown model 'llama'"),

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import difflib
 import sys
-from importlib.resources import files
 from pathlib import Path
 
 from hydra import compose as hydra_compose
@@ -13,6 +11,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from evalkit.config.choices import check_choices
 from evalkit.config.overrides import check_resolved, composition_error, parse
 from evalkit.errors import ConfigError
 from evalkit.exits import guarded
@@ -23,27 +22,13 @@ from evalkit.plan.outputs import log_wandb, print_console, write
 from evalkit.plan.settings import settings
 
 
-def _check_choices(argv: list[str]) -> None:
-    """`model=NAME` and `logger=NAME` name a conf/ file (evalkit.config.choices.check_choices asks it of a run)."""
-
-    for arg in argv:
-        key, _, value = arg.lstrip("+").partition("=")
-        if key not in ("model", "logger"):
-            continue
-        valid = sorted(p.name[:-5] for p in files("evalkit.conf").joinpath(key).iterdir() if p.name.endswith(".yaml"))
-        if value not in valid:
-            near = difflib.get_close_matches(value, valid, n=1)
-            hint = f" (did you mean {near[0]}?)" if near else ""
-            raise ConfigError(f"unknown {key} {value!r}{hint}; valid names: {', '.join(valid)}")
-
-
 def compose(argv: list[str]) -> DictConfig:
     """conf/plan.yaml with the command line's overrides, composed as Hydra does; errors as one-line ConfigErrors."""
 
     flags = [a for a in argv if a.startswith("-")]
     if flags:
         raise ConfigError(f"{flags[0]}: evalkit.plan takes key=value overrides only (see conf/plan.yaml)")
-    _check_choices(argv)
+    check_choices([a for a in argv if a.lstrip("+").partition("=")[0] in ("model", "logger")])  # a run's own check
     parse(argv)
     with initialize_config_module(config_module="evalkit.conf", version_base="1.3"):
         try:
