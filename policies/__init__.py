@@ -125,7 +125,12 @@ class KVPolicy:
         """Tokens each head holds once `seen` tokens have gone through the layer; never fewer than the policy's
         protected tokens plus one (which matters early in a chunked prefill, when a fraction of few tokens is
         smaller than, say, SnapKV's window)."""
-        return min(seen, max(self.asked(seen), self.min_tokens()))
+        return self.held(self.asked(seen), seen)
+
+    def held(self, asked: int, seen: int) -> int:
+        """Tokens a head holds when `asked` of `seen` are asked for: never fewer than the protected tokens plus one,
+        never more than seen."""
+        return min(seen, max(asked, self.min_tokens()))
 
     def asked(self, seen: int) -> int:
         """Tokens the budget itself names for `seen` tokens: ceil(f * seen), or the token count."""

@@ -31,9 +31,9 @@ def part(view: LayerView, idx: Tensor) -> LayerView:
         view,
         keys=gather_tokens(view.keys, idx),
         values=gather_tokens(view.values, idx),
-        positions=view.positions.gather(2, idx),
-        state={obs: v.gather(2, idx) for obs, v in view.state.items()},
-        valid=None if view.valid is None else view.valid.gather(2, idx),
+        positions=gather_tokens(view.positions, idx),
+        state={obs: gather_tokens(v, idx) for obs, v in view.state.items()},
+        valid=None if view.valid is None else gather_tokens(view.valid, idx),
     )
 
 

@@ -12,14 +12,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from transformers import DynamicCache
+
 from evalkit.errors import ConfigError
 from evalkit.policies import Probes, Wrapper
 
 
-def evicting_layers(config) -> int:
-    """The layers of a transformers model config that hold the whole context (its full-attention layers)."""
-    kinds = getattr(config, "layer_types", None)
-    return sum(k == "full_attention" for k in kinds) if kinds else config.num_hidden_layers
+def evicting_layers(model) -> int:
+    """The model's layers that hold the whole context: the full-attention layers of the cache transformers makes for
+    it (DynamicCache, as the engine's prefill does), not a sliding-window layer."""
+    return sum(not getattr(layer, "is_sliding", False) for layer in DynamicCache(config=model.config).layers)
 
 
 @dataclass(kw_only=True)
@@ -33,8 +35,7 @@ class PerLayer(Wrapper):
         if not self.layer_budgets:
             return self.inner.keep_per_layer(seen, n_layers)
         self.check_layers(n_layers)
-        floor = self.inner.min_tokens()
-        return [min(seen, max(math.ceil(f * seen), floor)) for f in self.layer_budgets]
+        return [self.inner.held(math.ceil(f * seen), seen) for f in self.layer_budgets]
 
     def check_layers(self, n_layers: int) -> None:
         if self.layer_budgets and len(self.layer_budgets) != n_layers:
@@ -44,7 +45,7 @@ class PerLayer(Wrapper):
             )
 
     def prepare(self, model, probes: Probes) -> dict | None:
-        self.check_layers(evicting_layers(model.config))  # before any sample runs
+        self.check_layers(evicting_layers(model))  # before any sample runs
         return super().prepare(model, probes)
 
     def check_params(self) -> None:

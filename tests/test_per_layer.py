@@ -5,12 +5,14 @@ on the real model in tests/test_peer_kvpress.py."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
+from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig
 
 from evalkit.errors import ConfigError
 from evalkit.kv.cache import held_per_layer
-from evalkit.policies.per_layer import PerLayer
+from evalkit.policies.per_layer import PerLayer, evicting_layers
 from evalkit.policies.snapkv import SnapKV
 from evalkit.records import SAMPLES, read_rows
 from tests.conftest import CTX, compressed, run_cli
@@ -62,3 +64,12 @@ def test_the_command_line_runs_it_and_refuses_a_list_of_the_wrong_length_before_
     assert bad.returncode == 2, bad.stderr
     assert "lists 2 fractions for the model's 3 evicting layers" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1 and not (tmp_path / "b" / SAMPLES).exists()
+
+
+def test_the_layers_counted_are_those_the_engines_cache_holds_whole():
+    """Llama: every layer; Gemma 3 (12 layers, every 6th global): 2; Mistral with a sliding window on every layer:
+    none, so no list but an empty one fits it."""
+    llama = SimpleNamespace(config=LlamaConfig(num_hidden_layers=3))
+    gemma = SimpleNamespace(config=Gemma3TextConfig(num_hidden_layers=12))
+    mistral = SimpleNamespace(config=MistralConfig(num_hidden_layers=4, sliding_window=64))
+    assert [evicting_layers(m) for m in (llama, gemma, mistral)] == [3, 2, 0]
