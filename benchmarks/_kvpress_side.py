@@ -23,12 +23,24 @@ import transformers
 from transformers import AutoModelForCausalLM, DynamicCache
 
 SINKS, WINDOW, KERNEL, BETA = 4, 32, 5, 20
+SKETCH_SEED = 0  # evalkit's leverage and compactor draw layer i's sketch from seed + i (their default seed: 0)
 
 
 def layer_ratios(ratio: float, n_layers: int = 30, spread: float = 0.2) -> list[float]:
     """A compression ratio per layer, from ratio - spread at the first layer to ratio + spread at the last (the same
     list benchmarks/peer_kvpress.py gives evalkit's per_layer)."""
     return [ratio - spread + 2 * spread * i / (n_layers - 1) for i in range(n_layers)]
+
+
+def seed_each_layer(model) -> None:
+    """Seed the global generator with SKETCH_SEED + i before layer i's attention runs (a press draws from it in the
+    forward hook that follows): a random sketch is then the one evalkit draws for that layer."""
+
+    def seed(module, args) -> None:
+        torch.manual_seed(SKETCH_SEED + module.layer_idx)
+
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_pre_hook(seed)
 
 
 def presses(ratio: float) -> dict[str, tuple[object, str]]:
@@ -71,9 +83,21 @@ def presses(ratio: float) -> dict[str, tuple[object, str]]:
             ),
             "sdpa",
         ),
+        # the same two stages within AdaKV's head budgets (alpha_safeguard 0.2); kvpress masks the evicted keys
+        "criticaladakv_snapkv": (
+            kvpress.CriticalAdaKVPress(
+                kvpress.SnapKVPress(compression_ratio=ratio, window_size=WINDOW, kernel_size=KERNEL)
+            ),
+            "sdpa",
+        ),
         "lagkv": (kvpress.LagKVPress(compression_ratio=ratio), "sdpa"),
         "cur": (kvpress.CURPress(compression_ratio=ratio), "sdpa"),
         "non_causal_attn": (kvpress.NonCausalAttnPress(compression_ratio=ratio), "sdpa"),
+        # Compactor's leverage term and the whole blend at their defaults (sketch of 48; sinks 8 and 4, chunks of 256,
+        # blending = the compression ratio); their Gaussian sketch is drawn from the global generator, which
+        # seed_each_layer seeds with SKETCH_SEED + layer before each layer's attention, as evalkit draws it
+        "leverage": (kvpress.LeverageScorePress(compression_ratio=ratio), "sdpa"),
+        "compactor": (kvpress.CompactorPress(compression_ratio=ratio), "sdpa"),
         # head-adaptive: kvpress keeps every key and masks the evicted ones (module.masked_key_indices)
         "adakv_snapkv": (
             kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=ratio, window_size=WINDOW, kernel_size=KERNEL)),
@@ -142,6 +166,7 @@ def main() -> None:
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
     model.eval()
+    seed_each_layer(model)
     cfg = model.config
     results = []
     for prompt in prompts:

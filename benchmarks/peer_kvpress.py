@@ -34,9 +34,13 @@ count as an integer budget. Pairs compared (kvpress press <-> evalkit policy):
     LagKVPress (defaults)                    <-> lagkv (4 sinks, partitions of 128)
     CURPress (defaults)                      <-> cur (4 sinks, key x value leverage, windows of 16)
     NonCausalAttnPress (defaults)            <-> non_causal_attn (chunks of 256)
+    LeverageScorePress (defaults)            <-> leverage (sketch 48, jitter 0.01; both sides draw layer i's sketch
+                                                 from seed i: the side script seeds kvpress's global generator)
+    CompactorPress (defaults)                <-> compactor (sinks 8 and 4, chunks of 256, blending = the ratio)
     BlockPress(KeyDiffPress), blocks of 128  <-> block(keydiff) (block 128)
     ChunkPress(KeyDiffPress), chunks of 256  <-> chunk(keydiff) (chunk 256)
     CriticalKVPress(SnapKVPress)             <-> criticalkv(snapkv) (first stage 0.5, epsilon 1e-4)
+    CriticalAdaKVPress(SnapKVPress)          <-> criticaladakv(snapkv) (alpha 0.2, first stage 0.5, epsilon 1e-4)
     PerLayerCompressionPress(SnapKVPress)    <-> per_layer(snapkv) (ratios linear in depth, ratio +- 0.2);
                                                  per_layer(snapkv)* at kvpress's count per layer, int(T (1 - r))
 
@@ -76,7 +80,9 @@ from evalkit.policies import KVPolicy
 from evalkit.policies.adakv import AdaKV
 from evalkit.policies.block import Block
 from evalkit.policies.chunk import Chunk
+from evalkit.policies.compactor import Compactor
 from evalkit.policies.critical import CriticalKV
+from evalkit.policies.critical_ada import CriticalAdaKV
 from evalkit.policies.cur import CUR
 from evalkit.policies.expected_attention import ExpectedAttention
 from evalkit.policies.h2o import H2O
@@ -84,6 +90,7 @@ from evalkit.policies.keydiff import KeyDiff
 from evalkit.policies.knorm import KNorm
 from evalkit.policies.kvzip import KVzip
 from evalkit.policies.lagkv import LagKV
+from evalkit.policies.leverage import LeverageScore
 from evalkit.policies.non_causal import NonCausalAttention
 from evalkit.policies.per_layer import PerLayer
 from evalkit.policies.pyramidkv import PyramidKV
@@ -118,10 +125,13 @@ PAIRS = {
     "lagkv": "lagkv",
     "cur": "cur",
     "non_causal_attn": "non_causal_attn",
+    "leverage": "leverage",
+    "compactor": "compactor",
     "per_layer_snapkv": "per_layer(snapkv)",
     "block_keydiff": "block(keydiff)",
     "chunk_keydiff": "chunk(keydiff)",
     "criticalkv_snapkv": "criticalkv(snapkv)",
+    "criticaladakv_snapkv": "criticaladakv(snapkv)",
 }
 
 
@@ -192,9 +202,13 @@ def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) ->
         "lagkv": LagKV(budget=k),  # kvpress's defaults are its defaults: 4 sinks, partitions of 128
         "cur": CUR(budget=k),  # 4 sinks, key x value shares over windows of 16
         "non_causal_attn": NonCausalAttention(budget=k),  # chunks of 256
+        "leverage": LeverageScore(budget=k),  # sketch 48, jitter 0.01, seed 0
+        # kvpress blends by the compression ratio; evalkit's default, 1 - k / T, differs from it by kvpress's floor
+        "compactor": Compactor(budget=k, blending=ratio),
         # epsilon is in the inner scores' units: evalkit's SnapKV sums over the window's queries and the group's query
         # heads where kvpress's averages, so kvpress's 1e-4 is 1e-4 x 32 x 3 here (SmolLM2: 9 query heads, 3 KV heads)
         "criticalkv(snapkv)": CriticalKV(inner=SnapKV(**snap), budget=k, epsilon=1e-4 * WINDOW * GROUP),
+        "criticaladakv(snapkv)": CriticalAdaKV(inner=SnapKV(**snap), budget=k, epsilon=1e-4 * WINDOW * GROUP),
         "chunk(keydiff)": Chunk(inner=KeyDiff(decode=False), budget=k, chunk=256),
         "block(keydiff)": Block(inner=KeyDiff(decode=False), budget=k, block=128),
         "per_layer(snapkv)": PerLayer(inner=SnapKV(**snap), budget=1 - ratio, layer_budgets=kept),
@@ -305,11 +319,28 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
             "lagkv": {"policy": "lagkv", "n_sink": 4, "lag_size": 128},
             "cur": {"policy": "cur", "n_sink": 4, "combine": "product", "window": 16},
             "non_causal_attn": {"policy": "non_causal_attn", "chunk": 256},
+            "leverage": {"policy": "leverage", "sketch": 48, "jitter": 0.01, "seed": 0},
+            "compactor": {
+                "policy": "compactor",
+                "sink_start": 8,
+                "sink_end": 4,
+                "chunk": 256,
+                "sketch": 48,
+                "seed": 0,
+                "blending": "the compression ratio",
+            },
             "block_keydiff": {"policy": "block", "inner": "keydiff", "block": 128},
             "chunk_keydiff": {"policy": "chunk", "inner": "keydiff", "chunk": 256},
             "criticalkv_snapkv": {
                 "policy": "criticalkv",
                 "inner": "snapkv",
+                "first_stage": 0.5,
+                "epsilon": "1e-4 x window 32 x group 3 (evalkit's SnapKV sums where kvpress's averages)",
+            },
+            "criticaladakv_snapkv": {
+                "policy": "criticaladakv",
+                "inner": "snapkv",
+                "alpha": 0.2,
                 "first_stage": 0.5,
                 "epsilon": "1e-4 x window 32 x group 3 (evalkit's SnapKV sums where kvpress's averages)",
             },

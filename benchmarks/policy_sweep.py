@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 from evalkit.config.choices import options  # noqa: E402
 
 # a wrapper -> the inner policy it runs over
-WRAPPERS = {"chunkkv": "snapkv", "adakv": "snapkv", "criticalkv": "snapkv", "per_layer": "snapkv"}
+WRAPPERS = {"chunkkv": "snapkv", "adakv": "snapkv", "criticalkv": "snapkv", "criticaladakv": "snapkv"}
+WRAPPERS |= {"per_layer": "snapkv"}
 WRAPPERS |= {"block": "keydiff", "chunk": "keydiff"}
 RUNS = {
     "needle": ["task=needle"],

@@ -29,6 +29,24 @@ from evalkit.errors import ConfigError
 from evalkit.policies import LayerView, Wrapper, checked_scores, kept_protected, padded_indices
 
 
+def shared_out(wrapper: Wrapper, view: LayerView, k: int) -> tuple[Tensor, Tensor]:
+    """The inner policy's scores (B, Hkv, T) with the protected tokens and each head's floor of int(alpha x k) best
+    at +inf (padding slots at -inf), and the (B, Hkv, T) mask of the layer's top k x Hkv of them across its heads."""
+    scores = checked_scores(wrapper.inner, wrapper.inner.score(view), view)
+    b, h, t = scores.shape
+    protected = kept_protected(wrapper, view, k)
+    if protected is not None:
+        scores = scores.masked_fill(protected, math.inf)
+    if view.valid is not None:
+        scores = scores.masked_fill(~view.valid, -math.inf)
+    floor = max(1, int(wrapper.alpha * k)) if wrapper.alpha > 0 else 0
+    if floor:  # each head's best `floor` tokens (its protected ones first) rank above every other score
+        scores = scores.scatter(-1, scores.topk(floor, dim=-1).indices, math.inf)
+    kept = torch.zeros(b, h * t, dtype=torch.bool, device=scores.device)
+    kept.scatter_(1, scores.reshape(b, h * t).topk(k * h, dim=-1).indices, True)
+    return scores, kept.view(b, h, t)
+
+
 @dataclass(kw_only=True)
 class AdaKV(Wrapper):
     """The layer's top k x Hkv inner scores across its KV heads, each head keeping at least int(alpha x k)."""
@@ -47,20 +65,7 @@ class AdaKV(Wrapper):
     def select(self, view: LayerView, k: int) -> Tensor:
         """(B, Hkv, kmax) ascending indices each head keeps, padded with -1 after its last (heads keep different
         counts, k x Hkv in all)."""
-        scores = checked_scores(self.inner, self.inner.score(view), view)  # (B, Hkv, T)
-        b, h, t = scores.shape
-        protected = kept_protected(self, view, k)
-        if protected is not None:
-            scores = scores.masked_fill(protected, math.inf)
-        if view.valid is not None:
-            scores = scores.masked_fill(~view.valid, -math.inf)
-        floor = max(1, int(self.alpha * k)) if self.alpha > 0 else 0
-        if floor:  # each head's best `floor` tokens (its protected ones first) rank above every other score
-            best = scores.topk(floor, dim=-1).indices
-            scores = scores.scatter(-1, best, math.inf)
-        kept = torch.zeros(b, h * t, dtype=torch.bool, device=scores.device)
-        kept.scatter_(1, scores.reshape(b, h * t).topk(k * h, dim=-1).indices, True)
-        return padded_indices(kept.view(b, h, t))
+        return padded_indices(shared_out(self, view, k)[1])
 
     def check_params(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:

@@ -7,7 +7,7 @@ to the inner policy's best scores (its protected tokens first); the rest to the 
 query heads h of the KV group: a token whose value barely moves the output is worth less than its attention says.
 The output projections are read from the model once it is loaded (`prepare`).
 
-Departure: CriticalAdaKV (the two stages with Ada-KV's head-adaptive budgets) is not offered yet.
+CriticalAdaKV (the two stages within Ada-KV's head-adaptive budgets) is policies/critical_ada.py.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ of the window's squared norm the token holds), once for its key and once for its
 (`combine`: their product by default, their mean, or one of them). The first `n_sink` tokens are kept first.
 
 Departure: kvpress's CURPress can project the keys and values on a random Gaussian matrix first
-(`use_random_leverage`); evalkit does not offer it, since a random projection makes the kept set a draw of the
-generator rather than a property of the cache.
+(`use_random_leverage`); evalkit does not offer it (it would be drawn per layer from a seeded generator, as
+policies/leverage.py draws its sketch).
 """
 
 from __future__ import annotations

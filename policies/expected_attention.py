@@ -59,12 +59,8 @@ class QueryStats(Observation):
         inv_freq = inv_freq.to(query.device, torch.float32)
 
         def pre_rope(lo: int, hi: int) -> Tensor:  # (B, Hq, hi - lo, D): queries lo..hi-1 of this forward
-            pos = torch.arange(tk - tq + lo, tk - tq + hi, device=query.device, dtype=torch.float32)
-            angles = pos[:, None] * inv_freq[None, :]
-            cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
-            q = query[:, :, lo:hi].float()
-            q_half = torch.cat([q[..., d // 2 :], -q[..., : d // 2]], dim=-1)  # the inverse of rotate_half
-            return (q * cos + q_half * sin) / attn_scaling
+            pos = torch.arange(tk - tq + lo, tk - tq + hi, device=query.device)
+            return unrotate(query[:, :, lo:hi], pos, inv_freq, attn_scaling)
 
         first = max(0, self.start - (tk - tq))
         n = tq - first
@@ -89,6 +85,18 @@ def rope(model: torch.nn.Module | None) -> tuple[Tensor, float]:
     if inv_freq is None:
         return rotary.full_attention_inv_freq, rotary.full_attention_attention_scaling
     return inv_freq, getattr(rotary, "attention_scaling", 1.0)
+
+
+def unrotate(x: Tensor, positions: Tensor, inv_freq: Tensor, scaling: float) -> Tensor:
+    """float32 `x` (..., T, D) rotated back from RoPE at `positions` (T,) or (..., T), and divided by the RoPE's
+    attention scaling: the pre-RoPE queries or keys, for transformers' rotate_half layout (dimension i pairs with
+    i + D/2), the angles in float32 as transformers computes them."""
+    d = x.shape[-1]
+    angles = positions.to(torch.float32)[..., None] * inv_freq.to(x.device, torch.float32)  # (..., T, D/2)
+    cos, sin = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)
+    x = x.float()
+    x_half = torch.cat([x[..., d // 2 :], -x[..., : d // 2]], dim=-1)  # the inverse of rotate_half
+    return (x * cos + x_half * sin) / scaling
 
 
 def averaged_rotation(inv_freq: Tensor, scaling: float, start: int, n: int) -> Tensor:

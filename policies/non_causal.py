@@ -50,14 +50,18 @@ def chunk_column_sums(query: Tensor, key: Tensor, chunk: int) -> Tensor:
 @dataclass(frozen=True)
 class ChunkAttention(Observation):
     """Per layer: chunk_column_sums of the prompt's queries over its keys, (B, Hkv, S), averaged over each KV group's
-    query heads; recorded at the prefill of the whole prompt only (its queries and keys are the same tokens)."""
+    query heads; recorded at the prefill of the whole prompt only (its queries and keys are the same tokens). With
+    `skip` (first, last): over the prompt less its first and last tokens, the chunks starting after the first
+    (Compactor's sinks), S = prompt - first - last."""
 
     chunk: int
+    skip: tuple[int, int] = (0, 0)
 
     def prefill(self, at: Attended) -> Tensor | None:
         if at.query.shape[-2] != at.key.shape[-2]:
             return None  # a later chunk of a chunked prefill (refused by the policy, chunkable=False)
-        sums = chunk_column_sums(at.query, at.key, self.chunk)
+        lo, hi = self.skip[0], at.key.shape[-2] - self.skip[1]
+        sums = chunk_column_sums(at.query[:, :, lo:hi], at.key[:, :, lo:hi], self.chunk)
         b, hq, s = sums.shape
         return sums.view(b, at.key.shape[1], hq // at.key.shape[1], s).mean(dim=2)
 

@@ -1,6 +1,7 @@
-"""criticalkv: an inner scorer's choice in two stages, the second weighted by the values' output-projection norms
-(CriticalKV, kvpress's CriticalKVPress), by hand, the norms against a plain loop over the tiny model's own output
-projection, and end to end; kvpress's choices on the real model in tests/test_peer_kvpress.py."""
+"""criticalkv and criticaladakv: an inner scorer's choice in two stages, the second weighted by the values'
+output-projection norms (CriticalKV, kvpress's CriticalKVPress; within Ada-KV's head budgets), by hand, the norms
+against a plain loop over the tiny model's own output projection, and end to end; kvpress's choices on the real model
+in tests/test_peer_kvpress.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from torch import Tensor
 
 from evalkit.errors import ConfigError
 from evalkit.policies import KVPolicy, LayerView
+from evalkit.policies.adakv import AdaKV
 from evalkit.policies.critical import CriticalKV, output_norms
+from evalkit.policies.critical_ada import CriticalAdaKV
 from tests.conftest import tiny_row
 
 
@@ -74,3 +77,32 @@ def test_unprepared_and_out_of_range_settings_are_refused():
 def test_the_command_line_runs_criticalkv_over_snapkv(tmp_path):
     row = tiny_row(tmp_path, "variants=[criticalkv/snapkv@0.5]")
     assert row["variant"] == "criticalkv(snapkv)@0.5" and row["kv_bytes"] < row["kv_bytes_baseline"]
+
+
+def test_criticaladakv_fills_adakvs_head_budgets_in_two_stages_by_hand():
+    """Two KV heads of one query head each (W_o = [1, 1]: the norm is |v|), keeping 3 per head on average: 6 slots.
+    Inner scores 10 9 8 7 1 0 and 5 2 1 0.5 0.4 0.3; each head's floor int(0.2 x 3) -> 1 token (its best). The top 6
+    across heads: head 0's tokens 0-3 and head 1's 0-1, budgets 4 and 2. First stage (half): head 0 tokens 0 1, head 1
+    token 0. Then (s + 1e-4) |v| with values 1 1 .01 .01 100 1 and 1 .001 1 1 1 1: head 0 adds 4 (100) and 2 (.08),
+    head 1 adds 2 (1). Ada-KV alone keeps 0-3 and 0-1; CriticalKV alone (3 a head) keeps 0 1 4 and 0 2 3."""
+    keys = torch.tensor([[10.0, 9, 8, 7, 1, 0], [5, 2, 1, 0.5, 0.4, 0.3]]).view(1, 2, 6, 1)
+    values = torch.tensor([[1.0, 1, 0.01, 0.01, 100, 1], [1, 0.001, 1, 1, 1, 1]]).view(1, 2, 6, 1)
+    view = LayerView(0, 1, 6, keys, values, torch.arange(6).expand(1, 2, 6), {}, {})
+    w_o = torch.tensor([[1.0, 1.0]])
+
+    def prepared(pol):
+        pol.w_o, pol.n_heads = {0: w_o}, 2
+        return pol
+
+    both = prepared(CriticalAdaKV(inner=FirstChannel(), budget=3))
+    assert (both.ragged, both.decodable, both.over(view, 3), both.over(view, 6)) == (True, False, True, False)
+    assert both.select(view, 3).tolist() == [[[0, 1, 2, 4], [0, 2, -1, -1]]]
+    assert AdaKV(inner=FirstChannel(), budget=3).select(view, 3).tolist() == [[[0, 1, 2, 3], [0, 1, -1, -1]]]
+    assert prepared(CriticalKV(inner=FirstChannel(), budget=3)).select(view, 3).tolist() == [[[0, 1, 4], [0, 2, 3]]]
+    with pytest.raises(ConfigError, match="policy.alpha=1.5"):
+        CriticalAdaKV(inner=FirstChannel(), budget=1, alpha=1.5).validate(16)
+
+
+def test_the_command_line_runs_criticaladakv_over_snapkv_with_uneven_heads(tmp_path):
+    row = tiny_row(tmp_path, "variants=[criticaladakv/snapkv@0.5]")
+    assert row["variant"] == "criticaladakv(snapkv)@0.5" and row["kv_bytes"] < row["kv_bytes_baseline"]

@@ -29,7 +29,9 @@ from evalkit.policies import LayerView
 from evalkit.policies.adakv import AdaKV
 from evalkit.policies.block import Block
 from evalkit.policies.chunk import Chunk
+from evalkit.policies.compactor import Compactor
 from evalkit.policies.critical import CriticalKV
+from evalkit.policies.critical_ada import CriticalAdaKV
 from evalkit.policies.cur import CUR
 from evalkit.policies.expected_attention import ExpectedAttention
 from evalkit.policies.h2o import H2O
@@ -37,6 +39,7 @@ from evalkit.policies.keydiff import KeyDiff
 from evalkit.policies.knorm import KNorm
 from evalkit.policies.kvzip import KVzip
 from evalkit.policies.lagkv import LagKV
+from evalkit.policies.leverage import LeverageScore
 from evalkit.policies.non_causal import NonCausalAttention
 from evalkit.policies.per_layer import PerLayer
 from evalkit.policies.pyramidkv import PyramidKV
@@ -70,6 +73,9 @@ SAME = {
     "lagkv": lambda k: LagKV(budget=k),
     "cur": lambda k: CUR(budget=k),
     "non_causal_attn": lambda k: NonCausalAttention(budget=k),
+    # leverage of the pre-RoPE keys, sketch of 48 drawn for layer i from seed i (the fixture's side seeds kvpress's
+    # generator so); Compactor is below, its blending being kvpress's compression ratio
+    "leverage": lambda k: LeverageScore(budget=k),
     # KeyDiff's block-wise processing of the prompt, blocks of 128 (kvpress's BlockPress)
     "block_keydiff": lambda k: Block(inner=KeyDiff(decode=False), budget=k, block=128),
     # independent chunks of 256 tokens, each KeyDiff's on its own (kvpress's ChunkPress)
@@ -77,6 +83,8 @@ SAME = {
     # CriticalKV's two stages over SnapKV, first stage half the budget; epsilon in the inner scores' units: evalkit's
     # SnapKV sums over the 32 window queries and the 3 query heads of a group, kvpress's averages (its 1e-4)
     "criticalkv_snapkv": lambda k: CriticalKV(inner=SnapKV(**SNAP), budget=k, epsilon=1e-4 * 32 * 3),
+    # the same two stages within AdaKV's head budgets (alpha 0.2); kvpress masks the evicted keys, evalkit is ragged
+    "criticaladakv_snapkv": lambda k: CriticalAdaKV(inner=SnapKV(**SNAP), budget=k, epsilon=1e-4 * 32 * 3),
 }
 KVZIP = {"kvzip": {}, "kvzip_layerwise": {"layerwise": True}, "kvzip_plus": {"plus": True}}
 
@@ -138,7 +146,10 @@ def kept_by_evalkit():
         kept = [1 - r for r in ratios]
         pols[f"per_layer_snapkv@{ratio}"] = PerLayer(inner=SnapKV(**SNAP), budget=1 - float(ratio), layer_budgets=kept)
         pols[f"per_layer_snapkv*@{ratio}"] = PerLayerAtCount(inner=SnapKV(**SNAP), budget=1.0, layer_budgets=kept)
-    for pol in pols.values():  # what a policy reads from the model (CriticalKV's output projections)
+    for ratio, k in FIXTURE["header"]["n_kept"].items():
+        pols[f"compactor@{ratio}"] = Compactor(budget=k, blending=float(ratio))
+        pols[f"leverage~seed1@{ratio}"] = LeverageScore(budget=k, seed=1)  # another sketch
+    for pol in pols.values():  # what a policy reads from the model (CriticalKV's output projections, the RoPE)
         pol.prepare(loaded.model, None)
     ids = torch.tensor([FIXTURE["ids"]])
     full, obs = prefill(loaded.model, ids, list(pols.values()))
@@ -159,7 +170,7 @@ def jaccards(ours, theirs) -> list[float]:
     return [len(a & b) / len(a | b) for la, lb in zip(ours, theirs, strict=True) for a, b in zip(la, lb, strict=True)]
 
 
-@pytest.mark.parametrize("key", [f"{p}@{r}" for p in SAME for r in ("0.5", "0.75")])
+@pytest.mark.parametrize("key", [f"{p}@{r}" for p in [*SAME, "compactor"] for r in ("0.5", "0.75")])
 def test_evalkit_keeps_what_kvpress_keeps(kept_by_evalkit, key):
     ours, theirs = kept_by_evalkit[key], kvpress_kept(key)
     jaccard = jaccards(ours, theirs)
@@ -196,3 +207,10 @@ def test_per_layer_keeps_each_layers_own_share_as_kvpress_does(kept_by_evalkit, 
     )
     rounded = jaccards(ours, theirs)
     assert sum(rounded) / len(rounded) >= 0.99, f"per_layer@{ratio}: mean Jaccard {sum(rounded) / len(rounded):.4f}"
+
+
+@pytest.mark.parametrize("ratio", ["0.5", "0.75"])
+def test_leverage_agrees_only_with_the_same_sketch(kept_by_evalkit, ratio):
+    """The leverage check can fail: drawn from another seed, the sketch keeps another set (well below 0.99)."""
+    other = jaccards(kept_by_evalkit[f"leverage~seed1@{ratio}"], kvpress_kept(f"leverage@{ratio}"))
+    assert sum(other) / len(other) < 0.95, f"leverage, seed 1: mean Jaccard {sum(other) / len(other):.4f}"
