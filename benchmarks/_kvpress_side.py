@@ -90,6 +90,15 @@ def presses(ratio: float) -> dict[str, tuple[object, str]]:
             ),
             "sdpa",
         ),
+        # ChunkKV gated by each chunk's score entropy, chunks of 10, spiky chunks cut to 4 (its defaults), over SnapKV
+        "entropy_chunkkv_snapkv": (
+            kvpress.EntropyGatedChunkKVPress(
+                kvpress.SnapKVPress(compression_ratio=ratio, window_size=WINDOW, kernel_size=KERNEL)
+            ),
+            "sdpa",
+        ),
+        # CAPKV at its defaults (tau 5, 512 future positions, 4 sinks, epsilon 1e-6)
+        "capkv": (kvpress.CapPress(compression_ratio=ratio), "sdpa"),
         "lagkv": (kvpress.LagKVPress(compression_ratio=ratio), "sdpa"),
         "cur": (kvpress.CURPress(compression_ratio=ratio), "sdpa"),
         "non_causal_attn": (kvpress.NonCausalAttnPress(compression_ratio=ratio), "sdpa"),

@@ -36,11 +36,13 @@ count as an integer budget. Pairs compared (kvpress press <-> evalkit policy):
     NonCausalAttnPress (defaults)            <-> non_causal_attn (chunks of 256)
     LeverageScorePress (defaults)            <-> leverage (sketch 48, jitter 0.01; both sides draw layer i's sketch
                                                  from seed i: the side script seeds kvpress's global generator)
+    CapPress (defaults)                      <-> capkv (tau 5, 512 future positions, 4 sinks, epsilon 1e-6)
     CompactorPress (defaults)                <-> compactor (sinks 8 and 4, chunks of 256, blending = the ratio)
     BlockPress(KeyDiffPress), blocks of 128  <-> block(keydiff) (block 128)
     ChunkPress(KeyDiffPress), chunks of 256  <-> chunk(keydiff) (chunk 256)
     CriticalKVPress(SnapKVPress)             <-> criticalkv(snapkv) (first stage 0.5, epsilon 1e-4)
     CriticalAdaKVPress(SnapKVPress)          <-> criticaladakv(snapkv) (alpha 0.2, first stage 0.5, epsilon 1e-4)
+    EntropyGatedChunkKVPress(SnapKVPress)    <-> entropy_chunkkv(snapkv) (chunks of 10, spiky ones cut to 4)
     PerLayerCompressionPress(SnapKVPress)    <-> per_layer(snapkv) (ratios linear in depth, ratio +- 0.2);
                                                  per_layer(snapkv)* at kvpress's count per layer, int(T (1 - r))
 
@@ -79,11 +81,13 @@ from evalkit.kv.cache import compress, held_positions
 from evalkit.policies import KVPolicy
 from evalkit.policies.adakv import AdaKV
 from evalkit.policies.block import Block
+from evalkit.policies.cap import CAPKV
 from evalkit.policies.chunk import Chunk
 from evalkit.policies.compactor import Compactor
 from evalkit.policies.critical import CriticalKV
 from evalkit.policies.critical_ada import CriticalAdaKV
 from evalkit.policies.cur import CUR
+from evalkit.policies.entropy_chunkkv import EntropyGatedChunkKV
 from evalkit.policies.expected_attention import ExpectedAttention
 from evalkit.policies.h2o import H2O
 from evalkit.policies.keydiff import KeyDiff
@@ -126,12 +130,14 @@ PAIRS = {
     "cur": "cur",
     "non_causal_attn": "non_causal_attn",
     "leverage": "leverage",
+    "capkv": "capkv",
     "compactor": "compactor",
     "per_layer_snapkv": "per_layer(snapkv)",
     "block_keydiff": "block(keydiff)",
     "chunk_keydiff": "chunk(keydiff)",
     "criticalkv_snapkv": "criticalkv(snapkv)",
     "criticaladakv_snapkv": "criticaladakv(snapkv)",
+    "entropy_chunkkv_snapkv": "entropy_chunkkv(snapkv)",
 }
 
 
@@ -203,12 +209,14 @@ def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) ->
         "cur": CUR(budget=k),  # 4 sinks, key x value shares over windows of 16
         "non_causal_attn": NonCausalAttention(budget=k),  # chunks of 256
         "leverage": LeverageScore(budget=k),  # sketch 48, jitter 0.01, seed 0
+        "capkv": CAPKV(budget=k),  # kvpress's defaults are its defaults
         # kvpress blends by the compression ratio; evalkit's default, 1 - k / T, differs from it by kvpress's floor
         "compactor": Compactor(budget=k, blending=ratio),
         # epsilon is in the inner scores' units: evalkit's SnapKV sums over the window's queries and the group's query
         # heads where kvpress's averages, so kvpress's 1e-4 is 1e-4 x 32 x 3 here (SmolLM2: 9 query heads, 3 KV heads)
         "criticalkv(snapkv)": CriticalKV(inner=SnapKV(**snap), budget=k, epsilon=1e-4 * WINDOW * GROUP),
         "criticaladakv(snapkv)": CriticalAdaKV(inner=SnapKV(**snap), budget=k, epsilon=1e-4 * WINDOW * GROUP),
+        "entropy_chunkkv(snapkv)": EntropyGatedChunkKV(inner=SnapKV(**snap), budget=k),
         "chunk(keydiff)": Chunk(inner=KeyDiff(decode=False), budget=k, chunk=256),
         "block(keydiff)": Block(inner=KeyDiff(decode=False), budget=k, block=128),
         "per_layer(snapkv)": PerLayer(inner=SnapKV(**snap), budget=1 - ratio, layer_budgets=kept),
@@ -320,6 +328,7 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
             "cur": {"policy": "cur", "n_sink": 4, "combine": "product", "window": 16},
             "non_causal_attn": {"policy": "non_causal_attn", "chunk": 256},
             "leverage": {"policy": "leverage", "sketch": 48, "jitter": 0.01, "seed": 0},
+            "capkv": {"policy": "capkv", "tau": 5.0, "n_future_positions": 512, "n_sink": 4, "epsilon": 1e-6},
             "compactor": {
                 "policy": "compactor",
                 "sink_start": 8,
@@ -343,6 +352,12 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
                 "alpha": 0.2,
                 "first_stage": 0.5,
                 "epsilon": "1e-4 x window 32 x group 3 (evalkit's SnapKV sums where kvpress's averages)",
+            },
+            "entropy_chunkkv_snapkv": {
+                "policy": "entropy_chunkkv",
+                "inner": "snapkv",
+                "chunk_size": 10,
+                "low_entropy_chunk": 4,
             },
             "per_layer_snapkv": {
                 "policy": "per_layer",

@@ -32,7 +32,7 @@ from evalkit.config.choices import options  # noqa: E402
 
 # a wrapper -> the inner policy it runs over
 WRAPPERS = {"chunkkv": "snapkv", "adakv": "snapkv", "criticalkv": "snapkv", "criticaladakv": "snapkv"}
-WRAPPERS |= {"per_layer": "snapkv"}
+WRAPPERS |= {"per_layer": "snapkv", "entropy_chunkkv": "snapkv"}
 WRAPPERS |= {"block": "keydiff", "chunk": "keydiff"}
 RUNS = {
     "needle": ["task=needle"],

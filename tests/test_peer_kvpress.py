@@ -28,11 +28,13 @@ from evalkit.kv.cache import compress, held_positions, select
 from evalkit.policies import LayerView
 from evalkit.policies.adakv import AdaKV
 from evalkit.policies.block import Block
+from evalkit.policies.cap import CAPKV
 from evalkit.policies.chunk import Chunk
 from evalkit.policies.compactor import Compactor
 from evalkit.policies.critical import CriticalKV
 from evalkit.policies.critical_ada import CriticalAdaKV
 from evalkit.policies.cur import CUR
+from evalkit.policies.entropy_chunkkv import EntropyGatedChunkKV
 from evalkit.policies.expected_attention import ExpectedAttention
 from evalkit.policies.h2o import H2O
 from evalkit.policies.keydiff import KeyDiff
@@ -76,6 +78,8 @@ SAME = {
     # leverage of the pre-RoPE keys, sketch of 48 drawn for layer i from seed i (the fixture's side seeds kvpress's
     # generator so); Compactor is below, its blending being kvpress's compression ratio
     "leverage": lambda k: LeverageScore(budget=k),
+    # CAPKV at kvpress's defaults, which are evalkit's (tau 5, 512 future positions, 4 sinks, epsilon 1e-6)
+    "capkv": lambda k: CAPKV(budget=k),
     # KeyDiff's block-wise processing of the prompt, blocks of 128 (kvpress's BlockPress)
     "block_keydiff": lambda k: Block(inner=KeyDiff(decode=False), budget=k, block=128),
     # independent chunks of 256 tokens, each KeyDiff's on its own (kvpress's ChunkPress)
@@ -85,6 +89,10 @@ SAME = {
     "criticalkv_snapkv": lambda k: CriticalKV(inner=SnapKV(**SNAP), budget=k, epsilon=1e-4 * 32 * 3),
     # the same two stages within AdaKV's head budgets (alpha 0.2); kvpress masks the evicted keys, evalkit is ragged
     "criticaladakv_snapkv": lambda k: CriticalAdaKV(inner=SnapKV(**SNAP), budget=k, epsilon=1e-4 * 32 * 3),
+    # ChunkKV gated by the chunks' score entropy over SnapKV (chunks of 10, spiky ones cut to 4): SnapKV's window scores
+    # the layer's highest score here, kvpress's highest + 1, which cuts the chunk astride the window's start in 3 of
+    # the 30 layers (0.994 to 0.999)
+    "entropy_chunkkv_snapkv": lambda k: EntropyGatedChunkKV(inner=SnapKV(**SNAP), budget=k),
 }
 KVZIP = {"kvzip": {}, "kvzip_layerwise": {"layerwise": True}, "kvzip_plus": {"plus": True}}
 
