@@ -20,6 +20,7 @@ import sys
 import kvpress
 import torch
 import transformers
+from kvpress.presses.qfilter_press import QFilters
 from transformers import AutoModelForCausalLM, DynamicCache
 
 SINKS, WINDOW, KERNEL, BETA = 4, 32, 5, 20
@@ -43,9 +44,22 @@ def seed_each_layer(model) -> None:
         layer.self_attn.register_forward_pre_hook(seed)
 
 
-def presses(ratio: float) -> dict[str, tuple[object, str]]:
-    """name -> (press, attention implementation it needs)."""
+def qfilter_press(ratio: float, folder: str | None):
+    """kvpress's QFilterPress with the filters of `folder` (QFilters.from_pretrained reads a local folder), instead of
+    the Hub's filters it loads for the model's name when the press starts (post_init_from_model)."""
+    if folder is None:
+        return None
+    press = kvpress.QFilterPress(compression_ratio=ratio)
+    press.q_filters = QFilters.from_pretrained(folder).q_filters.to(torch.float32)
+    press.post_init_from_model = lambda model: None  # the filters above, not a download
+    return press
+
+
+def presses(ratio: float, qfilters: str | None = None) -> dict[str, tuple[object, str]]:
+    """name -> (press, attention implementation it needs); `qfilters`: the folder of the Q-Filters to use."""
     return {
+        # Q-Filters from a local folder (evalkit's calibration, benchmarks/qfilter_calibrate.py), as evalkit reads them
+        "qfilter": (qfilter_press(ratio, qfilters), "sdpa"),
         "streaming_llm": (kvpress.StreamingLLMPress(compression_ratio=ratio, n_sink=SINKS), "sdpa"),
         "knorm": (kvpress.KnormPress(compression_ratio=ratio), "sdpa"),
         "snapkv": (kvpress.SnapKVPress(compression_ratio=ratio, window_size=WINDOW, kernel_size=KERNEL), "sdpa"),
@@ -167,6 +181,7 @@ def main() -> None:
     ap.add_argument("--output", required=True)
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75], help="kvpress compression_ratio")
     ap.add_argument("--presses", nargs="+", help="only these presses (default: every one in presses())")
+    ap.add_argument("--qfilters", help="folder of the Q-Filters for the qfilter press (QFilters format)")
     args = ap.parse_args()
     torch.manual_seed(0)
     transformers.utils.logging.disable_progress_bar()
@@ -186,8 +201,8 @@ def main() -> None:
             full[impl] = prefill(model, ids)
         kept, held, worst = {}, {}, 0.0
         for ratio in args.ratios:
-            for name, (press, impl) in presses(ratio).items():
-                if args.presses and name not in args.presses:
+            for name, (press, impl) in presses(ratio, args.qfilters).items():
+                if args.presses and name not in args.presses or press is None:
                     continue
                 model.set_attn_implementation(impl)
                 for layer in model.model.layers:

@@ -37,6 +37,7 @@ count as an integer budget. Pairs compared (kvpress press <-> evalkit policy):
     LeverageScorePress (defaults)            <-> leverage (sketch 48, jitter 0.01; both sides draw layer i's sketch
                                                  from seed i: the side script seeds kvpress's global generator)
     CapPress (defaults)                      <-> capkv (tau 5, 512 future positions, 4 sinks, epsilon 1e-6)
+    QFilterPress (QFILTERS' filters)         <-> qfilter (weights_path: the same folder)
     CompactorPress (defaults)                <-> compactor (sinks 8 and 4, chunks of 256, blending = the ratio)
     BlockPress(KeyDiffPress), blocks of 128  <-> block(keydiff) (block 128)
     ChunkPress(KeyDiffPress), chunks of 256  <-> chunk(keydiff) (chunk 256)
@@ -98,6 +99,7 @@ from evalkit.policies.leverage import LeverageScore
 from evalkit.policies.non_causal import NonCausalAttention
 from evalkit.policies.per_layer import PerLayer
 from evalkit.policies.pyramidkv import PyramidKV
+from evalkit.policies.qfilter import QFilter
 from evalkit.policies.snapkv import SnapKV
 from evalkit.policies.streaming_llm import StreamingLLM
 from evalkit.policies.tova import TOVA
@@ -108,6 +110,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf" / "model" / "smollm2-135m.yaml"
 SIDE = Path(__file__).resolve().parent / "_kvpress_side.py"
 FIXTURE = ROOT / "tests" / "data" / "kvpress_smollm2_kept.json"
+QFILTERS = ROOT / "tests" / "data" / "qfilter_smollm2"  # benchmarks/qfilter_calibrate.py's filters for SmolLM2
 RATIOS = (0.5, 0.75)  # kvpress compression_ratio: the fraction REMOVED; kept fractions 0.5 and 0.25
 LENGTHS = (800, 1800)  # context lengths asked of the needle task (prose haystack); the first is the fixture's
 WINDOW, KERNEL, BETA, SINKS = 32, 5, 20, 4
@@ -130,6 +133,7 @@ PAIRS = {
     "cur": "cur",
     "non_causal_attn": "non_causal_attn",
     "leverage": "leverage",
+    "qfilter": "qfilter",
     "capkv": "capkv",
     "compactor": "compactor",
     "per_layer_snapkv": "per_layer(snapkv)",
@@ -210,6 +214,7 @@ def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) ->
         "non_causal_attn": NonCausalAttention(budget=k),  # chunks of 256
         "leverage": LeverageScore(budget=k),  # sketch 48, jitter 0.01, seed 0
         "capkv": CAPKV(budget=k),  # kvpress's defaults are its defaults
+        "qfilter": QFilter(budget=k, weights_path=str(QFILTERS)),
         # kvpress blends by the compression ratio; evalkit's default, 1 - k / T, differs from it by kvpress's floor
         "compactor": Compactor(budget=k, blending=ratio),
         # epsilon is in the inner scores' units: evalkit's SnapKV sums over the window's queries and the group's query
@@ -244,7 +249,7 @@ def run_kvpress(python: str, model_dir: Path, prompts: list[dict], only: list[st
         src, dst = Path(tmp) / "in.json", Path(tmp) / "out.json"
         src.write_text(json.dumps({"prompts": [{"name": p["name"], "ids": p["ids"]} for p in prompts]}))
         cmd = [python, str(SIDE), "--model", str(model_dir), "--input", str(src), "--output", str(dst)]
-        cmd += ["--ratios", *map(str, RATIOS), "--presses", *only]
+        cmd += ["--ratios", *map(str, RATIOS), "--presses", *only, "--qfilters", str(QFILTERS)]
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": ""}
         subprocess.run(cmd, check=True, env=env)
         return json.loads(dst.read_text())
@@ -328,6 +333,7 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
             "cur": {"policy": "cur", "n_sink": 4, "combine": "product", "window": 16},
             "non_causal_attn": {"policy": "non_causal_attn", "chunk": 256},
             "leverage": {"policy": "leverage", "sketch": 48, "jitter": 0.01, "seed": 0},
+            "qfilter": {"policy": "qfilter", "weights_path": "tests/data/qfilter_smollm2"},
             "capkv": {"policy": "capkv", "tau": 5.0, "n_future_positions": 512, "n_sink": 4, "epsilon": 1e-6},
             "compactor": {
                 "policy": "compactor",

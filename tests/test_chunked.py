@@ -21,7 +21,7 @@ from tests.conftest import CTX, ROOT, by_kv_head, compose_config, policy, pool_b
 BUDGET, CHUNK = 40, 16
 # The policies whose choice can be made again after every chunk; PyramidKV's per-layer budgets are defined for the
 # whole prompt only. Checked against the classes' declarations below.
-CHUNKABLE = ("none", "streaming_llm", "h2o", "snapkv", "knorm", "random", "window", "keydiff", "tova")
+CHUNKABLE = ("none", "streaming_llm", "h2o", "snapkv", "knorm", "random", "window", "keydiff", "tova", "qfilter")
 CHUNKABLE += ("chunkkv", "criticalkv", "per_layer")  # wrappers over snapkv
 
 

@@ -45,6 +45,7 @@ from evalkit.policies.leverage import LeverageScore
 from evalkit.policies.non_causal import NonCausalAttention
 from evalkit.policies.per_layer import PerLayer
 from evalkit.policies.pyramidkv import PyramidKV
+from evalkit.policies.qfilter import QFilter
 from evalkit.policies.snapkv import SnapKV
 from evalkit.policies.streaming_llm import StreamingLLM
 from evalkit.policies.tova import TOVA
@@ -52,6 +53,7 @@ from evalkit.tasks.prompt import Repeat
 from tests.conftest import ROOT
 
 FIXTURE = json.loads((ROOT / "tests" / "data" / "kvpress_smollm2_kept.json").read_text())
+QFILTERS = ROOT / "tests" / "data" / "qfilter_smollm2"
 SNAP = {"window": 32, "kernel": 5, "pooling": "avg", "decode": False}
 # kvpress press -> the evalkit policy defined the same way, at kvpress's kept count k
 SAME = {
@@ -80,6 +82,8 @@ SAME = {
     "leverage": lambda k: LeverageScore(budget=k),
     # CAPKV at kvpress's defaults, which are evalkit's (tau 5, 512 future positions, 4 sinks, epsilon 1e-6)
     "capkv": lambda k: CAPKV(budget=k),
+    # Q-Filters read from the folder the fixture's kvpress side read (benchmarks/qfilter_calibrate.py's, for SmolLM2)
+    "qfilter": lambda k: QFilter(budget=k, weights_path=str(QFILTERS)),
     # KeyDiff's block-wise processing of the prompt, blocks of 128 (kvpress's BlockPress)
     "block_keydiff": lambda k: Block(inner=KeyDiff(decode=False), budget=k, block=128),
     # independent chunks of 256 tokens, each KeyDiff's on its own (kvpress's ChunkPress)
@@ -120,6 +124,16 @@ class KVzipAtCount(KVzip):
 
 
 @dataclass(kw_only=True)
+class Negated(QFilter):
+    """Q-Filters with every filter's sign flipped: a key then ranks by its projection on f instead of on -f."""
+
+    def prepare(self, model, probes) -> dict:
+        prepared = super().prepare(model, probes)
+        self.filters = -self.filters
+        return prepared
+
+
+@dataclass(kw_only=True)
 class PerLayerAtCount(PerLayer):
     """per_layer held to kvpress's count per layer, int(T x (1 - ratio)) (evalkit's fractions round up)."""
 
@@ -157,6 +171,7 @@ def kept_by_evalkit():
     for ratio, k in FIXTURE["header"]["n_kept"].items():
         pols[f"compactor@{ratio}"] = Compactor(budget=k, blending=float(ratio))
         pols[f"leverage~seed1@{ratio}"] = LeverageScore(budget=k, seed=1)  # another sketch
+        pols[f"qfilter~negated@{ratio}"] = Negated(budget=k, weights_path=str(QFILTERS))  # the filters' sign flipped
     for pol in pols.values():  # what a policy reads from the model (CriticalKV's output projections, the RoPE)
         pol.prepare(loaded.model, None)
     ids = torch.tensor([FIXTURE["ids"]])
@@ -222,3 +237,10 @@ def test_leverage_agrees_only_with_the_same_sketch(kept_by_evalkit, ratio):
     """The leverage check can fail: drawn from another seed, the sketch keeps another set (well below 0.99)."""
     other = jaccards(kept_by_evalkit[f"leverage~seed1@{ratio}"], kvpress_kept(f"leverage@{ratio}"))
     assert sum(other) / len(other) < 0.95, f"leverage, seed 1: mean Jaccard {sum(other) / len(other):.4f}"
+
+
+@pytest.mark.parametrize("ratio", ["0.5", "0.75"])
+def test_qfilter_agrees_only_with_the_filters_sign_as_given(kept_by_evalkit, ratio):
+    """The Q-Filters check can fail: with the filters' sign flipped, evalkit keeps other tokens than kvpress."""
+    other = jaccards(kept_by_evalkit[f"qfilter~negated@{ratio}"], kvpress_kept(f"qfilter@{ratio}"))
+    assert sum(other) / len(other) < 0.9, f"qfilter, negated: mean Jaccard {sum(other) / len(other):.4f}"

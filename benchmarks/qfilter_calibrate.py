@@ -1,0 +1,109 @@
+"""Calibrate Q-Filters for a model here, offline, from its own queries on evalkit's prose haystack.
+
+    python benchmarks/qfilter_calibrate.py --model smollm2-135m --out qfilters/smollm2 [--lengths 1024] [--depths ...]
+
+For each layer and KV head: the queries of its query heads (post-RoPE, as the attention sees them) over the
+calibration prompts, the first right singular vector of that matrix (the top eigenvector of Q^T Q), signed so that
+the queries' mean projection on it is negative (Godey et al. 2025, arXiv:2503.02812). Written as kvpress's QFilters
+saves them (`model.safetensors` with `q_filters` (layers, KV heads, head dim), and `config.json`), so that evalkit
+(`policy=qfilter policy.weights_path=OUT`) and kvpress (`QFilters.from_pretrained(OUT)`) read the same file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import save_file
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from evalkit.attention.observation import Attended, Observation  # noqa: E402
+from evalkit.cli.spec import model_spec  # noqa: E402
+from evalkit.engine import models  # noqa: E402
+from evalkit.engine.engine import prefill  # noqa: E402
+from evalkit.policies import KVPolicy  # noqa: E402
+from evalkit.tasks.needle import NeedleTask  # noqa: E402
+from evalkit.tasks.prompt import build_prompt  # noqa: E402
+
+
+@dataclass(frozen=True)
+class QueryMoments(Observation):
+    """Per layer: the sum of the post-RoPE queries (B, Hq, D) and of their outer products (B, Hq, D, D)."""
+
+    def prefill(self, at: Attended) -> tuple[torch.Tensor, torch.Tensor]:
+        q = at.query.double()
+        return q.sum(dim=2), q.transpose(-1, -2) @ q
+
+
+@dataclass(kw_only=True)
+class Calibration(KVPolicy):
+    """Not a policy to run: what the prefill records for the calibration."""
+
+    name: str = "qfilter_calibration"
+
+    def needs(self) -> tuple[QueryMoments]:
+        return (QueryMoments(),)
+
+
+def filters(moments: dict[int, tuple[torch.Tensor, torch.Tensor]], n_kv: int) -> torch.Tensor:
+    """(layers, Hkv, D) float32: per layer and KV head, the top eigenvector of its query heads' summed outer products,
+    its sign making their summed projection negative."""
+    out = []
+    for layer in sorted(moments):
+        total, gram = moments[layer]  # (Hq, D), (Hq, D, D)
+        hq, d = total.shape
+        group = hq // n_kv
+        heads = []
+        for g in range(n_kv):
+            _, vectors = torch.linalg.eigh(gram[g * group : (g + 1) * group].sum(dim=0))
+            u = vectors[:, -1]
+            heads.append(-u if float(total[g * group : (g + 1) * group].sum(dim=0) @ u) > 0 else u)
+        out.append(torch.stack(heads))
+    return torch.stack(out).float()
+
+
+def calibrate(model, tokenizer, lengths: list[int], depths: list[float]) -> torch.Tensor:
+    task = NeedleTask(context_lengths=lengths, depths=depths, haystack="prose", samples_per_cell=1)
+    sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for sample in task.samples(tokenizer):
+        prompt = build_prompt(tokenizer, sample)
+        _, obs = prefill(model, prompt.ids[:, : prompt.n_context].to(model.device), [Calibration()])
+        for layer, values in obs.items():
+            total, gram = values[QueryMoments()]
+            if layer in sums:
+                total, gram = sums[layer][0] + total[0], sums[layer][1] + gram[0]
+            else:
+                total, gram = total[0], gram[0]
+            sums[layer] = (total, gram)
+    cfg = model.config.get_text_config()
+    if len(sums) != cfg.num_hidden_layers:
+        raise SystemExit(f"{len(sums)} of {cfg.num_hidden_layers} layers attend fully: Q-Filters needs every layer")
+    return filters(sums, cfg.num_key_value_heads)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m", help="a conf/model name")
+    ap.add_argument("--out", required=True, help="folder to write model.safetensors and config.json into")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024])
+    ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.9])
+    args = ap.parse_args()
+    loaded = models.load(model_spec(OmegaConf.load(ROOT / "conf" / "model" / f"{args.model}.yaml")), "cpu")
+    q = calibrate(loaded.model, loaded.tokenizer, args.lengths, args.depths)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({"q_filters": q.contiguous()}, str(out / "model.safetensors"))
+    layers, heads, dim = q.shape
+    (out / "config.json").write_text(json.dumps({"num_layers": layers, "num_kv_heads": heads, "kv_head_dim": dim}))
+    print(f"wrote {out} ({layers} layers x {heads} KV heads x {dim})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Q-Filters: keep the keys a learned direction per KV head says the queries will attend to.
+
+Godey et al. 2025, "Q-Filters: Leveraging QK Geometry for Efficient KV Cache Compression" (arXiv:2503.02812), as
+kvpress's QFilterPress scores: a token's score is -<f, k>, f the filter of its layer and KV head and k its key as the
+cache holds it (post-RoPE). The filters are learned per model: the paper takes, per head, the first right singular
+vector of the queries, signed so that the queries' mean projection on it is negative (then a key far along f gets
+little attention, and -<f, k> ranks it low).
+
+evalkit never reaches the Hub at run time: the filters come from a local file, `policy.weights_path`, in the format
+kvpress's QFilters saves (`model.safetensors` holding `q_filters`, (layers, KV heads, head dim), in a folder, or that
+file itself). On a connected machine:
+
+    huggingface-cli download nthngdy/<model name>_qfilt --local-dir qfilters/<model name>
+
+or calibrate them here from the model's own queries (benchmarks/qfilter_calibrate.py). The file's path and SHA-256
+are recorded in run.json under `prepared`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import Tensor
+
+from evalkit.errors import ConfigError
+from evalkit.policies import KVPolicy, LayerView
+
+FETCH = "huggingface-cli download nthngdy/<model>_qfilt --local-dir DIR, or python benchmarks/qfilter_calibrate.py"
+
+
+def weights_file(path: str) -> Path:
+    """The safetensors file `path` names: itself, or model.safetensors in the folder; a ConfigError if there is none."""
+    p = Path(path).expanduser()
+    p = p / "model.safetensors" if p.is_dir() else p
+    if not p.is_file():
+        raise ConfigError(f"policy.weights_path={path}: no such file (model.safetensors in a folder, or the file)")
+    return p
+
+
+@dataclass(kw_only=True)
+class QFilter(KVPolicy):
+    """Per KV head: top-k by -<filter, key>, the filters read from `weights_path` at prepare."""
+
+    name: str = "qfilter"
+    weights_path: str | None = None
+    decode: bool = False  # kvpress's QFilterPress scores the prompt; its scores need only the keys (decode=true works)
+
+    def prepare(self, model, probes) -> dict:
+        path = weights_file(self.weights_path)
+        try:
+            filters = load_file(str(path))["q_filters"]
+        except (SafetensorError, KeyError, OSError) as err:
+            what = f"policy.weights_path={self.weights_path}"
+            raise ConfigError(f"{what}: not a Q-Filters file ({err}); {FETCH}") from None
+        cfg = model.config.get_text_config()
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        want = (cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
+        if tuple(filters.shape) != want:
+            raise ConfigError(
+                f"policy.weights_path={self.weights_path}: filters of shape {tuple(filters.shape)}, the model needs "
+                f"(layers, KV heads, head dim) = {want}: they are another model's; {FETCH}"
+            )
+        self.filters = filters.to(model.device)  # not a field: not recorded, not compared
+        return {"weights_path": str(path.resolve()), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+
+    def score(self, view: LayerView) -> Tensor:
+        if not hasattr(self, "filters"):
+            raise ValueError(f"{self.name}: the filters were not read (prepare() was not called)")
+        f = self.filters[view.layer_idx].float()  # (Hkv, D)
+        return -(view.keys.float() * f[None, :, None, :]).sum(dim=-1)
+
+    def check_params(self) -> None:
+        if self.weights_path is None:
+            raise ConfigError(f"qfilter needs its filters: give policy.weights_path=DIR ({FETCH})")
+        weights_file(self.weights_path)
