@@ -55,9 +55,15 @@ def qfilter_press(ratio: float, folder: str | None):
     return press
 
 
-def presses(ratio: float, qfilters: str | None = None) -> dict[str, tuple[object, str]]:
-    """name -> (press, attention implementation it needs); `qfilters`: the folder of the Q-Filters to use."""
+def presses(ratio: float, qfilters: str | None = None, ea_stats: str | None = None) -> dict[str, tuple[object, str]]:
+    """name -> (press, attention implementation it needs); `qfilters`, `ea_stats`: the folders of the Q-Filters and
+    of Expected Attention's query statistics to use (a press needing one is left out without it)."""
     return {
+        # Expected Attention with the query statistics of a local folder (evalkit's, benchmarks/ea_stats_calibrate.py)
+        "expected_attention_stats": (
+            kvpress.ExpectedAttentionStatsPress(compression_ratio=ratio, stats_folder=ea_stats) if ea_stats else None,
+            "sdpa",
+        ),
         # Q-Filters from a local folder (evalkit's calibration, benchmarks/qfilter_calibrate.py), as evalkit reads them
         "qfilter": (qfilter_press(ratio, qfilters), "sdpa"),
         "streaming_llm": (kvpress.StreamingLLMPress(compression_ratio=ratio, n_sink=SINKS), "sdpa"),
@@ -182,6 +188,9 @@ def main() -> None:
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75], help="kvpress compression_ratio")
     ap.add_argument("--presses", nargs="+", help="only these presses (default: every one in presses())")
     ap.add_argument("--qfilters", help="folder of the Q-Filters for the qfilter press (QFilters format)")
+    ap.add_argument(
+        "--ea-stats", help="folder of Expected Attention's query statistics (ExpectedAttentionStats format)"
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
     transformers.utils.logging.disable_progress_bar()
@@ -201,7 +210,7 @@ def main() -> None:
             full[impl] = prefill(model, ids)
         kept, held, worst = {}, {}, 0.0
         for ratio in args.ratios:
-            for name, (press, impl) in presses(ratio, args.qfilters).items():
+            for name, (press, impl) in presses(ratio, args.qfilters, args.ea_stats).items():
                 if args.presses and name not in args.presses or press is None:
                     continue
                 model.set_attn_implementation(impl)

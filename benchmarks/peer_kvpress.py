@@ -38,6 +38,7 @@ count as an integer budget. Pairs compared (kvpress press <-> evalkit policy):
                                                  from seed i: the side script seeds kvpress's global generator)
     CapPress (defaults)                      <-> capkv (tau 5, 512 future positions, 4 sinks, epsilon 1e-6)
     QFilterPress (QFILTERS' filters)         <-> qfilter (weights_path: the same folder)
+    ExpectedAttentionStatsPress (EA_STATS)   <-> expected_attention_stats (weights_path: the same folder)
     CompactorPress (defaults)                <-> compactor (sinks 8 and 4, chunks of 256, blending = the ratio)
     BlockPress(KeyDiffPress), blocks of 128  <-> block(keydiff) (block 128)
     ChunkPress(KeyDiffPress), chunks of 256  <-> chunk(keydiff) (chunk 256)
@@ -90,6 +91,7 @@ from evalkit.policies.critical_ada import CriticalAdaKV
 from evalkit.policies.cur import CUR
 from evalkit.policies.entropy_chunkkv import EntropyGatedChunkKV
 from evalkit.policies.expected_attention import ExpectedAttention
+from evalkit.policies.expected_attention_stats import ExpectedAttentionStats
 from evalkit.policies.h2o import H2O
 from evalkit.policies.keydiff import KeyDiff
 from evalkit.policies.knorm import KNorm
@@ -111,6 +113,7 @@ CONF = ROOT / "conf" / "model" / "smollm2-135m.yaml"
 SIDE = Path(__file__).resolve().parent / "_kvpress_side.py"
 FIXTURE = ROOT / "tests" / "data" / "kvpress_smollm2_kept.json"
 QFILTERS = ROOT / "tests" / "data" / "qfilter_smollm2"  # benchmarks/qfilter_calibrate.py's filters for SmolLM2
+EA_STATS = ROOT / "tests" / "data" / "ea_stats_smollm2"  # benchmarks/ea_stats_calibrate.py's statistics for SmolLM2
 RATIOS = (0.5, 0.75)  # kvpress compression_ratio: the fraction REMOVED; kept fractions 0.5 and 0.25
 LENGTHS = (800, 1800)  # context lengths asked of the needle task (prose haystack); the first is the fixture's
 WINDOW, KERNEL, BETA, SINKS = 32, 5, 20, 4
@@ -134,6 +137,7 @@ PAIRS = {
     "non_causal_attn": "non_causal_attn",
     "leverage": "leverage",
     "qfilter": "qfilter",
+    "expected_attention_stats": "expected_attention_stats",
     "capkv": "capkv",
     "compactor": "compactor",
     "per_layer_snapkv": "per_layer(snapkv)",
@@ -215,6 +219,7 @@ def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) ->
         "leverage": LeverageScore(budget=k),  # sketch 48, jitter 0.01, seed 0
         "capkv": CAPKV(budget=k),  # kvpress's defaults are its defaults
         "qfilter": QFilter(budget=k, weights_path=str(QFILTERS)),
+        "expected_attention_stats": ExpectedAttentionStats(budget=k, weights_path=str(EA_STATS)),
         # kvpress blends by the compression ratio; evalkit's default, 1 - k / T, differs from it by kvpress's floor
         "compactor": Compactor(budget=k, blending=ratio),
         # epsilon is in the inner scores' units: evalkit's SnapKV sums over the window's queries and the group's query
@@ -249,7 +254,16 @@ def run_kvpress(python: str, model_dir: Path, prompts: list[dict], only: list[st
         src, dst = Path(tmp) / "in.json", Path(tmp) / "out.json"
         src.write_text(json.dumps({"prompts": [{"name": p["name"], "ids": p["ids"]} for p in prompts]}))
         cmd = [python, str(SIDE), "--model", str(model_dir), "--input", str(src), "--output", str(dst)]
-        cmd += ["--ratios", *map(str, RATIOS), "--presses", *only, "--qfilters", str(QFILTERS)]
+        cmd += [
+            "--ratios",
+            *map(str, RATIOS),
+            "--presses",
+            *only,
+            "--qfilters",
+            str(QFILTERS),
+            "--ea-stats",
+            str(EA_STATS),
+        ]
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": ""}
         subprocess.run(cmd, check=True, env=env)
         return json.loads(dst.read_text())
@@ -334,6 +348,10 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
             "non_causal_attn": {"policy": "non_causal_attn", "chunk": 256},
             "leverage": {"policy": "leverage", "sketch": 48, "jitter": 0.01, "seed": 0},
             "qfilter": {"policy": "qfilter", "weights_path": "tests/data/qfilter_smollm2"},
+            "expected_attention_stats": {
+                "policy": "expected_attention_stats",
+                "weights_path": "tests/data/ea_stats_smollm2",
+            },
             "capkv": {"policy": "capkv", "tau": 5.0, "n_future_positions": 512, "n_sink": 4, "epsilon": 1e-6},
             "compactor": {
                 "policy": "compactor",

@@ -69,12 +69,20 @@ def filters(moments: dict[int, tuple[torch.Tensor, torch.Tensor]], n_kv: int) ->
     return torch.stack(out).float()
 
 
-def calibrate(model, tokenizer, lengths: list[int], depths: list[float]) -> torch.Tensor:
+def contexts(tokenizer, lengths: list[int], depths: list[float]) -> list[torch.Tensor]:
+    """The calibration prompts: the context ids (1, n) of evalkit's needle prompts over the prose haystack."""
     task = NeedleTask(context_lengths=lengths, depths=depths, haystack="prose", samples_per_cell=1)
-    sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    out = []
     for sample in task.samples(tokenizer):
         prompt = build_prompt(tokenizer, sample)
-        _, obs = prefill(model, prompt.ids[:, : prompt.n_context].to(model.device), [Calibration()])
+        out.append(prompt.ids[:, : prompt.n_context])
+    return out
+
+
+def calibrate(model, tokenizer, lengths: list[int], depths: list[float]) -> torch.Tensor:
+    sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for ids in contexts(tokenizer, lengths, depths):
+        _, obs = prefill(model, ids.to(model.device), [Calibration()])
         for layer, values in obs.items():
             total, gram = values[QueryMoments()]
             if layer in sums:

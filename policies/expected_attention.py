@@ -130,8 +130,12 @@ class ExpectedAttention(SinkPolicy):
         """The statistics of the queries from position n_sink on: the sinks' queries are left out."""
         return (QueryStats(self.n_sink),)
 
+    def statistics(self, view: LayerView) -> Stats:
+        """The layer's query statistics: the prompt's, as the prefill recorded them."""
+        return view.observed(QueryStats(self.n_sink))
+
     def score(self, view: LayerView) -> Tensor:
-        stats: Stats = view.observed(QueryStats(self.n_sink))
+        stats = self.statistics(view)
         mean, cov = stats.mean, stats.cov  # (B, Hq, D), (B, Hq, D, D)
         rot = averaged_rotation(stats.inv_freq, stats.scaling, view.seen, self.n_future_positions)
         mean = mean @ rot.T

@@ -162,7 +162,12 @@ CTX, QUESTION, STEPS = 96, 7, 6  # small inputs for invariant tests: context, qu
 # DuoAttention head scores for the tiny model (3 layers x 2 KV heads), in the paper's full_attention_heads.tsv format:
 # ranked low to high 0.1 (layer 2 head 0), 0.2 (1, 1), 0.3 (0, 0), 0.6 (2, 1), 0.8 (1, 0), 0.9 (0, 1).
 DUO_PATTERN = Path(__file__).parent / "data" / "duo_tiny_pattern.tsv"
-QFILTER_TINY = Path(__file__).parent / "data" / "qfilter_tiny"
+# the learned weights of the policies that need them, calibrated here on the tiny model (--model tiny-random
+# --lengths 128 --depths 0.5): benchmarks/qfilter_calibrate.py, benchmarks/ea_stats_calibrate.py
+WEIGHTS_TINY = {
+    "qfilter": Path(__file__).parent / "data" / "qfilter_tiny",
+    "expected_attention_stats": Path(__file__).parent / "data" / "ea_stats_tiny",
+}
 
 
 def policy(name: str, budget, **overrides):
@@ -173,8 +178,8 @@ def policy(name: str, budget, **overrides):
         cfg.policy.window = 8
     if cfg.policy.get("inner") == "snapkv":  # a wrapper's SnapKV gets the same 8-token window
         cfg.policy.inner = {"name": "snapkv", "window": 8}
-    if name == "qfilter":  # filters calibrated on the tiny model (benchmarks/qfilter_calibrate.py --model tiny-random)
-        cfg.policy.weights_path = cfg.policy.weights_path or str(QFILTER_TINY)
+    if name in WEIGHTS_TINY:  # learned weights calibrated on the tiny model (benchmarks/*_calibrate.py)
+        cfg.policy.weights_path = cfg.policy.weights_path or str(WEIGHTS_TINY[name])
     if name == "duo_attention":  # roles from a hand-written pattern (DUO_PATTERN), windows that fit CTX
         cfg.policy.pattern = cfg.policy.pattern or str(DUO_PATTERN)
         cfg.policy.sink, cfg.policy.recent = overrides.get("sink", 4), overrides.get("recent", 16)

@@ -27,7 +27,7 @@ from evalkit.tasks.fidelity import FidelityTask
 from evalkit.tasks.lmeval import LmEvalTask
 from evalkit.tasks.middoc import MiddocTask
 from evalkit.tasks.needle import NeedleTask
-from tests.conftest import QFILTER_TINY, compose_config
+from tests.conftest import WEIGHTS_TINY, compose_config
 
 
 @pytest.mark.parametrize("name", options("policy"))
@@ -40,10 +40,10 @@ def test_every_policy_config_composes_and_instantiates(name):
         assert isinstance(policy.inner, KVPolicy) and policy.inner.name == cfg.policy.inner
     else:  # evalkit's build gives what Hydra's instantiate gives
         assert instantiate(cfg.policy, _convert_="all") == policy
-    if name == "qfilter":  # its learned filters are the one required setting
-        with pytest.raises(ConfigError, match="qfilter needs its filters: give policy.weights_path=DIR"):
+    if name in WEIGHTS_TINY:  # its learned weights are the one required setting
+        with pytest.raises(ConfigError, match=f"{name} needs its .*: give policy.weights_path=DIR"):
             policy.validate(None)
-        cfg.policy.weights_path = str(QFILTER_TINY)
+        cfg.policy.weights_path = str(WEIGHTS_TINY[name])
         policy = build(cfg.policy, "policy")
     policy.validate(None)  # every value of the shipped YAML has its field's type
     run_spec(cfg)  # and the whole config passes the checks made before a model loads

@@ -36,6 +36,7 @@ from evalkit.policies.critical_ada import CriticalAdaKV
 from evalkit.policies.cur import CUR
 from evalkit.policies.entropy_chunkkv import EntropyGatedChunkKV
 from evalkit.policies.expected_attention import ExpectedAttention
+from evalkit.policies.expected_attention_stats import ExpectedAttentionStats
 from evalkit.policies.h2o import H2O
 from evalkit.policies.keydiff import KeyDiff
 from evalkit.policies.knorm import KNorm
@@ -54,6 +55,7 @@ from tests.conftest import ROOT
 
 FIXTURE = json.loads((ROOT / "tests" / "data" / "kvpress_smollm2_kept.json").read_text())
 QFILTERS = ROOT / "tests" / "data" / "qfilter_smollm2"
+EA_STATS = ROOT / "tests" / "data" / "ea_stats_smollm2"
 SNAP = {"window": 32, "kernel": 5, "pooling": "avg", "decode": False}
 # kvpress press -> the evalkit policy defined the same way, at kvpress's kept count k
 SAME = {
@@ -84,6 +86,8 @@ SAME = {
     "capkv": lambda k: CAPKV(budget=k),
     # Q-Filters read from the folder the fixture's kvpress side read (benchmarks/qfilter_calibrate.py's, for SmolLM2)
     "qfilter": lambda k: QFilter(budget=k, weights_path=str(QFILTERS)),
+    # Expected Attention with the query statistics the fixture's kvpress side read (benchmarks/ea_stats_calibrate.py's)
+    "expected_attention_stats": lambda k: ExpectedAttentionStats(budget=k, weights_path=str(EA_STATS)),
     # KeyDiff's block-wise processing of the prompt, blocks of 128 (kvpress's BlockPress)
     "block_keydiff": lambda k: Block(inner=KeyDiff(decode=False), budget=k, block=128),
     # independent chunks of 256 tokens, each KeyDiff's on its own (kvpress's ChunkPress)
@@ -244,3 +248,11 @@ def test_qfilter_agrees_only_with_the_filters_sign_as_given(kept_by_evalkit, rat
     """The Q-Filters check can fail: with the filters' sign flipped, evalkit keeps other tokens than kvpress."""
     other = jaccards(kept_by_evalkit[f"qfilter~negated@{ratio}"], kvpress_kept(f"qfilter@{ratio}"))
     assert sum(other) / len(other) < 0.9, f"qfilter, negated: mean Jaccard {sum(other) / len(other):.4f}"
+
+
+@pytest.mark.parametrize("ratio", ["0.5", "0.75"])
+def test_expected_attention_stats_agrees_only_with_the_files_statistics(kept_by_evalkit, ratio):
+    """The check can fail: Expected Attention from the prompt's own statistics keeps another set than kvpress from the
+    file's."""
+    own = jaccards(kept_by_evalkit[f"expected_attention@{ratio}"], kvpress_kept(f"expected_attention_stats@{ratio}"))
+    assert sum(own) / len(own) < 0.97, f"the prompt's statistics: mean Jaccard {sum(own) / len(own):.4f}"
