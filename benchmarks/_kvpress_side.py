@@ -18,6 +18,7 @@ import json
 import sys
 
 import kvpress
+import numpy as np
 import torch
 import transformers
 from kvpress.presses.qfilter_press import QFilters
@@ -55,10 +56,25 @@ def qfilter_press(ratio: float, folder: str | None):
     return press
 
 
-def presses(ratio: float, qfilters: str | None = None, ea_stats: str | None = None) -> dict[str, tuple[object, str]]:
-    """name -> (press, attention implementation it needs); `qfilters`, `ea_stats`: the folders of the Q-Filters and
-    of Expected Attention's query statistics to use (a press needing one is left out without it)."""
+def lukv_press(ratio: float, curve: str | None):
+    """kvpress's LUKVPress over ExpectedAttentionPress(epsilon=2e-2) (its default) with the budget curve of the file
+    `curve`, instead of the one it downloads for the model's name when the press starts."""
+    if curve is None:
+        return None
+    press = kvpress.LUKVPress(press=kvpress.ExpectedAttentionPress(epsilon=2e-2), compression_ratio=ratio)
+    press._budget_curves = np.load(curve, allow_pickle=False)  # then post_init_from_model loads nothing
+    return press
+
+
+def presses(
+    ratio: float, qfilters: str | None = None, ea_stats: str | None = None, lukv_curve: str | None = None
+) -> dict[str, tuple[object, str]]:
+    """name -> (press, attention implementation it needs); `qfilters`, `ea_stats`, `lukv_curve`: the files of the
+    Q-Filters, Expected Attention's query statistics and LU-KV's curve to use (a press needing one is left out
+    without it)."""
     return {
+        # LU-KV's per-head budgets from a local curve (evalkit's, benchmarks/lukv_curve.py); kvpress masks the keys
+        "lukv_expected_attention": (lukv_press(ratio, lukv_curve), "sdpa"),
         # Expected Attention with the query statistics of a local folder (evalkit's, benchmarks/ea_stats_calibrate.py)
         "expected_attention_stats": (
             kvpress.ExpectedAttentionStatsPress(compression_ratio=ratio, stats_folder=ea_stats) if ea_stats else None,
@@ -191,6 +207,7 @@ def main() -> None:
     ap.add_argument(
         "--ea-stats", help="folder of Expected Attention's query statistics (ExpectedAttentionStats format)"
     )
+    ap.add_argument("--lukv-curve", help="LU-KV's budget curve, a .npy file (99, layers, KV heads)")
     args = ap.parse_args()
     torch.manual_seed(0)
     transformers.utils.logging.disable_progress_bar()
@@ -210,7 +227,7 @@ def main() -> None:
             full[impl] = prefill(model, ids)
         kept, held, worst = {}, {}, 0.0
         for ratio in args.ratios:
-            for name, (press, impl) in presses(ratio, args.qfilters, args.ea_stats).items():
+            for name, (press, impl) in presses(ratio, args.qfilters, args.ea_stats, args.lukv_curve).items():
                 if args.presses and name not in args.presses or press is None:
                     continue
                 model.set_attn_implementation(impl)

@@ -39,6 +39,8 @@ count as an integer budget. Pairs compared (kvpress press <-> evalkit policy):
     CapPress (defaults)                      <-> capkv (tau 5, 512 future positions, 4 sinks, epsilon 1e-6)
     QFilterPress (QFILTERS' filters)         <-> qfilter (weights_path: the same folder)
     ExpectedAttentionStatsPress (EA_STATS)   <-> expected_attention_stats (weights_path: the same folder)
+    LUKVPress(ExpectedAttentionPress(0.02))  <-> lukv(expected_attention) (epsilon 0.02, sink 4, window 1, the
+                                                 curve LUKV_CURVE; given the fractional budget 1 - ratio)
     CompactorPress (defaults)                <-> compactor (sinks 8 and 4, chunks of 256, blending = the ratio)
     BlockPress(KeyDiffPress), blocks of 128  <-> block(keydiff) (block 128)
     ChunkPress(KeyDiffPress), chunks of 256  <-> chunk(keydiff) (chunk 256)
@@ -98,6 +100,7 @@ from evalkit.policies.knorm import KNorm
 from evalkit.policies.kvzip import KVzip
 from evalkit.policies.lagkv import LagKV
 from evalkit.policies.leverage import LeverageScore
+from evalkit.policies.lukv import LUKV
 from evalkit.policies.non_causal import NonCausalAttention
 from evalkit.policies.per_layer import PerLayer
 from evalkit.policies.pyramidkv import PyramidKV
@@ -114,6 +117,7 @@ SIDE = Path(__file__).resolve().parent / "_kvpress_side.py"
 FIXTURE = ROOT / "tests" / "data" / "kvpress_smollm2_kept.json"
 QFILTERS = ROOT / "tests" / "data" / "qfilter_smollm2"  # benchmarks/qfilter_calibrate.py's filters for SmolLM2
 EA_STATS = ROOT / "tests" / "data" / "ea_stats_smollm2"  # benchmarks/ea_stats_calibrate.py's statistics for SmolLM2
+LUKV_CURVE = ROOT / "tests" / "data" / "lukv_smollm2.npy"  # benchmarks/lukv_curve.py's curve for SmolLM2
 RATIOS = (0.5, 0.75)  # kvpress compression_ratio: the fraction REMOVED; kept fractions 0.5 and 0.25
 LENGTHS = (800, 1800)  # context lengths asked of the needle task (prose haystack); the first is the fixture's
 WINDOW, KERNEL, BETA, SINKS = 32, 5, 20, 4
@@ -138,6 +142,7 @@ PAIRS = {
     "leverage": "leverage",
     "qfilter": "qfilter",
     "expected_attention_stats": "expected_attention_stats",
+    "lukv_expected_attention": "lukv(expected_attention)",
     "capkv": "capkv",
     "compactor": "compactor",
     "per_layer_snapkv": "per_layer(snapkv)",
@@ -220,6 +225,10 @@ def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) ->
         "capkv": CAPKV(budget=k),  # kvpress's defaults are its defaults
         "qfilter": QFilter(budget=k, weights_path=str(QFILTERS)),
         "expected_attention_stats": ExpectedAttentionStats(budget=k, weights_path=str(EA_STATS)),
+        # the curve's row is the budget's prune ratio: the fraction, not kvpress's floored count
+        "lukv(expected_attention)": LUKV(
+            inner=ExpectedAttention(epsilon=0.02), budget=1 - ratio, weights_path=str(LUKV_CURVE)
+        ),
         # kvpress blends by the compression ratio; evalkit's default, 1 - k / T, differs from it by kvpress's floor
         "compactor": Compactor(budget=k, blending=ratio),
         # epsilon is in the inner scores' units: evalkit's SnapKV sums over the window's queries and the group's query
@@ -254,16 +263,8 @@ def run_kvpress(python: str, model_dir: Path, prompts: list[dict], only: list[st
         src, dst = Path(tmp) / "in.json", Path(tmp) / "out.json"
         src.write_text(json.dumps({"prompts": [{"name": p["name"], "ids": p["ids"]} for p in prompts]}))
         cmd = [python, str(SIDE), "--model", str(model_dir), "--input", str(src), "--output", str(dst)]
-        cmd += [
-            "--ratios",
-            *map(str, RATIOS),
-            "--presses",
-            *only,
-            "--qfilters",
-            str(QFILTERS),
-            "--ea-stats",
-            str(EA_STATS),
-        ]
+        cmd += ["--ratios", *map(str, RATIOS), "--presses", *only]
+        cmd += ["--qfilters", str(QFILTERS), "--ea-stats", str(EA_STATS), "--lukv-curve", str(LUKV_CURVE)]
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": ""}
         subprocess.run(cmd, check=True, env=env)
         return json.loads(dst.read_text())
@@ -348,6 +349,14 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
             "non_causal_attn": {"policy": "non_causal_attn", "chunk": 256},
             "leverage": {"policy": "leverage", "sketch": 48, "jitter": 0.01, "seed": 0},
             "qfilter": {"policy": "qfilter", "weights_path": "tests/data/qfilter_smollm2"},
+            "lukv_expected_attention": {
+                "policy": "lukv",
+                "inner": {"name": "expected_attention", "epsilon": 0.02},
+                "sink": 4,
+                "window": 1,
+                "weights_path": "tests/data/lukv_smollm2.npy",
+                "budget": "1 - compression ratio, a fraction",
+            },
             "expected_attention_stats": {
                 "policy": "expected_attention_stats",
                 "weights_path": "tests/data/ea_stats_smollm2",

@@ -167,6 +167,7 @@ DUO_PATTERN = Path(__file__).parent / "data" / "duo_tiny_pattern.tsv"
 WEIGHTS_TINY = {
     "qfilter": Path(__file__).parent / "data" / "qfilter_tiny",
     "expected_attention_stats": Path(__file__).parent / "data" / "ea_stats_tiny",
+    "lukv": Path(__file__).parent / "data" / "lukv_tiny.npy",  # benchmarks/lukv_curve.py
 }
 
 

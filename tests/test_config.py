@@ -41,7 +41,7 @@ def test_every_policy_config_composes_and_instantiates(name):
     else:  # evalkit's build gives what Hydra's instantiate gives
         assert instantiate(cfg.policy, _convert_="all") == policy
     if name in WEIGHTS_TINY:  # its learned weights are the one required setting
-        with pytest.raises(ConfigError, match=f"{name} needs its .*: give policy.weights_path=DIR"):
+        with pytest.raises(ConfigError, match=f"{name} needs its .*: give policy.weights_path="):
             policy.validate(None)
         cfg.policy.weights_path = str(WEIGHTS_TINY[name])
         policy = build(cfg.policy, "policy")

@@ -43,6 +43,7 @@ from evalkit.policies.knorm import KNorm
 from evalkit.policies.kvzip import KVzip
 from evalkit.policies.lagkv import LagKV
 from evalkit.policies.leverage import LeverageScore
+from evalkit.policies.lukv import LUKV
 from evalkit.policies.non_causal import NonCausalAttention
 from evalkit.policies.per_layer import PerLayer
 from evalkit.policies.pyramidkv import PyramidKV
@@ -56,6 +57,7 @@ from tests.conftest import ROOT
 FIXTURE = json.loads((ROOT / "tests" / "data" / "kvpress_smollm2_kept.json").read_text())
 QFILTERS = ROOT / "tests" / "data" / "qfilter_smollm2"
 EA_STATS = ROOT / "tests" / "data" / "ea_stats_smollm2"
+LUKV_CURVE = ROOT / "tests" / "data" / "lukv_smollm2.npy"
 SNAP = {"window": 32, "kernel": 5, "pooling": "avg", "decode": False}
 # kvpress press -> the evalkit policy defined the same way, at kvpress's kept count k
 SAME = {
@@ -176,6 +178,10 @@ def kept_by_evalkit():
         pols[f"compactor@{ratio}"] = Compactor(budget=k, blending=float(ratio))
         pols[f"leverage~seed1@{ratio}"] = LeverageScore(budget=k, seed=1)  # another sketch
         pols[f"qfilter~negated@{ratio}"] = Negated(budget=k, weights_path=str(QFILTERS))  # the filters' sign flipped
+        # LU-KV's heads' shares from the curve the fixture's kvpress side read; its row is the budget's fraction
+        lukv = LUKV(inner=ExpectedAttention(epsilon=0.02), budget=1 - float(ratio), weights_path=str(LUKV_CURVE))
+        pols[f"lukv_expected_attention@{ratio}"] = lukv
+        pols[f"expected_attention~0.02@{ratio}"] = ExpectedAttention(budget=k, epsilon=0.02)  # every head its k
     for pol in pols.values():  # what a policy reads from the model (CriticalKV's output projections, the RoPE)
         pol.prepare(loaded.model, None)
     ids = torch.tensor([FIXTURE["ids"]])
@@ -197,7 +203,9 @@ def jaccards(ours, theirs) -> list[float]:
     return [len(a & b) / len(a | b) for la, lb in zip(ours, theirs, strict=True) for a, b in zip(la, lb, strict=True)]
 
 
-@pytest.mark.parametrize("key", [f"{p}@{r}" for p in [*SAME, "compactor"] for r in ("0.5", "0.75")])
+@pytest.mark.parametrize(
+    "key", [f"{p}@{r}" for p in [*SAME, "compactor", "lukv_expected_attention"] for r in ("0.5", "0.75")]
+)
 def test_evalkit_keeps_what_kvpress_keeps(kept_by_evalkit, key):
     ours, theirs = kept_by_evalkit[key], kvpress_kept(key)
     jaccard = jaccards(ours, theirs)
@@ -256,3 +264,12 @@ def test_expected_attention_stats_agrees_only_with_the_files_statistics(kept_by_
     file's."""
     own = jaccards(kept_by_evalkit[f"expected_attention@{ratio}"], kvpress_kept(f"expected_attention_stats@{ratio}"))
     assert sum(own) / len(own) < 0.97, f"the prompt's statistics: mean Jaccard {sum(own) / len(own):.4f}"
+
+
+@pytest.mark.parametrize("ratio", ["0.5", "0.75"])
+def test_lukv_agrees_only_with_the_curves_head_budgets(kept_by_evalkit, ratio):
+    """The check can fail: the same scorer keeping k in every head (no curve) keeps another set than LU-KV's."""
+    even = jaccards(
+        kept_by_evalkit[f"expected_attention~0.02@{ratio}"], kvpress_kept(f"lukv_expected_attention@{ratio}")
+    )
+    assert sum(even) / len(even) < 0.95, f"k in every head: mean Jaccard {sum(even) / len(even):.4f}"
