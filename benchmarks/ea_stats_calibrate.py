@@ -12,21 +12,16 @@ policy.weights_path=DIR`) and kvpress (`ExpectedAttentionStatsPress(stats_folder
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.qfilter_calibrate import contexts  # noqa: E402
-from evalkit.cli.spec import model_spec  # noqa: E402
-from evalkit.engine import models  # noqa: E402
+from benchmarks.calibration import load, parser  # noqa: E402
 from evalkit.engine.engine import prefill  # noqa: E402
 from evalkit.policies.expected_attention import ExpectedAttention, QueryStats  # noqa: E402
 
@@ -52,15 +47,10 @@ def statistics(model, prompts: list[torch.Tensor], n_sink: int) -> tuple[torch.T
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="smollm2-135m", help="a conf/model name")
-    ap.add_argument("--out", required=True, help="folder to write model.safetensors and config.json into")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024])
-    ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.9])
+    ap = parser(__doc__, "folder to write model.safetensors and config.json into")
     ap.add_argument("--n-sink", type=int, default=4)
     args = ap.parse_args()
-    loaded = models.load(model_spec(OmegaConf.load(ROOT / "conf" / "model" / f"{args.model}.yaml")), "cpu")
-    prompts = contexts(loaded.tokenizer, args.lengths, args.depths)
+    loaded, prompts = load(args)
     mean, cov = statistics(loaded.model, prompts, args.n_sink)
     cfg = loaded.model.config.get_text_config()
     if mean.shape[0] != cfg.num_hidden_layers:

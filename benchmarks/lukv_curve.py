@@ -13,21 +13,16 @@ curves (numpy, (99, layers, KV heads), float32), for evalkit and kvpress's LUKVP
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.qfilter_calibrate import contexts  # noqa: E402
-from evalkit.cli.spec import model_spec  # noqa: E402
-from evalkit.engine import models  # noqa: E402
+from benchmarks.calibration import load, parser  # noqa: E402
 from evalkit.engine.engine import prefill  # noqa: E402
 from evalkit.policies import LayerView  # noqa: E402
 from evalkit.policies.expected_attention import ExpectedAttention  # noqa: E402
@@ -57,15 +52,9 @@ def pruned_shares(model, ids: torch.Tensor, scorer: ExpectedAttention) -> torch.
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="smollm2-135m", help="a conf/model name")
-    ap.add_argument("--out", required=True, help="the .npy file to write")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024])
-    ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.9])
-    args = ap.parse_args()
-    loaded = models.load(model_spec(OmegaConf.load(ROOT / "conf" / "model" / f"{args.model}.yaml")), "cpu")
+    args = parser(__doc__, "the .npy file to write").parse_args()
+    loaded, prompts = load(args)
     scorer = ExpectedAttention(epsilon=0.02)
-    prompts = contexts(loaded.tokenizer, args.lengths, args.depths)
     curve = sum(pruned_shares(loaded.model, ids, scorer) for ids in prompts) / len(prompts)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -11,26 +11,20 @@ saves them (`model.safetensors` with `q_filters` (layers, KV heads, head dim), a
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.calibration import load, parser  # noqa: E402
 from evalkit.attention.observation import Attended, Observation  # noqa: E402
-from evalkit.cli.spec import model_spec  # noqa: E402
-from evalkit.engine import models  # noqa: E402
 from evalkit.engine.engine import prefill  # noqa: E402
 from evalkit.policies import KVPolicy  # noqa: E402
-from evalkit.tasks.needle import NeedleTask  # noqa: E402
-from evalkit.tasks.prompt import build_prompt  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -69,19 +63,9 @@ def filters(moments: dict[int, tuple[torch.Tensor, torch.Tensor]], n_kv: int) ->
     return torch.stack(out).float()
 
 
-def contexts(tokenizer, lengths: list[int], depths: list[float]) -> list[torch.Tensor]:
-    """The calibration prompts: the context ids (1, n) of evalkit's needle prompts over the prose haystack."""
-    task = NeedleTask(context_lengths=lengths, depths=depths, haystack="prose", samples_per_cell=1)
-    out = []
-    for sample in task.samples(tokenizer):
-        prompt = build_prompt(tokenizer, sample)
-        out.append(prompt.ids[:, : prompt.n_context])
-    return out
-
-
-def calibrate(model, tokenizer, lengths: list[int], depths: list[float]) -> torch.Tensor:
+def calibrate(model, prompts: list[torch.Tensor]) -> torch.Tensor:
     sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for ids in contexts(tokenizer, lengths, depths):
+    for ids in prompts:
         _, obs = prefill(model, ids.to(model.device), [Calibration()])
         for layer, values in obs.items():
             total, gram = values[QueryMoments()]
@@ -97,14 +81,9 @@ def calibrate(model, tokenizer, lengths: list[int], depths: list[float]) -> torc
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="smollm2-135m", help="a conf/model name")
-    ap.add_argument("--out", required=True, help="folder to write model.safetensors and config.json into")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024])
-    ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.9])
-    args = ap.parse_args()
-    loaded = models.load(model_spec(OmegaConf.load(ROOT / "conf" / "model" / f"{args.model}.yaml")), "cpu")
-    q = calibrate(loaded.model, loaded.tokenizer, args.lengths, args.depths)
+    args = parser(__doc__, "folder to write model.safetensors and config.json into").parse_args()
+    loaded, prompts = load(args)
+    q = calibrate(loaded.model, prompts)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     save_file({"q_filters": q.contiguous()}, str(out / "model.safetensors"))

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from evalkit.errors import ConfigError
 from evalkit.policies import LayerView, padded_indices
-from evalkit.policies.adakv import shared_out
+from evalkit.policies.adakv import AdaKV, shared_out
 from evalkit.policies.critical import CriticalKV, output_norms
 
 
@@ -35,8 +35,7 @@ class CriticalAdaKV(CriticalKV):
     ragged: ClassVar[bool] = True
     wrappable: ClassVar[bool] = False  # its choice is its selection, not a score a wrapper could use
 
-    def over(self, view: LayerView, k: int) -> bool:
-        return int(view.real.sum(dim=(1, 2)).max()) > k * view.keys.shape[1]
+    over = AdaKV.over  # the layer's k x Hkv over its heads
 
     def select(self, view: LayerView, k: int) -> Tensor:
         """(B, Hkv, kmax) ascending indices each head keeps, padded with -1 after its last."""

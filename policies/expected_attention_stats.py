@@ -18,16 +18,12 @@ are recorded in run.json under `prepared`.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
-
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from evalkit.errors import ConfigError
 from evalkit.policies import LayerView
 from evalkit.policies.expected_attention import ExpectedAttention, Stats, rope
-from evalkit.policies.qfilter import weights_file
+from evalkit.policies.weights import check_shape, head_dim, read_tensors, recorded, weights_file
 
 FETCH = (
     "huggingface-cli download alessiodevoto/exp_att_stats_<model>_kmfoda_booksum_100_1000_4 --local-dir DIR, or "
@@ -46,24 +42,16 @@ class ExpectedAttentionStats(ExpectedAttention):
         return ()  # the statistics are the file's
 
     def prepare(self, model, probes) -> dict:
-        path = weights_file(self.weights_path)
-        try:
-            tensors = load_file(str(path))
-            mean, cov = tensors["query_mean"], tensors["query_cov"]
-        except (SafetensorError, KeyError, OSError) as err:
-            what = f"policy.weights_path={self.weights_path}"
-            raise ConfigError(f"{what}: not an Expected Attention statistics file ({err}); {FETCH}") from None
+        what = "an Expected Attention statistics file"
+        tensors = read_tensors(self.weights_path, ("query_mean", "query_cov"), what, FETCH)
+        mean, cov = tensors["query_mean"], tensors["query_cov"]
         cfg = model.config.get_text_config()
-        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        want = (cfg.num_hidden_layers, cfg.num_attention_heads, d)
-        if tuple(mean.shape) != want or tuple(cov.shape) != (*want, d):
-            raise ConfigError(
-                f"policy.weights_path={self.weights_path}: statistics of shape {tuple(mean.shape)}, the model needs "
-                f"(layers, query heads, head dim) = {want}: they are another model's; {FETCH}"
-            )
+        want = (cfg.num_hidden_layers, cfg.num_attention_heads, head_dim(cfg))
+        check_shape(self.weights_path, "statistics", mean.shape, want, "layers, query heads, head dim", FETCH)
+        check_shape(self.weights_path, "covariances", cov.shape, (*want, want[-1]), "... head dim, head dim", FETCH)
         inv_freq, scaling = rope(model)
         self.stats = (mean.to(model.device).float(), cov.to(model.device).float(), inv_freq, float(scaling))
-        return {"weights_path": str(path.resolve()), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+        return recorded(weights_file(self.weights_path))
 
     def statistics(self, view: LayerView) -> Stats:
         if not hasattr(self, "stats"):

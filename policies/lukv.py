@@ -17,7 +17,6 @@ run.json under `prepared`.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from torch import Tensor
 
 from evalkit.errors import ConfigError
 from evalkit.policies import LayerView, Wrapper, checked_scores, padded_indices
+from evalkit.policies.weights import check_shape, recorded
 
 FETCH = "LU-KV's curve_data/*.npy (github.com/baidu-baige/LU-KV), or python benchmarks/lukv_curve.py --out FILE"
 
@@ -69,11 +69,7 @@ class LUKV(Wrapper):
             raise ConfigError(f"policy.weights_path={self.weights_path}: not a numpy curve ({err}); {FETCH}") from None
         cfg = model.config.get_text_config()
         want = (99, cfg.num_hidden_layers, cfg.num_key_value_heads)
-        if curve.shape != want:
-            raise ConfigError(
-                f"policy.weights_path={self.weights_path}: a curve of shape {curve.shape}, the model needs (99 prune "
-                f"ratios, layers, KV heads) = {want}: it is another model's; {FETCH}"
-            )
+        check_shape(self.weights_path, "a curve", curve.shape, want, "99 prune ratios, layers, KV heads", FETCH)
         kept = 1 - curve.mean(axis=(1, 2))
         worst = int(np.argmax(kept - (1 - np.arange(1, 100) / 100)))
         if kept[worst] > 1 - (worst + 1) / 100 + 1e-3:
@@ -83,11 +79,7 @@ class LUKV(Wrapper):
             )
         self.curve = torch.as_tensor(curve, dtype=torch.float32)  # not a field: not recorded, not compared
         prepared = self.inner.prepare(model, probes) or {}
-        return {
-            **prepared,
-            "weights_path": str(path.resolve()),
-            "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-        }
+        return {**prepared, **recorded(path)}
 
     def curve_file(self) -> Path:
         path = Path(self.weights_path).expanduser()

@@ -18,27 +18,15 @@ are recorded in run.json under `prepared`.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
-from pathlib import Path
 
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 from torch import Tensor
 
 from evalkit.errors import ConfigError
 from evalkit.policies import KVPolicy, LayerView
+from evalkit.policies.weights import check_shape, head_dim, read_tensors, recorded, weights_file
 
 FETCH = "huggingface-cli download nthngdy/<model>_qfilt --local-dir DIR, or python benchmarks/qfilter_calibrate.py"
-
-
-def weights_file(path: str) -> Path:
-    """The safetensors file `path` names: itself, or model.safetensors in the folder; a ConfigError if there is none."""
-    p = Path(path).expanduser()
-    p = p / "model.safetensors" if p.is_dir() else p
-    if not p.is_file():
-        raise ConfigError(f"policy.weights_path={path}: no such file (model.safetensors in a folder, or the file)")
-    return p
 
 
 @dataclass(kw_only=True)
@@ -50,22 +38,12 @@ class QFilter(KVPolicy):
     decode: bool = False  # kvpress's QFilterPress scores the prompt; its scores need only the keys (decode=true works)
 
     def prepare(self, model, probes) -> dict:
-        path = weights_file(self.weights_path)
-        try:
-            filters = load_file(str(path))["q_filters"]
-        except (SafetensorError, KeyError, OSError) as err:
-            what = f"policy.weights_path={self.weights_path}"
-            raise ConfigError(f"{what}: not a Q-Filters file ({err}); {FETCH}") from None
+        filters = read_tensors(self.weights_path, ("q_filters",), "a Q-Filters file", FETCH)["q_filters"]
         cfg = model.config.get_text_config()
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        want = (cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
-        if tuple(filters.shape) != want:
-            raise ConfigError(
-                f"policy.weights_path={self.weights_path}: filters of shape {tuple(filters.shape)}, the model needs "
-                f"(layers, KV heads, head dim) = {want}: they are another model's; {FETCH}"
-            )
+        want = (cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim(cfg))
+        check_shape(self.weights_path, "filters", filters.shape, want, "layers, KV heads, head dim", FETCH)
         self.filters = filters.to(model.device)  # not a field: not recorded, not compared
-        return {"weights_path": str(path.resolve()), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+        return recorded(weights_file(self.weights_path))
 
     def score(self, view: LayerView) -> Tensor:
         if not hasattr(self, "filters"):
