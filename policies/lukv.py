@@ -87,16 +87,21 @@ class LUKV(Wrapper):
             raise ConfigError(f"policy.weights_path={self.weights_path}: no such file ({FETCH})")
         return path
 
-    def row(self, seen: int) -> int:
+    def row(self, seen: int) -> int | None:
         """The curve's row: the prune ratio (1 - the budget's fraction, or 1 - tokens / seen) in whole percents,
-        rounded up, less one."""
+        rounded up, less one; None when the budget keeps every token (kvpress: a ratio of 0 compresses nothing)."""
         kept = self.budget if isinstance(self.budget, float) else min(seen, self.budget) / seen
-        return max(0, min(98, math.ceil(round((1 - kept) * 100, 6)) - 1))
+        pruned = math.ceil(round((1 - kept) * 100, 6))
+        return None if pruned <= 0 else min(98, pruned - 1)
 
     def counts(self, layer_idx: int, seen: int) -> Tensor:
+        """(Hkv,) the tokens each KV head of the layer keeps of `seen`."""
         if not hasattr(self, "curve"):
             raise ValueError(f"{self.name}: the curve was not read (prepare() was not called)")
-        return head_counts(1 - self.curve[self.row(seen), layer_idx], seen)
+        row = self.row(seen)
+        if row is None:
+            return torch.full((self.curve.shape[2],), seen, dtype=torch.long)
+        return head_counts(1 - self.curve[row, layer_idx], seen)
 
     def keep_per_layer(self, seen: int, n_layers: int) -> list[int]:
         """Per layer, its heads' total over their number, rounded up (a ragged layer holds at most k x Hkv)."""

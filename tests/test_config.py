@@ -37,7 +37,8 @@ def test_every_policy_config_composes_and_instantiates(name):
     # one name: file, class `name`, records; a wrapper records the policy it wraps, chunkkv(snapkv)
     assert isinstance(policy, KVPolicy) and policy.name.split("(")[0] == name
     if wrapped_fields(type(policy)):  # a wrapper holds a policy object, which the command line builds from its name
-        assert isinstance(policy.inner, KVPolicy) and policy.inner.name == cfg.policy.inner
+        inner = cfg.policy.inner if isinstance(cfg.policy.inner, str) else cfg.policy.inner.name  # or its mapping
+        assert isinstance(policy.inner, KVPolicy) and policy.inner.name == inner
     else:  # evalkit's build gives what Hydra's instantiate gives
         assert instantiate(cfg.policy, _convert_="all") == policy
     if name in WEIGHTS_TINY:  # its learned weights are the one required setting
