@@ -56,6 +56,11 @@ def qfilter_press(ratio: float, folder: str | None):
     return press
 
 
+def snapkv(ratio: float):
+    """SnapKVPress with the window and kernel every SnapKV pair uses (evalkit's SnapKV is given the same)."""
+    return kvpress.SnapKVPress(compression_ratio=ratio, window_size=WINDOW, kernel_size=KERNEL)
+
+
 def lukv_press(ratio: float, curve: str | None):
     """kvpress's LUKVPress over ExpectedAttentionPress(epsilon=2e-2) (its default) with the budget curve of the file
     `curve`, instead of the one it downloads for the model's name when the press starts."""
@@ -84,7 +89,7 @@ def presses(
         "qfilter": (qfilter_press(ratio, qfilters), "sdpa"),
         "streaming_llm": (kvpress.StreamingLLMPress(compression_ratio=ratio, n_sink=SINKS), "sdpa"),
         "knorm": (kvpress.KnormPress(compression_ratio=ratio), "sdpa"),
-        "snapkv": (kvpress.SnapKVPress(compression_ratio=ratio, window_size=WINDOW, kernel_size=KERNEL), "sdpa"),
+        "snapkv": (snapkv(ratio), "sdpa"),
         "pyramidkv": (
             kvpress.PyramidKVPress(compression_ratio=ratio, window_size=WINDOW, kernel_size=KERNEL, beta=BETA),
             "sdpa",
@@ -113,26 +118,11 @@ def presses(
         # independent chunks of 256 tokens, each compressed by KeyDiff on its own
         "chunk_keydiff": (kvpress.ChunkPress(kvpress.KeyDiffPress(compression_ratio=ratio), chunk_length=256), "sdpa"),
         # CriticalKV's two stages over SnapKV (first stage half the budget, epsilon 1e-4: kvpress's defaults)
-        "criticalkv_snapkv": (
-            kvpress.CriticalKVPress(
-                kvpress.SnapKVPress(compression_ratio=ratio, window_size=WINDOW, kernel_size=KERNEL)
-            ),
-            "sdpa",
-        ),
+        "criticalkv_snapkv": (kvpress.CriticalKVPress(snapkv(ratio)), "sdpa"),
         # the same two stages within AdaKV's head budgets (alpha_safeguard 0.2); kvpress masks the evicted keys
-        "criticaladakv_snapkv": (
-            kvpress.CriticalAdaKVPress(
-                kvpress.SnapKVPress(compression_ratio=ratio, window_size=WINDOW, kernel_size=KERNEL)
-            ),
-            "sdpa",
-        ),
+        "criticaladakv_snapkv": (kvpress.CriticalAdaKVPress(snapkv(ratio)), "sdpa"),
         # ChunkKV gated by each chunk's score entropy, chunks of 10, spiky chunks cut to 4 (its defaults), over SnapKV
-        "entropy_chunkkv_snapkv": (
-            kvpress.EntropyGatedChunkKVPress(
-                kvpress.SnapKVPress(compression_ratio=ratio, window_size=WINDOW, kernel_size=KERNEL)
-            ),
-            "sdpa",
-        ),
+        "entropy_chunkkv_snapkv": (kvpress.EntropyGatedChunkKVPress(snapkv(ratio)), "sdpa"),
         # CAPKV at its defaults (tau 5, 512 future positions, 4 sinks, epsilon 1e-6)
         "capkv": (kvpress.CapPress(compression_ratio=ratio), "sdpa"),
         "lagkv": (kvpress.LagKVPress(compression_ratio=ratio), "sdpa"),
@@ -144,10 +134,7 @@ def presses(
         "leverage": (kvpress.LeverageScorePress(compression_ratio=ratio), "sdpa"),
         "compactor": (kvpress.CompactorPress(compression_ratio=ratio), "sdpa"),
         # head-adaptive: kvpress keeps every key and masks the evicted ones (module.masked_key_indices)
-        "adakv_snapkv": (
-            kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=ratio, window_size=WINDOW, kernel_size=KERNEL)),
-            "sdpa",
-        ),
+        "adakv_snapkv": (kvpress.AdaKVPress(snapkv(ratio)), "sdpa"),
     }
 
 

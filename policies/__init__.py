@@ -315,6 +315,14 @@ def kept_protected(policy: KVPolicy, view: LayerView, k: int) -> Tensor | None:
     return protected
 
 
+def best_per_head(scores: Tensor, counts: Tensor) -> Tensor:
+    """(B, Hkv, T) bool: True on each head's `counts` highest scores, `counts` (B, Hkv) or broadcastable to it (ties:
+    the earlier token); the choice of a policy whose heads keep different counts."""
+    ranked = (torch.arange(scores.shape[-1], device=scores.device) < counts[..., None]).expand(scores.shape)
+    kept = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    return kept.scatter(-1, scores.argsort(dim=-1, descending=True, stable=True), ranked)
+
+
 def padded_indices(kept: Tensor) -> Tensor:
     """(B, Hkv, kmax) ascending indices of the True slots of `kept` (B, Hkv, T) in each head, padded with -1 after a
     head's last: what a ragged policy's `select` returns when heads keep different counts."""

@@ -68,6 +68,10 @@ class AdaKV(Wrapper):
         return padded_indices(shared_out(self, view, k)[1])
 
     def check_params(self) -> None:
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ConfigError(f"policy.alpha={self.alpha}: the per-head floor is a fraction in [0, 1], e.g. 0.2")
+        check_alpha(self.alpha)
         super().check_params()
+
+
+def check_alpha(alpha: float) -> None:
+    if not 0.0 <= alpha <= 1.0:
+        raise ConfigError(f"policy.alpha={alpha}: the per-head floor is a fraction in [0, 1], e.g. 0.2")

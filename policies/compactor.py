@@ -22,7 +22,7 @@ from torch import Tensor
 from evalkit.errors import ConfigError
 from evalkit.policies import KVPolicy, LayerView
 from evalkit.policies.leverage import Rotary, check_sketch, leverage, sketch_matrix, z_scored
-from evalkit.policies.non_causal import ChunkAttention
+from evalkit.policies.non_causal import ChunkAttention, by_value
 
 
 @dataclass(kw_only=True)
@@ -62,7 +62,7 @@ class Compactor(Rotary, KVPolicy):
         b, h, _, d = keys.shape
         lev = leverage(keys, sketch_matrix((b, h, d, self.sketch), self.seed + view.layer_idx, keys), self.jitter)
         received = view.observed(ChunkAttention(self.chunk, (self.sink_start, self.sink_end)))
-        attn = F.avg_pool1d(received * view.values[:, :, lo:hi].float().norm(dim=-1), 3, stride=1, padding=1)
+        attn = by_value(received, view.values[:, :, lo:hi])
         blending = 1 - min(view.seen, self.asked(view.seen)) / view.seen if self.blending is None else self.blending
         middle = blending * z_scored(lev) + z_scored(attn)
         return F.pad(middle, (lo, t - hi), value=float(middle.max()))  # the sinks: protected anyway

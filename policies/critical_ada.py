@@ -14,12 +14,10 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
 from torch import Tensor
 
-from evalkit.errors import ConfigError
-from evalkit.policies import LayerView, padded_indices
-from evalkit.policies.adakv import AdaKV, shared_out
+from evalkit.policies import LayerView, best_per_head, padded_indices
+from evalkit.policies.adakv import AdaKV, check_alpha, shared_out
 from evalkit.policies.critical import CriticalKV, output_norms
 
 
@@ -44,17 +42,12 @@ class CriticalAdaKV(CriticalKV):
         scores, shares = shared_out(self, view, k)  # floor and protected tokens at +inf
         budgets = shares.sum(dim=-1)  # (B, Hkv) each head's share b_h
         norms = output_norms(view.values.float(), self.w_o[view.layer_idx], self.n_heads)
-        weighted = ((scores + self.epsilon) * norms).masked_fill(scores == math.inf, math.inf)
-        order = scores.argsort(dim=-1, descending=True, stable=True)  # the first stage: each head's best b_h x share
-        first = torch.arange(scores.shape[-1], device=scores.device) < (budgets * self.first_stage).long()[..., None]
-        weighted = weighted.scatter(-1, order, weighted.gather(-1, order).masked_fill(first, math.inf))
+        first = best_per_head(scores, (budgets * self.first_stage).long())  # the first stage: b_h x first_stage
+        weighted = ((scores + self.epsilon) * norms).masked_fill(first | (scores == math.inf), math.inf)
         if view.valid is not None:
             weighted = weighted.masked_fill(~view.valid, -math.inf)
-        ranked = torch.arange(scores.shape[-1], device=scores.device) < budgets[..., None]  # each head's best b_h
-        kept = torch.zeros_like(shares).scatter(-1, weighted.argsort(dim=-1, descending=True, stable=True), ranked)
-        return padded_indices(kept)
+        return padded_indices(best_per_head(weighted, budgets))
 
     def check_params(self) -> None:
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ConfigError(f"policy.alpha={self.alpha}: the per-head floor is a fraction in [0, 1], e.g. 0.2")
+        check_alpha(self.alpha)
         super().check_params()

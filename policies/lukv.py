@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from evalkit.errors import ConfigError
-from evalkit.policies import LayerView, Wrapper, checked_scores, padded_indices
+from evalkit.policies import KVPolicy, LayerView, Wrapper, best_per_head, checked_scores, padded_indices
 from evalkit.policies.weights import check_shape, recorded
 
 FETCH = "LU-KV's curve_data/*.npy (github.com/baidu-baige/LU-KV), or python benchmarks/lukv_curve.py --out FILE"
@@ -107,8 +107,7 @@ class LUKV(Wrapper):
         """Per layer, its heads' total over their number, rounded up (a ragged layer holds at most k x Hkv)."""
         return [math.ceil(int(self.counts(i, seen).sum()) / self.curve.shape[2]) for i in range(n_layers)]
 
-    def target(self, seen: int) -> int:
-        return self.held(self.asked(seen), seen)
+    target = KVPolicy.target  # the budget's own rule (the layers' shares are keep_per_layer's), not the inner's
 
     def over(self, view: LayerView, k: int) -> bool:
         return int(view.real.sum(dim=(1, 2)).max()) > int(self.counts(view.layer_idx, view.seen).sum())
@@ -123,10 +122,7 @@ class LUKV(Wrapper):
 
     def select(self, view: LayerView, k: int) -> Tensor:
         scores = checked_scores(self.inner, self.inner.score(view), view).masked_fill(self.protected(view, k), math.inf)
-        counts = self.counts(view.layer_idx, view.seen).to(scores.device)  # (Hkv,)
-        order = scores.argsort(dim=-1, descending=True, stable=True)
-        ranked = torch.arange(scores.shape[-1], device=scores.device) < counts[None, :, None]
-        return padded_indices(torch.zeros_like(ranked).scatter(-1, order, ranked))
+        return padded_indices(best_per_head(scores, self.counts(view.layer_idx, view.seen).to(scores.device)))
 
     def check_params(self) -> None:
         if self.sink < 0 or self.window < 0:

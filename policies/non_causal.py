@@ -66,6 +66,12 @@ class ChunkAttention(Observation):
         return sums.view(b, at.key.shape[1], hq // at.key.shape[1], s).mean(dim=2)
 
 
+def by_value(received: Tensor, values: Tensor) -> Tensor:
+    """(B, Hkv, S) the attention each token received times its value norm, average-pooled over 3 tokens (the zero
+    padding at the ends counted): the non-causal attention term, for values (B, Hkv, S, D) of the same tokens."""
+    return F.avg_pool1d(received * values.float().norm(dim=-1), kernel_size=3, stride=1, padding=1)
+
+
 @dataclass(kw_only=True)
 class NonCausalAttention(KVPolicy):
     """Per KV head: top-k by non-causal chunked attention received, times the value norm, pooled over 3 tokens."""
@@ -81,9 +87,7 @@ class NonCausalAttention(KVPolicy):
         return (ChunkAttention(self.chunk),)
 
     def score(self, view: LayerView) -> Tensor:
-        received = view.observed(ChunkAttention(self.chunk))  # (B, Hkv, S)
-        scores = received * view.values.float().norm(dim=-1)
-        return F.avg_pool1d(scores, kernel_size=3, stride=1, padding=1)
+        return by_value(view.observed(ChunkAttention(self.chunk)), view.values)
 
     def check_params(self) -> None:
         if self.chunk < 1:
