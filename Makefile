@@ -26,10 +26,11 @@ install: $(VENV)/.installed
 demo: install
 	$(BIN)/python -m evalkit policy=h2o task=needle resume=true
 
-# one worker per core (pytest-xdist), a test file's tests in one worker (its module fixtures built once);
+# one worker per core (pytest-xdist), a test file's tests in one worker (its module fixtures built once), the files
+# handed out longest first (tests/conftest.py, LONGEST_FIRST; xdist would reorder them by their number of tests);
 # --durations: the slowest tests, so that a slow one is seen when it lands
 test: install
-	$(BIN)/python -m pytest -q -n auto --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=15
 
 lint: install
 	$(BIN)/ruff check evalkit policies kernels tests benchmarks

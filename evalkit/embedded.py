@@ -20,9 +20,14 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
+def user_cache() -> Path:
+    """evalkit's cache folder: EVALKIT_CACHE, or the user cache directory."""
+    return Path(os.environ.get("EVALKIT_CACHE") or user_cache_dir("evalkit"))
+
+
 def cache_root() -> Path:
-    """Where converted models are cached; EVALKIT_CACHE overrides the user cache directory."""
-    return Path(os.environ.get("EVALKIT_CACHE") or user_cache_dir("evalkit")) / "models"
+    """Where converted models are cached."""
+    return user_cache() / "models"
 
 
 def converted_folder(model: ModelSpec) -> Path:

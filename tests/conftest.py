@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
+import importlib.util
 import io
 import json
 import logging
@@ -12,7 +15,8 @@ import signal
 import time
 from fractions import Fraction
 
-# Triton reads this when it is first imported: run its kernels on the CPU (the interpreter) throughout the tests.
+# Triton reads this when a kernel is defined: its kernels are defined for the CPU (the interpreter) once, as this
+# process imports them below, and run there in the files that test them (TRITON_FILES, triton_where_tested).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # `make test` runs the tests in one worker process per core (pytest-xdist): each worker, and every process it starts,
 # computes on one thread, so that the workers do not fight over the cores.
@@ -36,6 +40,10 @@ from evalkit.engine.engine import prefill, reconstruction
 from evalkit.kv.cache import compress
 from evalkit.records import SAMPLES, read_rows
 
+if importlib.util.find_spec("triton") is not None:  # the Triton kernels, defined while TRITON_INTERPRET=1
+    import evalkit.kernels.attention_mass  # noqa: F401
+    import evalkit.kernels.quant  # noqa: F401
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
@@ -45,7 +53,47 @@ ROOT = Path(__file__).resolve().parent.parent
 COMMAND_ENV = {"TOKENIZERS_PARALLELISM": "false", "TRITON_INTERPRET": "0"}
 
 
+# The test files that take longest, longest first (`--durations=0` on the 2-core machine, 2026-12-03). `make test`
+# hands whole files to its workers in collection order (--dist loadfile --no-loadscope-reorder): the long files start
+# first and the short ones fill in after, so that the workers finish together rather than one waiting on the other's
+# last long file. Within a file, and among the files not listed, the order stays as collected.
+LONGEST_FIRST = (
+    "test_backend_engines.py", "test_launchers.py", "test_lmeval.py", "test_report_browser.py", "test_resume.py",
+    "test_loop.py", "test_plan.py", "test_docs.py", "test_quantized.py", "test_decode_batch.py",
+    "test_run_integrity.py", "test_reliability.py", "test_kernels.py", "test_cache_invariants.py",
+    "test_real_model.py", "test_config.py", "test_report_groups.py", "test_peer_kvpress.py", "test_qfilter.py",
+    "test_bad_input.py", "test_report_page.py", "test_custom_policy.py", "test_looks.py", "test_packaging.py",
+    "test_chunked.py", "test_wandb.py",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+# The files whose subject is a Triton kernel run it interpreted on the CPU; every other test runs quantized KV through
+# the PyTorch references, as a command does on a user's CPU (COMMAND_ENV): the interpreter is ten times slower.
+TRITON_FILES = ("test_kernels.py", "test_quantized.py", "test_attention_mass_kernel.py")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def triton_where_tested(request):
+    with pytest.MonkeyPatch.context() as patch:
+        if request.path.name not in TRITON_FILES:
+            patch.setenv("TRITON_INTERPRET", "0")
+        yield
+
+
 def compose_config(*overrides: str) -> DictConfig:
+    """evalkit's config composed with `overrides`, as the command line composes it: a copy of the one composed once per
+    set of overrides in this process (Hydra takes 0.3 s to compose; the tests compose the same policies hundreds of
+    times)."""
+    return copy.deepcopy(_composed(overrides))
+
+
+@functools.cache
+def _composed(overrides: tuple[str, ...]) -> DictConfig:
     with initialize_config_module(config_module="evalkit.conf", version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
 

@@ -163,12 +163,10 @@ def test_unknown_model_args_and_models_are_refused(tiny):
         CommandLineLM(model="tiny-random", varient="snapkv@0.5")
     with pytest.raises(ConfigError, match=r"--model_args model='smolm2': unknown model \(did you mean smollm2-135m"):
         model_config("smolm2")
-    from lm_eval.tasks import TaskManager
-
     from evalkit.lmeval.evaluate import load_tasks
-    from evalkit.tasks.lmeval_index import task_dir
+    from evalkit.tasks.lmeval_index import task_manager
 
-    manager = TaskManager(include_path=str(task_dir()))
+    manager = task_manager(["evalkit_recall"])
     tasks = manager.load(load_tasks(manager, ["evalkit_recall"]))["tasks"]
     with pytest.raises(ConfigError, match=r"^--model_args metric='bogus': lm-eval task 'evalkit_recall' logs"):
         choose_metrics(tasks, "bogus", "--model_args metric")

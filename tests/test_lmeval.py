@@ -26,6 +26,7 @@ from evalkit.lmeval import evaluate as lm_evaluate  # noqa: E402
 from evalkit.lmeval import metrics as lm_metrics  # noqa: E402
 from evalkit.lmeval import model as lm_model  # noqa: E402
 from evalkit.records import read_rows  # noqa: E402
+from evalkit.tasks import lmeval_index  # noqa: E402
 from evalkit.tasks.lmeval_index import task_manager  # noqa: E402
 from evalkit.tasks.prompt import Prompt  # noqa: E402
 from tests.conftest import ROOT, run_cli  # noqa: E402
@@ -248,7 +249,12 @@ def test_simple_evaluate_scores_variant_and_replayed_baseline(tiny):
     from lm_eval import simple_evaluate
 
     lm = lm_for(tiny, "none@1.0")
-    kwargs = {"tasks": ["evalkit_recall"], "task_manager": task_manager(), "limit": 3, "bootstrap_iters": 0}
+    kwargs = {
+        "tasks": ["evalkit_recall"],
+        "task_manager": task_manager(["evalkit_recall"]),
+        "limit": 3,
+        "bootstrap_iters": 0,
+    }
     run = simple_evaluate(model=lm, **kwargs)
     base = simple_evaluate(model=lm.baseline(), **kwargs)
     assert run["results"]["evalkit_recall"]["acc,none"] == base["results"]["evalkit_recall"]["acc,none"]
@@ -535,3 +541,59 @@ def test_ruler_documents_are_the_ones_lm_eval_builds(ruler_512):
     stock = manager.load(["niah_single_1"])["tasks"]["niah_single_1"]
     assert [d["outputs"] for d in ours.eval_docs][:20] == [d["outputs"] for d in stock.eval_docs][:20]
     assert [d["input"] for d in ours.eval_docs][:5] == [d["input"] for d in stock.eval_docs][:5]
+
+
+# --- the task index: only the folders a name needs --------------------------------------------------------------
+
+
+def _entry(kind: str, tags=(), task=None):
+    return SimpleNamespace(
+        kind=SimpleNamespace(name=kind), tags=set(tags), cfg=None if task is None else {"task": task}
+    )
+
+
+def test_each_name_needs_its_first_definitions_folder_and_its_members_by_hand():
+    """Four folders in lm-eval's order: a task defined twice is a's (lm-eval keeps the first); a group needs its
+    members' folders; a tag set in two folders, or a group reaching a name defined in two of its folders, needs the
+    full index (None), since lm-eval indexing folders apart lets a later folder's definition win."""
+    indexes = {
+        "a": {
+            "t1": _entry("TASK", ["x"]),
+            "x": _entry("TAG", ["t1"]),
+            "g1": _entry("GROUP", task=["t1", {"task": "t3"}]),
+        },
+        "b": {"t2": _entry("TASK", ["x"]), "x": _entry("TAG", ["t2"]), "t4": _entry("TASK")},
+        "c": {"t3": _entry("TASK"), "t1": _entry("TASK"), "g2": _entry("GROUP", task=["t4"])},
+        "d": {"g3": _entry("GROUP", task=["g2", "nowhere"])},
+    }
+    assert lmeval_index.folders_needed(indexes) == {
+        "t1": ["a"], "t2": ["b"], "t3": ["c"], "t4": ["b"],
+        "g1": None,  # t1 (a's) and t3 (c's): c defines t1 too
+        "x": None,  # the tag is set in a and in b
+        "g2": ["b", "c"],
+        "g3": ["b", "c", "d"],
+    }  # fmt: skip
+
+
+def test_a_run_indexes_only_what_its_tasks_need_and_finds_what_the_full_index_finds():
+    """For a task (RULER's niah_single_1), a group of groups (mmlu) and a group over seven folders (openllm), the
+    run's task manager holds each name, and every name it reaches, from the same file and of the same kind as
+    lm-eval's full index; it reads a fraction of the files."""
+    from lm_eval.tasks import TaskManager
+
+    full = TaskManager().task_index
+    for name in ("niah_single_1", "mmlu", "openllm"):
+        index = lmeval_index.task_manager([name]).task_index
+        assert len(index) < len(full) / 10
+        todo, seen = [name], set()
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            want, got = full[n], index.get(n)
+            assert got is not None and (got.kind, got.yaml_path, got.tags) == (want.kind, want.yaml_path, want.tags), n
+            kind = want.kind.name
+            listed = (want.cfg or {}).get("task") if kind == "GROUP" else sorted(want.tags) if kind == "TAG" else []
+            todo += [m if isinstance(m, str) else m["task"] for m in listed or [] if isinstance(m, (str, dict))]
+        assert len(seen) > (1 if name != "niah_single_1" else 0)

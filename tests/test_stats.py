@@ -94,6 +94,27 @@ def test_holm_and_bonferroni_on_the_textbook_example():
     assert adjust([0.01, math.nan], 0.05, "holm") == [True, False]  # NaN: not judged, not in the family
 
 
+def test_holm_decides_as_closed_testing_and_statsmodels_on_random_families():
+    """evalkit's Holm (written out: statsmodels' runs a garbage collection per call) against its definition, closed
+    testing with Bonferroni's local test (H_i is rejected when every intersection of hypotheses holding i is: the
+    smallest p-value of each subset S at most alpha / |S|), on 400 families of 1 to 8 p-values with ties and values
+    on the thresholds; and against statsmodels' own on 10 of them."""
+    import itertools
+
+    from statsmodels.stats.multitest import multipletests
+
+    rng = np.random.default_rng(0)
+    for trial in range(400):
+        m = int(rng.integers(1, 9))
+        p = rng.choice([*rng.uniform(0, 0.2, 6), 0.05 / 3, 0.025, 0.0125, 0.05, 1.0], size=m).tolist()
+        alpha = float(rng.choice([0.01, 0.05, 0.1]))
+        subsets = [s for k in range(1, m + 1) for s in itertools.combinations(range(m), k)]
+        closed = [all(min(p[j] for j in s) <= alpha / len(s) for s in subsets if i in s) for i in range(m)]
+        assert adjust(p, alpha, "holm") == closed, (p, alpha)
+        if trial < 10:
+            assert closed == multipletests(p, alpha=alpha, method="holm")[0].tolist(), (p, alpha)
+
+
 def _task_run(samples_per_cell: int) -> list[dict]:
     return [{"config": {"task": {"name": "middoc", "samples_per_cell": samples_per_cell}}}]
 

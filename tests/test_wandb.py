@@ -9,6 +9,7 @@ import os
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +21,12 @@ from tests.test_gate import run_info
 from tests.test_report import needle_rows, write_run
 
 DEFAULT = {"max_drop": 0.05, "confidence": 0.95}  # what the run was gated with, as the command line hands it on
+
+
+def run_id(local: Path) -> str:
+    """The run id in the name of W&B's offline folder, offline-run-TIME-ID, or offline-run-TIME-ID-N where a run of
+    the same id started in the same second (W&B's set_sync_dir_suffix)."""
+    return local.name.split("-")[3]
 
 
 def wandb_records(path):
@@ -116,7 +123,7 @@ def test_a_run_per_variant_with_config_summary_table_page_and_artifact_then_the_
     assert gate_main([str(run_dir), "--wandb", "--gate", "default"]) == 2
     by_id = defaultdict(list)
     for local in sorted((run_dir / "wandb").glob("offline-run-*")):
-        by_id[local.name.rsplit("-", 1)[1]].append(local)
+        by_id[run_id(local)].append(local)
     assert set(by_id) == {r["id"] for r in logged} and all(len(v) == 2 for v in by_id.values())
     later = {runs_id: read_back(max(v, key=lambda p: p.stat().st_mtime_ns))["summary"] for runs_id, v in by_id.items()}
     assert "accuracy" not in later[s["id"]]  # the gate's own write: the verdict only
@@ -167,7 +174,7 @@ def test_a_sweep_logs_each_jobs_variants_and_its_merged_verdict_to_the_same_runs
         policy = next(v for v in recorded["runs"] if v != "baseline")
         written = defaultdict(list)
         for local in (job / "wandb").glob("offline-run-*"):
-            written[local.name.rsplit("-", 1)[1]].append(local)
+            written[run_id(local)].append(local)
         assert set(written) == set(recorded["runs"].values())  # the job's two runs, and no other
         newest = {i: read_back(max(v, key=lambda p: p.stat().st_mtime_ns)) for i, v in written.items()}
         gated = newest[recorded["runs"][policy]]["summary"]

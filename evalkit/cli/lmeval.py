@@ -9,11 +9,10 @@ import time
 import uuid
 from importlib.resources import files
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lm_eval.api.registry import register_model
-from lm_eval.tasks import TaskManager
 from lm_eval.utils import simple_parse_args_string
 from omegaconf import OmegaConf
 
@@ -29,7 +28,10 @@ from evalkit.modelspec import ModelSpec
 from evalkit.records import BASELINE, RUN, SAMPLES, Job, RecordWriter, Result, RunInfo, pair, write_json
 from evalkit.run.loop import finish
 from evalkit.run.resume import versions
-from evalkit.tasks.lmeval_index import task_dir
+from evalkit.tasks.lmeval_index import task_dir, task_manager
+
+if TYPE_CHECKING:
+    from lm_eval.tasks import TaskManager
 
 # What `--model_args` takes for the evalkit model (CommandLineLM's own arguments).
 MODEL_ARGS = ("model", "variant", "device", "max_gen_toks", "rolling_split", "metric", "records")
@@ -110,8 +112,8 @@ def _paired_evaluate(real, *, model=None, model_args=None, **kwargs):
     extra = {k: kwargs.get(k) for k in ("batch_size", "max_batch_size", "device")}
     lm = CommandLineLM.create_from_arg_obj(args, extra)
     refuse_reconstruction([lm.variant])
-    manager = _manager(kwargs.pop("task_manager", None), {**args, **(kwargs.get("metadata") or {})}, lm)
     names = kwargs.pop("tasks")
+    manager = _manager(kwargs.pop("task_manager", None), names, {**args, **(kwargs.get("metadata") or {})}, lm)
     objects = load_tasks(
         manager, list(names), {k: kwargs.get(k) for k in ("random_seed", "numpy_random_seed", "torch_random_seed")}
     )
@@ -132,14 +134,16 @@ def _paired_evaluate(real, *, model=None, model_args=None, **kwargs):
     return run
 
 
-def _manager(manager, metadata: dict, lm: CommandLineLM) -> TaskManager:
-    """lm-eval's task manager, with the model's own tokenizer where the command line names none (RULER would read
-    `model=`, evalkit's config name, as a tokenizer to size its haystacks)."""
-    include = manager.include_path if manager is not None else str(task_dir())
-    if not (metadata.get("tokenizer") or metadata.get("pretrained")):
-        metadata["tokenizer"] = model_tokenizer(lm.loaded)
-        manager = None
-    return manager or TaskManager(include_path=include, metadata=metadata)
+def _manager(manager: TaskManager | None, names: list, metadata: dict, lm: CommandLineLM) -> TaskManager:
+    """lm-eval's task manager (lm-eval's own, when it has one with a tokenizer), with the model's own tokenizer
+    where the command line names none (RULER would read `model=`, evalkit's config name, as a tokenizer to size
+    its haystacks)."""
+    if manager is not None and (metadata.get("tokenizer") or metadata.get("pretrained")):
+        return manager
+    metadata.setdefault("tokenizer", model_tokenizer(lm.loaded))
+    include = manager.include_path if manager is not None else None
+    paths = [str(p) for p in (include if isinstance(include, (list, tuple)) else [include])] if include else None
+    return task_manager(names if all(isinstance(n, str) for n in names) else None, metadata, paths)
 
 
 def _run_info(lm: CommandLineLM, names: list[str], args: dict, kwargs: dict, started: str) -> RunInfo:

@@ -20,7 +20,7 @@ from evalkit.lmeval.metrics import OWN_LENGTH, choose_metrics, doc_score
 from evalkit.lmeval.model import EvalkitLM
 from evalkit.modelspec import ModelSpec
 from evalkit.records import BASELINE, Job, Result, write_json
-from evalkit.tasks.lmeval_index import task_dir
+from evalkit.tasks.lmeval_index import task_manager
 
 
 def refuse_reconstruction(variants: list[Variant]) -> None:
@@ -121,13 +121,12 @@ def evaluate(task, loaded: models.LoadedModel, variants: list[Variant]) -> tuple
     (documents) and lm-eval's results. `task.metadata` is lm-eval's task metadata (RULER's max_seq_lengths; its
     tokenizer, by default the model's)."""
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
     refuse_reconstruction(variants)
     metadata = task.lm_eval_metadata()
     if "tokenizer" not in metadata and "pretrained" not in metadata:
         metadata["tokenizer"] = model_tokenizer(loaded)
-    manager = TaskManager(include_path=str(task_dir()), metadata=metadata)
+    manager = task_manager(list(task.tasks), metadata)
     objects = load_tasks(manager, list(task.tasks))
     plan = choose_metrics(manager.load(objects)["tasks"], task.metric)
     kwargs = {

@@ -18,7 +18,7 @@ from typing import Any
 
 from evalkit.errors import ConfigError
 from evalkit.tasks import Task
-from evalkit.tasks.lmeval_index import task_manager
+from evalkit.tasks.lmeval_index import known_tasks
 
 
 @dataclass(kw_only=True)
@@ -66,7 +66,7 @@ class LmEvalTask(Task):
             raise ConfigError("task=lm_eval needs lm-eval: pip install 'lm-eval>=0.4.9,<0.5'")
         if not self.tasks:
             raise ConfigError("task.tasks is empty; name at least one lm-eval task, e.g. 'task.tasks=[evalkit_recall]'")
-        known = set(task_manager().all_tasks)
+        known = known_tasks()
         for name in self.tasks:
             if name not in known:
                 near = difflib.get_close_matches(name, sorted(known), n=3)
