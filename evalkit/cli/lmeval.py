@@ -138,9 +138,10 @@ def _manager(manager: TaskManager | None, names: list, metadata: dict, lm: Comma
     """lm-eval's task manager (lm-eval's own, when it has one with a tokenizer), with the model's own tokenizer
     where the command line names none (RULER would read `model=`, evalkit's config name, as a tokenizer to size
     its haystacks)."""
-    if manager is not None and (metadata.get("tokenizer") or metadata.get("pretrained")):
+    if not (metadata.get("tokenizer") or metadata.get("pretrained")):
+        metadata["tokenizer"] = model_tokenizer(lm.loaded)
+    elif manager is not None:
         return manager
-    metadata.setdefault("tokenizer", model_tokenizer(lm.loaded))
     include = manager.include_path if manager is not None else None
     paths = [str(p) for p in (include if isinstance(include, (list, tuple)) else [include])] if include else None
     return task_manager(names if all(isinstance(n, str) for n in names) else None, metadata, paths)
