@@ -159,9 +159,10 @@ class RecordWriter:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write a file atomically: a crash leaves either the old file or the new one, never half of either. An OSError
-    is raised as it came, with no temporary file left behind."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    """Write a file atomically: a crash leaves either the old file or the new one, never half of either, and of two
+    processes writing it at once one whole file stays (each writes its own temporary file). An OSError is raised as
+    it came, with no temporary file left behind."""
+    tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}.tmp")
     try:
         tmp.write_text(text)
         os.replace(tmp, path)

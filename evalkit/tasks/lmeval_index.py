@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import tempfile
 from importlib.metadata import version
 from importlib.resources import files
 from pathlib import Path
@@ -22,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from platformdirs import user_cache_dir
 
 from evalkit.embedded import user_cache
+from evalkit.records import write_json
 
 if TYPE_CHECKING:
     from lm_eval.tasks import TaskManager
@@ -95,7 +94,7 @@ def folders_needed(indexes: dict[str, dict[str, Any]]) -> dict[str, list[str] | 
 @functools.cache
 def _folders() -> dict[str, list[str] | None]:
     """Name -> the lm-eval folders it needs (folders_needed), read from evalkit's cache or built there once per
-    lm-eval version (written whole: of two processes building it at once, one file stays, never half of one)."""
+    lm-eval version (write_json: of two processes building it at once, one whole file stays)."""
     path = _cache_file()
     try:
         return json.loads(path.read_text())["folders"]
@@ -108,10 +107,7 @@ def _folders() -> dict[str, list[str] | None]:
     indexes = {p.name: TaskManager(include_defaults=False, include_path=str(p)).task_index for p in order}
     folders = folders_needed(indexes)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-        json.dump({"root": str(root), "folders": folders}, f)
-    os.chmod(f.name, 0o644)
-    os.replace(f.name, path)
+    write_json(path, {"root": str(root), "folders": folders})
     return folders
 
 
@@ -128,8 +124,9 @@ def task_manager(
     list, or a user's folder may define it."""
     from lm_eval.tasks import TaskManager
 
-    include = include or [str(task_dir())]
-    own = include == [str(task_dir())]
+    bundled = [str(task_dir())]
+    include = include or bundled
+    own = include == bundled
     needed = [_folders().get(n) for n in (names or []) if not (own and n in TASKS)]
     if names is None or not own or any(f is None for f in needed):
         return TaskManager(include_path=include, metadata=metadata)
