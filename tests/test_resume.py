@@ -17,7 +17,7 @@ ARGS = [
     "model.config.hidden_size=256",
     "model.config.intermediate_size=512",
     "model.config.head_dim=64",
-    "task.context_lengths=[1024,2048]",
+    "task.context_lengths=[512,1024]",
     "task.depths=[0.0,0.25,0.5,0.75,1.0]",
     "task.samples_per_cell=2",
 ]
