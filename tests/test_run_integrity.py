@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from evalkit.cli import main as cli_main
 from evalkit.cli.main import dirname
 from evalkit.cli.spec import model_spec
 from evalkit.errors import ConfigError
@@ -193,6 +194,25 @@ def test_an_internal_error_exits_3_with_its_traceback(tmp_path, mode):
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 3, result.stderr
     assert "RuntimeError: boom" in result.stderr and "please report it" in result.stderr
+
+
+def test_a_ctrl_c_before_the_run_begins_is_130_in_one_line(tmp_path, monkeypatch):
+    """A Ctrl-C while the command still checks its input (a sweep interrupted as its folder appears) is the user's
+    stop like any other: 130 and the command that resumes, not a traceback and 1, which reads as the gate's FAIL;
+    the folder's write probe is not left behind."""
+    real = cli_main.check_writable
+
+    def interrupted_while_checking(folder: Path) -> None:
+        real(folder)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_main, "check_writable", interrupted_while_checking)
+    for mode in ([], ["-m"]):
+        out = tmp_path / ("sweep" if mode else "run")
+        result = run_cli(*mode, *TINY, f"hydra.run.dir={out}", f"hydra.sweep.dir={out}")
+        assert result.returncode == 130 and "Traceback" not in result.stderr, result.stderr
+        assert "stopped before the run began" in result.stderr and result.stderr.rstrip().endswith("resume=true")
+        assert list(out.iterdir()) == []  # no row, no probe
 
 
 # Safe paths

@@ -135,16 +135,20 @@ def results_folder(argv: list[str]) -> Path:
 
 def check_writable(folder: Path) -> None:
     """Create the results folder and a file in it now: an unwritable place fails here, in one line, not in Hydra."""
+    probe = folder / f".evalkit-write-test-{os.getpid()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".evalkit-write-test-{os.getpid()}"
         probe.write_bytes(b"")
-        probe.unlink()
     except OSError as err:
         raise ConfigError(
             f"cannot write results under {folder} ({err.strerror or err}); choose a writable folder with "
             "results_root=PATH, or fix its permissions or free space"
         ) from None
+    finally:  # also when a Ctrl-C lands between the two
+        try:
+            probe.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def resume_command(argv: list[str]) -> str:
@@ -193,6 +197,8 @@ def main() -> None:
             check_writable(results_folder(argv))
     except ConfigError as err:
         fail(err)
+    except KeyboardInterrupt:  # a Ctrl-C before any job began: 130 like any other, never a traceback and 1 (FAIL)
+        stopped("stopped before the run began; no row was written", argv)
     except Exception:  # noqa: BLE001 - a bug before the model loads: exit 3 with the report line, never 1 (FAIL)
         sys.exit(internal(traceback.format_exc()))
     try:
