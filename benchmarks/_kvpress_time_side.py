@@ -7,13 +7,14 @@ Imports only kvpress, transformers and torch. For every sample of `in.json` ({"s
 "question", "answer_prefix"}]}) it runs kvpress's own pipeline twice, as a kvpress user compares a press with the
 full cache: once without a press (the baseline, SDPA) and once with it (SDPA, or eager attention where the press
 needs the attention matrices), and times each call (CPU seconds of this process by default). A warm-up call on the
-first sample is not timed.
+first sample is not timed. Its peak resident memory (ru_maxrss) goes into the output's `meta`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import time
 
 import kvpress
@@ -75,6 +76,8 @@ def main() -> None:
         "kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else "?",
         "transformers": transformers.__version__,
         "torch": torch.__version__,
+        # this process's peak resident memory over every call (one length per invocation: that length's peak)
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
     }
     json.dump({"meta": meta, "rows": rows}, open(args.output, "w"))
 

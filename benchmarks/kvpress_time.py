@@ -14,7 +14,7 @@ side: `run_sample` with the baseline and the one variant (one prefill, one batch
 single-policy run makes per sample; and, as the floor of any run that prefills each context once with this forward,
 a plain prefill of the context alone (no policy, no decode). Both sides use the same torch threads and clock (CPU
 seconds by default: other jobs on a shared machine barely move them); printed per sample and in total, with the
-answers' agreement.
+answers' agreement, and each side's peak resident memory (one length per invocation: that length's peak).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -120,6 +121,8 @@ def main() -> None:
         f"total: evalkit {ours_total:.1f} s, kvpress {theirs_total:.1f} s, ratio {ours_total / theirs_total:.2f}x; "
         f"answers identical on {agree:.0f}/{len(samples)} samples"
     )
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"peak RSS: evalkit's process {rss:.0f} MiB, kvpress's {peer['meta'].get('peak_rss_mib', '?')} MiB")
     print(
         f"floor: evalkit's plain prefill of the contexts alone {prefill_total:.1f} s, "
         f"{prefill_total / theirs_total:.2f}x kvpress's two passes "

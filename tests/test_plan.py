@@ -24,6 +24,7 @@ from evalkit.plan.params import count_params, metadata_params
 from evalkit.plan.pressure import crossover_context, link_seconds, offload, pressure
 from evalkit.plan.settings import Settings, settings
 from evalkit.plan.sources import read_source
+from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "plan"
@@ -324,24 +325,15 @@ def tiny_runs(tmp_path_factory):
     out = {}
     for model in ("tiny-random", "tiny-random-gemma3"):
         folder = root / model
-        res = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "evalkit",
-                f"model={model}",
-                "task=needle",
-                "task.context_lengths=[128]",
-                "task.depths=[0.5]",
-                "task.max_new_tokens=2",
-                "variants=[streaming_llm@0.5]",
-                "gate=default",
-                f"hydra.run.dir={folder}",
-            ],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=600,
+        res = run_cli(
+            f"model={model}",
+            "task=needle",
+            "task.context_lengths=[128]",
+            "task.depths=[0.5]",
+            "task.max_new_tokens=2",
+            "variants=[streaming_llm@0.5]",
+            "gate=default",
+            f"hydra.run.dir={folder}",
         )
         assert (folder / "samples.jsonl").is_file(), res.stderr
         out[model] = folder
