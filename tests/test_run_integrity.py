@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from evalkit.cli import main as cli_main
 from evalkit.cli.main import dirname
 from evalkit.cli.spec import model_spec
 from evalkit.errors import ConfigError
@@ -200,13 +199,15 @@ def test_a_ctrl_c_before_the_run_begins_is_130_in_one_line(tmp_path, monkeypatch
     """A Ctrl-C while the command still checks its input (a sweep interrupted as its folder appears) is the user's
     stop like any other: 130 and the command that resumes, not a traceback and 1, which reads as the gate's FAIL;
     the folder's write probe is not left behind."""
-    real = cli_main.check_writable
+    real = Path.write_bytes
 
-    def interrupted_while_checking(folder: Path) -> None:
-        real(folder)
-        raise KeyboardInterrupt
+    def interrupted_after_the_probe(self: Path, data: bytes) -> int:  # the Ctrl-C lands between probe and removal
+        written = real(self, data)
+        if self.name.startswith(".evalkit-write-test-"):
+            raise KeyboardInterrupt
+        return written
 
-    monkeypatch.setattr(cli_main, "check_writable", interrupted_while_checking)
+    monkeypatch.setattr(Path, "write_bytes", interrupted_after_the_probe)
     for mode in ([], ["-m"]):
         out = tmp_path / ("sweep" if mode else "run")
         result = run_cli(*mode, *TINY, f"hydra.run.dir={out}", f"hydra.sweep.dir={out}")

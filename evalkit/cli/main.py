@@ -8,6 +8,7 @@ are merged into one report, and judged by one gate.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import sys
@@ -145,10 +146,8 @@ def check_writable(folder: Path) -> None:
             "results_root=PATH, or fix its permissions or free space"
         ) from None
     finally:  # also when a Ctrl-C lands between the two
-        try:
+        with contextlib.suppress(OSError):
             probe.unlink(missing_ok=True)
-        except OSError:
-            pass
 
 
 def resume_command(argv: list[str]) -> str:
