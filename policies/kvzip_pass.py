@@ -28,7 +28,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from evalkit.attention.fused import query_chunk
 from evalkit.attention.observation import Observation
-from evalkit.attention.sdpa import owned
+from evalkit.attention.sdpa import observe
 
 PREVIOUS_IDS = 8  # the ids of the previous chunk that a later chunk's repeat prompt quotes (kvpress: prev_postfix_size)
 
@@ -98,7 +98,14 @@ def reconstruct(
     cache, scores = reconstruction_cache(full, blocks, sinks)
     if blocks:
         with hidden_norms(model, cache) if plus else nullcontext():
-            model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+            model(
+                input_ids=ids,
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+                **observe(None, cache),
+            )
     return scores
 
 
@@ -236,9 +243,9 @@ def subset_probs(probs: Tensor, past: int, scored: tuple[int, int, int], exact) 
 
 class ReconstructionLayer(DynamicLayer):
     """A prefilled cache layer as KVzip's pass reads it: its keys and values stay as they are (the pass's own keys
-    are held for one forward only), and it attends for the model (evalkit.attention.sdpa.owned): each block of the input
-    over the prefilled keys and its own, never another block's. A full-attention layer scores its keys as it goes
-    (`scores`, (B, Hkv, prefilled), the running max); a sliding-window layer only attends, within its window."""
+    are held for one forward only), and it attends for the model (`attends`, evalkit.attention.sdpa): each block of
+    the input over the prefilled keys and its own, never another block's. A full-attention layer scores its keys as it
+    goes (`scores`, (B, Hkv, prefilled), the running max); a sliding-window layer only attends, within its window."""
 
     is_compileable = False
 
@@ -255,7 +262,10 @@ class ReconstructionLayer(DynamicLayer):
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         self.own = (key_states, value_states)
-        return owned(key_states, self), value_states
+        return key_states, value_states  # the blocks attend in `attend`
+
+    def attends(self, query: Tensor) -> bool:
+        return True
 
     def get_seq_length(self) -> int:
         return self.seen

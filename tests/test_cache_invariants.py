@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from evalkit.attention.sdpa import observe
 from evalkit.config.choices import options
 from evalkit.engine.engine import greedy, prefill, run_sample
 from evalkit.kv.cache import enforce, held_per_layer, kv_bytes, share
@@ -245,7 +246,7 @@ def test_positions_after_eviction_match_masked_full_attention(tiny, ids, name):
         MASKS[layer_idx] = mask
         assert not kept.all()
     with torch.inference_mode():
-        got = tiny.model(input_ids=ids[:, CTX:], cache=cache, use_cache=True).logits[0]
+        got = tiny.model(input_ids=ids[:, CTX:], cache=cache, use_cache=True, **observe(None, cache)).logits[0]
         reference = copy.deepcopy(tiny.model)
         AttentionInterface.register("evalkit_test_masked", masked_attention)
         reference.set_attn_implementation("evalkit_test_masked")

@@ -197,7 +197,8 @@ def test_attention_over_the_store_is_sdpa_over_the_dequantized_tensors(tiny, ids
     with torch.inference_mode():
         keys, values = layer.update(k, v)
         held = layer.held
-        out, _ = evalkit_sdpa(module, q, keys, values, causal_tail_mask(tq, held, q.device), scaling=module.scaling)
+        mask = causal_tail_mask(tq, held, q.device)
+        out, _ = evalkit_sdpa(module, q, keys, values, mask, scaling=module.scaling, **observe(None, cache))
         dk, dv = layer.dequantized()
         want, _ = sdpa_attention_forward(
             module, q, dk, dv, causal_tail_mask(tq, held, q.device), scaling=module.scaling
@@ -212,8 +213,9 @@ def test_attention_over_the_store_is_sdpa_over_the_dequantized_tensors(tiny, ids
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_quantized_layers_own_their_attention_observed_or_not(tiny, ids, name):
-    """The question then STEPS teacher-forced tokens (flushing a group on the way), with no observer: the logits of SDPA
-    over the dequantized store at every step, and exactly those of the same forwards inside observe()."""
+    """The question then STEPS teacher-forced tokens (flushing a group on the way), with no observer (the forward names
+    its cache only): the logits of SDPA over the dequantized store at every step, and exactly those of the same forwards
+    observed."""
     _, cache = quantized(tiny.model, ids, SPECS[name])
     reference = Cache(layers=[Dequantized(layer) for layer in share(cache).layers])
     observed = share(cache)
@@ -224,7 +226,7 @@ def test_quantized_layers_own_their_attention_observed_or_not(tiny, ids, name):
         with torch.inference_mode():
             out = []
             for x in inputs:
-                kw = observe(StepRecorder(), c) if watch else {}
+                kw = observe(StepRecorder() if watch else None, c)
                 out.append(tiny.model(input_ids=x, cache=c, use_cache=True, **kw).logits[0].float())
             return out
 

@@ -5,7 +5,15 @@ hands each layer's attention (`Attended`: the post-RoPE queries and keys) to the
 (`observe`), which records what the policies declared they need (evalkit.attention.observation). Where an
 observation reads the attention mass (H2O), the output and the mass come from one softmax (evalkit.attention.fused).
 It also masks a ragged layer's padding, fits the causal mask to a layer that holds fewer tokens than the shared mask
-was built for, and lets a cache layer that attends over its own packed storage do so.
+was built for, and lets a cache layer that attends over its own storage do so.
+
+transformers hands an attention function the forward's keywords, not the cache: every forward evalkit runs over one of
+its caches therefore names the cache in one keyword (`observe(recorder, cache)`, the recorder None where nothing is
+observed), and the layer's attention reads what it needs from the layer itself, never from attributes set on tensors:
+- `layer.valid`: (B, Hkv, T) False on a ragged layer's padding slots (evalkit.kv.cache), masked out here;
+- `layer.attends(query)`: True where the layer computes this forward's attention itself (`layer.attend`): a
+  quantized layer decoding over its packed store (evalkit.kv.quantized), one row of a batched decode
+  (evalkit.engine.decode), KVzip's reconstruction pass (policies/kvzip_pass.py).
 """
 
 from __future__ import annotations
@@ -19,11 +27,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from evalkit.attention.fused import attend_with_mass
 from evalkit.attention.observation import Attended
 
-VALID = "evalkit_valid"  # on keys from a ragged cache layer (evalkit.kv.cache): its (B, Hkv, T) mask of real slots
-
 NAME = "evalkit_sdpa"
 
-OBSERVED = "evalkit_observed"  # the forward's keyword that carries (recorder, cache): see observe
+FORWARD = "evalkit_forward"  # the forward's keyword that carries (recorder, cache): see observe
 
 
 def causal_tail_mask(q_len: int, k_len: int, device: torch.device) -> Tensor:
@@ -33,38 +39,32 @@ def causal_tail_mask(q_len: int, k_len: int, device: torch.device) -> Tensor:
 
 
 def observe(recorder, cache) -> dict[str, tuple]:
-    """The keyword a forward is given (`model(..., **observe(recorder, cache))`) for `evalkit_sdpa` to hand every
-    layer's attention in that forward to `recorder` (evalkit.attention.observation.Recorder); transformers passes
-    a forward's keywords down to its attention function."""
-    return {OBSERVED: (recorder, cache)}
-
-
-OWNER = "evalkit_owner"  # set on keys a cache layer returns when it attends over its own storage
-
-
-def owned(x: Tensor, layer) -> Tensor:
-    """A view of x, as returned by `layer.update()`, telling `evalkit_sdpa` to let `layer.attend` compute the
-    attention: a quantized layer that decodes over its packed store returns only its residual window."""
-    x = x.view_as(x)
-    setattr(x, OWNER, layer)
-    return x
+    """The keyword every forward over an evalkit cache is given (`model(..., **observe(recorder, cache))`): it names
+    the cache to `evalkit_sdpa` (see the module doc) and hands every layer's attention in that forward to `recorder`
+    (evalkit.attention.observation.Recorder; None: nothing is recorded). transformers passes a forward's keywords
+    down to its attention function."""
+    return {FORWARD: (recorder, cache)}
 
 
 def evalkit_sdpa(module, query, key, value, attention_mask, **kwargs):
     """SDPA plus observation. Also rebuilds the causal mask for layers that hold a different number of tokens than
-    the layer transformers built the shared mask for (per-layer budgets, e.g. PyramidKV), and hands the attention to
-    a cache layer that attends over its packed storage itself (keys marked by `owned`), observed or not."""
-    active = kwargs.pop(OBSERVED, None)
-    owner = getattr(key, OWNER, None)
-    if owner is not None:
-        return owner.attend(module, query, attention_mask, **kwargs)
+    the layer transformers built the shared mask for (per-layer budgets, e.g. PyramidKV), masks a ragged layer's
+    padding, and hands the attention to a cache layer that computes it itself (`layer.attends`), observed or not.
+    A forward without the keyword (no evalkit cache) is plain SDPA."""
+    active = kwargs.pop(FORWARD, None)
+    if active is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    recorder, cache = active
+    layer = cache.layers[module.layer_idx]
+    attends = getattr(layer, "attends", None)
+    if attends is not None and attends(query):
+        return layer.attend(module, query, attention_mask, **kwargs)
     attention_mask = fit_mask(attention_mask, query, key)
-    valid = getattr(key, VALID, None)
+    valid = getattr(layer, "valid", None)
     if valid is not None:  # a ragged layer: each KV head masks its own padding slots
         attention_mask = mask_padding(attention_mask, valid, query)
-    if active is not None:
-        recorder, cache = active
-        layer, scaling = cache.layers[module.layer_idx], kwargs.get("scaling") or module.scaling
+    if recorder is not None:
+        scaling = kwargs.get("scaling") or module.scaling
         at = Attended(None, query, key, scaling, getattr(layer, "seen", key.shape[-2]))
         if recorder.wants_mass(module.layer_idx, layer) and plain_softmax(kwargs):
             # H2O: the output and the mass from the same probabilities, one pass (evalkit.attention.fused)

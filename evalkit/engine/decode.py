@@ -18,7 +18,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
 from evalkit.attention.observation import StepRecorder
-from evalkit.attention.sdpa import causal_tail_mask, evalkit_sdpa, observe, owned
+from evalkit.attention.sdpa import causal_tail_mask, evalkit_sdpa, observe
 from evalkit.kv.cache import kv_bytes
 
 
@@ -106,7 +106,10 @@ class BatchedLayer(DynamicLayer):
             cache.layers[self.idx].update(key_states[r : r + 1], value_states[r : r + 1], *args, **kwargs)
             for r, cache in enumerate(self.caches)
         ]
-        return owned(key_states, self), value_states
+        return key_states, value_states  # each row attends over its own layer: `attend`
+
+    def attends(self, query: Tensor) -> bool:
+        return True
 
     def get_seq_length(self) -> int:
         return self.caches[0].layers[self.idx].get_seq_length()
@@ -146,7 +149,7 @@ def decode_batch(
     for _ in range(max_new_tokens):
         caches = [rows[r].cache for r in active]
         batch = Cache(layers=[BatchedLayer(caches, i) for i in range(len(caches[0].layers))])
-        out = model(input_ids=step_ids, cache=batch, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=step_ids, cache=batch, use_cache=True, logits_to_keep=1, **observe(None, batch))
         still, next_ids = [], []
         for j, r in enumerate(active):
             res = results[r]

@@ -6,10 +6,10 @@ Invariant (docs/invariants.md, invariant 2; docs/architecture.md, section 4): a 
 at once.
 
 Ragged layers (head-adaptive policies: AdaKV, DuoAttention) let each KV head hold its own number of tokens. They are
-stored padded to the longest head: a padding slot has position -1 and is marked invalid in `valid` (B, Hkv, T), and
-the keys a ragged layer returns carry that mask (`VALID`), so that `evalkit_sdpa` masks the padding out of the
-attention. `kv_bytes` counts what is allocated here (the padded tensors); `deployed_bytes` and `fp16_bytes` count
-the tokens really held, what a paged engine stores.
+stored padded to the longest head: a padding slot has position -1 and is marked invalid in `valid` (B, Hkv, T),
+which `evalkit_sdpa` reads from the layer to mask the padding out of the attention. `kv_bytes` counts what is
+allocated here (the padded tensors); `deployed_bytes` and `fp16_bytes` count the tokens really held, what a paged
+engine stores.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
 from evalkit.attention.observation import Observation
-from evalkit.attention.sdpa import VALID
 from evalkit.kv import contract
 from evalkit.policies import KVPolicy, LayerView, gather_tokens
 
@@ -53,12 +52,7 @@ class EvictingLayer(DynamicLayer):
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         self.advance(key_states.shape[2])
-        keys, values = super().update(key_states, value_states)
-        if self.valid is None:
-            return keys, values
-        keys = keys.view_as(keys)
-        setattr(keys, VALID, self.valid)  # evalkit_sdpa masks the padding out
-        return keys, values
+        return super().update(key_states, value_states)  # evalkit_sdpa masks out the padding `valid` marks
 
     def advance(self, q: int) -> None:
         """Account for q new tokens: their absolute positions, zero per-token state, the tokens seen."""

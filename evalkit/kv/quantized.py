@@ -25,7 +25,6 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 from evalkit import kernels
-from evalkit.attention.sdpa import owned
 from evalkit.errors import ConfigError
 from evalkit.kv.cache import EvictingLayer
 
@@ -123,7 +122,7 @@ class QuantizedLayer(EvictingLayer):
             return self.k_all, self.v_all
         if key_states.shape[2] > 1:
             return self.dequantized()
-        return owned(self.keys, self), self.values  # `attend` reads the packed history itself
+        return self.keys, self.values  # the residual: `attend` reads the packed history itself (see `attends`)
 
     def _flush(self) -> None:
         """Move the oldest residual tokens into the packed store, whole groups only, keeping `residual` behind."""
@@ -159,6 +158,11 @@ class QuantizedLayer(EvictingLayer):
         """(B, Hkv, T_held, D) keys and values in the model's dtype: the packed history, then the residual."""
         k, v = self._dequantize(self.packed())
         return torch.cat([k, self.keys.to(self.dtype)], dim=2), torch.cat([v, self.values.to(self.dtype)], dim=2)
+
+    def attends(self, query: Tensor) -> bool:
+        """Whether this forward's attention is `attend`'s (evalkit.attention.sdpa): one query decoding over the packed
+        store, where `update` returned only the residual; else the keys `update` returned are all the tokens."""
+        return self.k_all is None and query.shape[-2] == 1
 
     def attend(self, module, query: Tensor, attention_mask: Tensor | None, **kwargs) -> tuple[Tensor, None]:
         """Decode attention of one query (B, Hq, 1, D) over the packed history and the residual, read directly;
