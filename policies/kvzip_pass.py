@@ -28,7 +28,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from evalkit.attention.fused import query_chunk
 from evalkit.attention.observation import Observation
-from evalkit.attention.sdpa import observe
+from evalkit.attention.sdpa import observe, require_named
 
 PREVIOUS_IDS = 8  # the ids of the previous chunk that a later chunk's repeat prompt quotes (kvpress: prev_postfix_size)
 
@@ -261,6 +261,7 @@ class ReconstructionLayer(DynamicLayer):
         self.device, self.dtype, self.is_initialized = full.keys.device, full.keys.dtype, True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        require_named(kwargs, self)
         self.own = (key_states, value_states)
         return key_states, value_states  # the blocks attend in `attend`
 

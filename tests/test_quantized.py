@@ -211,6 +211,19 @@ def test_attention_over_the_store_is_sdpa_over_the_dequantized_tensors(tiny, ids
     assert (out - newest).abs().max() > 0.1
 
 
+def test_a_decode_step_that_does_not_name_a_packed_store_is_refused(tiny, ids):
+    """One token decoded over the packed store without observe(): its update returns only the residual, which plain
+    SDPA would attend alone, so the layer refuses the forward; the dequantized-cache path returns every token and
+    runs."""
+    _, packed = quantized(tiny.model, ids, spec(4, "packed"))
+    _, cached = quantized(tiny.model, ids, spec(4))
+    step = ids[:, CTX : CTX + 1]
+    with torch.inference_mode():
+        with pytest.raises(RuntimeError, match=r"QuantizedLayer without observe\(recorder, cache\)"):
+            tiny.model(input_ids=step, cache=packed, use_cache=True)
+        tiny.model(input_ids=step, cache=cached, use_cache=True)
+
+
 @pytest.mark.parametrize("name", list(SPECS))
 def test_quantized_layers_own_their_attention_observed_or_not(tiny, ids, name):
     """The question then STEPS teacher-forced tokens (flushing a group on the way), with no observer (the forward names

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from evalkit.attention.observation import Attended
+from evalkit.attention.sdpa import observe
 from evalkit.engine.engine import evictor, greedy, teacher_forced
 from evalkit.errors import ConfigError
 from evalkit.kv.cache import allocated_per_layer, deployed_bytes, held_per_layer, kv_bytes
@@ -91,6 +92,20 @@ def test_ragged_padding_cannot_leak_into_the_attention(tiny, ids):
     assert got.tokens == want.tokens
     for a, b in zip(got.logits, want.logits, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_a_forward_that_does_not_name_a_ragged_cache_is_refused_before_it_reads_padding(tiny, ids):
+    """A model forward over a ragged cache without observe(): plain SDPA would attend the padding slots, so the layer
+    refuses it, before it has changed (the same forward, naming its cache, then runs)."""
+    _, cache = compressed(tiny.model, ids, policy("adakv", 24))
+    assert any(layer.valid is not None for layer in cache.layers)
+    seen = [layer.seen for layer in cache.layers]
+    with torch.inference_mode(), pytest.raises(RuntimeError, match=r"without observe\(recorder, cache\)"):
+        tiny.model(input_ids=ids[:, CTX : CTX + 1], cache=cache, use_cache=True)
+    ragged = next(i for i, layer in enumerate(cache.layers) if layer.valid is not None)
+    assert cache.layers[ragged].seen == seen[ragged], "the refused update changed nothing"
+    with torch.inference_mode():
+        tiny.model(input_ids=ids[:, CTX : CTX + 1], cache=cache, use_cache=True, **observe(None, cache))
 
 
 def test_adakv_refuses_what_it_cannot_do():

@@ -14,6 +14,8 @@ observed), and the layer's attention reads what it needs from the layer itself, 
 - `layer.attends(query)`: True where the layer computes this forward's attention itself (`layer.attend`): a
   quantized layer decoding over its packed store (evalkit.kv.quantized), one row of a batched decode
   (evalkit.engine.decode), KVzip's reconstruction pass (policies/kvzip_pass.py).
+Those layers refuse, in their `update`, a forward that did not name its cache (`require_named`): without the keyword
+their keys would be attended as plain SDPA, padding and all.
 """
 
 from __future__ import annotations
@@ -44,6 +46,19 @@ def observe(recorder, cache) -> dict[str, tuple]:
     (evalkit.attention.observation.Recorder; None: nothing is recorded). transformers passes a forward's keywords
     down to its attention function."""
     return {FORWARD: (recorder, cache)}
+
+
+def require_named(update_kwargs: dict, layer) -> None:
+    """In the `update` of a layer whose returned keys are not the whole attention without `evalkit_sdpa` (padding to
+    mask, a store it attends itself): refuse a model forward that did not name its cache, which would otherwise be
+    plain SDPA over those keys. transformers hands the cache the forward's keywords (`kwargs=`); a direct call to
+    `update()` hands none and is not checked."""
+    forward = update_kwargs.get("kwargs")
+    if forward is not None and FORWARD not in forward:
+        raise RuntimeError(
+            f"a forward over a {type(layer).__name__} without observe(recorder, cache): its attention needs the layer "
+            "(evalkit.attention.sdpa); pass **observe(None, cache) to the model"
+        )
 
 
 def evalkit_sdpa(module, query, key, value, attention_mask, **kwargs):

@@ -18,7 +18,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
 from evalkit.attention.observation import StepRecorder
-from evalkit.attention.sdpa import causal_tail_mask, evalkit_sdpa, observe
+from evalkit.attention.sdpa import causal_tail_mask, evalkit_sdpa, observe, require_named
 from evalkit.kv.cache import kv_bytes
 
 
@@ -102,6 +102,7 @@ class BatchedLayer(DynamicLayer):
         self.device, self.is_initialized = first.keys.device, True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        require_named(kwargs, self)
         self.rows = [
             cache.layers[self.idx].update(key_states[r : r + 1], value_states[r : r + 1], *args, **kwargs)
             for r, cache in enumerate(self.caches)

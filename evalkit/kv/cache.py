@@ -21,6 +21,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
 from evalkit.attention.observation import Observation
+from evalkit.attention.sdpa import require_named
 from evalkit.kv import contract
 from evalkit.policies import KVPolicy, LayerView, gather_tokens
 
@@ -51,8 +52,10 @@ class EvictingLayer(DynamicLayer):
         self.is_initialized = True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if self.valid is not None:
+            require_named(kwargs, self)  # evalkit_sdpa masks out the padding `valid` marks
         self.advance(key_states.shape[2])
-        return super().update(key_states, value_states)  # evalkit_sdpa masks out the padding `valid` marks
+        return super().update(key_states, value_states)
 
     def advance(self, q: int) -> None:
         """Account for q new tokens: their absolute positions, zero per-token state, the tokens seen."""

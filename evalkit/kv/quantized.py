@@ -25,6 +25,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 from evalkit import kernels
+from evalkit.attention.sdpa import require_named
 from evalkit.errors import ConfigError
 from evalkit.kv.cache import EvictingLayer
 
@@ -122,6 +123,7 @@ class QuantizedLayer(EvictingLayer):
             return self.k_all, self.v_all
         if key_states.shape[2] > 1:
             return self.dequantized()
+        require_named(kwargs, self)
         return self.keys, self.values  # the residual: `attend` reads the packed history itself (see `attends`)
 
     def _flush(self) -> None:
