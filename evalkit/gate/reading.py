@@ -11,9 +11,10 @@ from pathlib import Path
 
 from evalkit import scoring
 from evalkit.errors import ConfigError
-from evalkit.gate.evidence import contradictions, judged_fields, row_problem, run_problems, task_config, undocumented
+from evalkit.gate.evidence import judged_fields, run_problems, task_config, undocumented
 from evalkit.gate.summary import is_baseline, merge
 from evalkit.records import RUN, SAMPLES, experiment_config, scan_rows, torn_line
+from evalkit.records.checks import ROW_FIELDS, contradictions, row_problem
 
 
 @dataclass
@@ -24,19 +25,6 @@ class Records:
     infos: list[dict]  # the run.json of every run that has a readable one
     problems: list[str] = field(default_factory=list)  # each names the file (and line) and the fix
     partial: list[str] = field(default_factory=list)  # runs whose rows hold fewer samples than their run.json
-
-
-# What the gate reads from every row, and must be numbers
-ROW_FIELDS = (
-    "sample_id",
-    "variant",
-    "score",
-    "baseline_score",
-    "cell",
-    "kv_bytes",
-    "kv_bytes_baseline",
-    "peak_kv_bytes",
-)
 
 
 LISTED = 3  # bad lines named per file; the rest are counted
@@ -105,7 +93,7 @@ def read_info(path: Path) -> tuple[dict, str | None]:
 
 def read_records(path: Path) -> tuple[list[dict], list[int], list[str]]:
     """The rows of a samples.jsonl that the gate can read, the line of each, and a problem for every line it cannot
-    (torn included; a row whose scores or bytes are not finite numbers in range, evalkit.gate.evidence.row_problem)."""
+    (torn included; a row whose scores or bytes are not finite numbers in range, evalkit.records.checks.row_problem)."""
     try:
         rows, bad, torn, _, lines = scan_rows(path, ROW_FIELDS, row_problem)
     except ConfigError as err:

@@ -1,6 +1,7 @@
 """Append-only results: `samples.jsonl` (one row per sample x variant, flushed as each finishes) and `run.json`;
-their schema (`Row`, `RunInfo`, the pairing with the baseline) is evalkit.records.schema, the paired summary of a
-run's rows evalkit.records.summary.
+their schema (`Row`, `RunInfo`, the pairing with the baseline) is evalkit.records.schema, what a row read back must
+be (on its own and against its baseline row; the gate and a resumed run both check it) evalkit.records.checks, the
+paired summary of a run's rows evalkit.records.summary.
 
 A killed run loses at most the row in flight: rows are written whole, flushed and fsynced; a torn last line
 left by a kill is cut off when the run resumes. A write that fails (a full disk, a folder made read-only) is undone

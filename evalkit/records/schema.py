@@ -63,7 +63,7 @@ class Result:
     score: float | None = None
 
 
-def _number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -91,8 +91,8 @@ class Row:
                 ("sample_id", isinstance(self.sample_id, (str, int)) and not isinstance(self.sample_id, bool)),
                 ("cell", isinstance(self.cell, dict)),
                 ("variant", isinstance(self.variant, str) and bool(self.variant)),
-                ("score", _number(self.score)),
-                ("baseline_score", _number(self.baseline_score)),
+                ("score", is_number(self.score)),
+                ("baseline_score", is_number(self.baseline_score)),
                 ("flip", self.flip in FLIPS),
             )
             if not ok
@@ -112,7 +112,7 @@ def pair(head: dict[str, Any], sample: dict[str, Any], results: list[Result], fl
     Each row is paired with the baseline: its score, the flip they make (None where `flips` is False: a
     teacher-forced continuation is scored against the baseline's logits, not its answer) and the baseline's bytes."""
     base = results[0]
-    unscored = [r.variant for r in results if not _number(r.score)]
+    unscored = [r.variant for r in results if not is_number(r.score)]
     if unscored:
         raise ValueError(f"{unscored} have a bad score: every result is scored before it is paired (Result.score)")
     pairing = {}

@@ -22,8 +22,6 @@ import evalkit
 from evalkit import scoring
 from evalkit.embedded import file_sha256
 from evalkit.errors import ConfigError
-from evalkit.gate.evidence import contradictions, row_problem
-from evalkit.gate.reading import ROW_FIELDS
 from evalkit.records import (
     RUN,
     SAMPLES,
@@ -33,16 +31,17 @@ from evalkit.records import (
     scan_rows,
     write_json,
 )
+from evalkit.records.checks import ROW_FIELDS, contradictions, row_problem
 from evalkit.tasks import Sample, Task
 from evalkit.tasks.prompt import Prompt
 
 
 def check_written(path: Path, task: Task, samples: list[Sample], prompts: list[Prompt]) -> None:
     """Before a run is resumed or extended, the rows already written must be what this run would have written:
-    each a row the gate can read (evalkit.gate.reading.ROW_FIELDS, evidence.row_problem), consistent with its
-    baseline row (evalkit.evidence), its score re-derived from its prediction by the task's scorer (teacher-forced
-    rows, scored from logits, excepted), its context_id and document_id the sample's prompt's. An edited row is
-    refused, naming file:line, rather than carried into the extended run."""
+    each a row the gate can read (evalkit.records.checks.row_problem), consistent with its baseline row
+    (checks.contradictions), its score re-derived from its prediction by the task's scorer (teacher-forced rows,
+    scored from logits, excepted), its context_id and document_id the sample's prompt's. An edited row is refused,
+    naming file:line, rather than carried into the extended run."""
     if not path.exists():
         return
     rows, problems, _, _, lines = scan_rows(path, ROW_FIELDS, row_problem)
