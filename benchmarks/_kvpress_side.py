@@ -25,6 +25,8 @@ from kvpress.presses.qfilter_press import QFilters
 from transformers import AutoModelForCausalLM, DynamicCache
 
 SINKS, WINDOW, KERNEL, BETA = 4, 32, 5, 20
+LAZY = {0.5: 0.8, 0.75: 0.6}  # SimLayerKV's lazy_threshold in each ratio's slot: it has no ratio of its own
+LAZY_RECENT = 128  # SimLayerKV's n_recent: below both prompts' lengths (kvpress's default 1024 would keep all)
 SKETCH_SEED = 0  # evalkit's leverage and compactor draw layer i's sketch from seed + i (their default seed: 0)
 
 
@@ -133,6 +135,9 @@ def presses(
         # seed_each_layer seeds with SKETCH_SEED + layer before each layer's attention, as evalkit draws it
         "leverage": (kvpress.LeverageScorePress(compression_ratio=ratio), "sdpa"),
         "compactor": (kvpress.CompactorPress(compression_ratio=ratio), "sdpa"),
+        # SimLayerKV takes no ratio: in each ratio's slot a lazy_threshold that makes some layers lazy (LAZY), n_recent
+        # 128, its defaults otherwise (n_last 1, n_initial 4)
+        "simlayerkv": (kvpress.SimLayerKVPress(lazy_threshold=LAZY[ratio], n_recent=LAZY_RECENT), "sdpa"),
         # head-adaptive: kvpress keeps every key and masks the evicted ones (module.masked_key_indices)
         "adakv_snapkv": (kvpress.AdaKVPress(snapkv(ratio)), "sdpa"),
     }

@@ -49,6 +49,8 @@ count as an integer budget. Pairs compared (kvpress press <-> evalkit policy):
     EntropyGatedChunkKVPress(SnapKVPress)    <-> entropy_chunkkv(snapkv) (chunks of 10, spiky ones cut to 4)
     PerLayerCompressionPress(SnapKVPress)    <-> per_layer(snapkv) (ratios linear in depth, ratio +- 0.2);
                                                  per_layer(snapkv)* at kvpress's count per layer, int(T (1 - r))
+    SimLayerKVPress(n_recent 128)            <-> simlayerkv (n_recent 128; no ratio: lazy_threshold 0.8 in the
+                                                 0.5 slot, 0.6 in the 0.75 slot, each making some layers lazy)
 
 kvpress keeps, for KVzip, n - int(n x ratio) tokens over all layers and heads (per layer: Hkv T - int(Hkv T ratio));
 evalkit is given kvpress's per-head count int(T (1 - ratio)) and keeps that times Hkv x layers, so at some lengths
@@ -105,6 +107,7 @@ from evalkit.policies.non_causal import NonCausalAttention
 from evalkit.policies.per_layer import PerLayer
 from evalkit.policies.pyramidkv import PyramidKV
 from evalkit.policies.qfilter import QFilter
+from evalkit.policies.simlayerkv import SimLayerKV
 from evalkit.policies.snapkv import SnapKV
 from evalkit.policies.streaming_llm import StreamingLLM
 from evalkit.policies.tova import TOVA
@@ -121,6 +124,8 @@ LUKV_CURVE = ROOT / "tests" / "data" / "lukv_smollm2.npy"  # benchmarks/lukv_cur
 RATIOS = (0.5, 0.75)  # kvpress compression_ratio: the fraction REMOVED; kept fractions 0.5 and 0.25
 LENGTHS = (800, 1800)  # context lengths asked of the needle task (prose haystack); the first is the fixture's
 WINDOW, KERNEL, BETA, SINKS = 32, 5, 20, 4
+LAZY = {0.5: 0.8, 0.75: 0.6}  # SimLayerKV's lazy_threshold in each ratio's slot (benchmarks/_kvpress_side.py's)
+LAZY_RECENT = 128
 GROUP = 3  # SmolLM2-135M's query heads per KV head (9 / 3)
 # kvpress press name -> evalkit policy it is compared with (a label in the table)
 PAIRS = {
@@ -151,6 +156,7 @@ PAIRS = {
     "criticalkv_snapkv": "criticalkv(snapkv)",
     "criticaladakv_snapkv": "criticaladakv(snapkv)",
     "entropy_chunkkv_snapkv": "entropy_chunkkv(snapkv)",
+    "simlayerkv": "simlayerkv",
 }
 
 
@@ -239,6 +245,7 @@ def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) ->
         "chunk(keydiff)": Chunk(inner=KeyDiff(decode=False), budget=k, chunk=256),
         "block(keydiff)": Block(inner=KeyDiff(decode=False), budget=k, block=128),
         "per_layer(snapkv)": PerLayer(inner=SnapKV(**snap), budget=1 - ratio, layer_budgets=kept),
+        "simlayerkv": SimLayerKV(lazy_threshold=LAZY[ratio], n_recent=LAZY_RECENT),
         "per_layer(snapkv)*": PerLayerAt(inner=SnapKV(**snap), budget=1 - ratio, layer_budgets=kept),
     }
     for pol in pols.values():
@@ -396,6 +403,13 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
                 "policy": "per_layer",
                 "inner": "snapkv",
                 "layer_budgets": "1 - compression ratio per layer, linear from ratio - 0.2 to ratio + 0.2",
+            },
+            "simlayerkv": {
+                "policy": "simlayerkv",
+                "lazy_threshold": "0.8 in the 0.5 slot, 0.6 in the 0.75 slot (it takes no compression ratio)",
+                "n_recent": LAZY_RECENT,
+                "n_last": 1,
+                "n_initial": 4,
             },
             "expected_attention": {
                 "policy": "expected_attention",

@@ -241,6 +241,9 @@ def policy(name: str, budget, **overrides):
         cfg.policy.inner = {"name": "snapkv", "window": 8}
     if name in WEIGHTS_TINY:  # learned weights calibrated on the tiny model (benchmarks/*_calibrate.py)
         cfg.policy.weights_path = cfg.policy.weights_path or str(WEIGHTS_TINY[name])
+    if name == "simlayerkv":  # keeps everything or a lazy layer's ends: no budget; a recent window that fits CTX
+        cfg.policy.budget = 1.0
+        cfg.policy.n_recent = overrides.get("n_recent", 16)
     if name == "duo_attention":  # roles from a hand-written pattern (DUO_PATTERN), windows that fit CTX
         cfg.policy.pattern = cfg.policy.pattern or str(DUO_PATTERN)
         cfg.policy.sink, cfg.policy.recent = overrides.get("sink", 4), overrides.get("recent", 16)

@@ -48,6 +48,7 @@ from evalkit.policies.non_causal import NonCausalAttention
 from evalkit.policies.per_layer import PerLayer
 from evalkit.policies.pyramidkv import PyramidKV
 from evalkit.policies.qfilter import QFilter
+from evalkit.policies.simlayerkv import SimLayerKV
 from evalkit.policies.snapkv import SnapKV
 from evalkit.policies.streaming_llm import StreamingLLM
 from evalkit.policies.tova import TOVA
@@ -147,6 +148,8 @@ class PerLayerAtCount(PerLayer):
         return [int(seen * f) for f in self.layer_budgets]
 
 
+# SimLayerKV takes no ratio: the fixture's side gave SimLayerKVPress a lazy_threshold in each ratio's slot, n_recent 128
+LAZY = {"0.5": 0.8, "0.75": 0.6}
 # PerLayerCompressionPress(SnapKVPress)'s ratio per layer, as the fixture records them
 LAYER_RATIOS = {r: FIXTURE["header"]["per_layer_ratios"][r] for r in ("0.5", "0.75")}
 
@@ -182,6 +185,9 @@ def kept_by_evalkit():
         lukv = LUKV(inner=ExpectedAttention(epsilon=0.02), budget=1 - float(ratio), weights_path=str(LUKV_CURVE))
         pols[f"lukv_expected_attention@{ratio}"] = lukv
         pols[f"expected_attention~0.02@{ratio}"] = ExpectedAttention(budget=k, epsilon=0.02)  # every head its k
+    for ratio, threshold in LAZY.items():
+        pols[f"simlayerkv@{ratio}"] = SimLayerKV(lazy_threshold=threshold, n_recent=128)
+        pols[f"simlayerkv~0.7@{ratio}"] = SimLayerKV(lazy_threshold=0.7, n_recent=128)  # a threshold between them
     for pol in pols.values():  # what a policy reads from the model (CriticalKV's output projections, the RoPE)
         pol.prepare(loaded.model, None)
     ids = torch.tensor([FIXTURE["ids"]])
@@ -204,7 +210,7 @@ def jaccards(ours, theirs) -> list[float]:
 
 
 @pytest.mark.parametrize(
-    "key", [f"{p}@{r}" for p in [*SAME, "compactor", "lukv_expected_attention"] for r in ("0.5", "0.75")]
+    "key", [f"{p}@{r}" for p in [*SAME, "compactor", "lukv_expected_attention", "simlayerkv"] for r in ("0.5", "0.75")]
 )
 def test_evalkit_keeps_what_kvpress_keeps(kept_by_evalkit, key):
     ours, theirs = kept_by_evalkit[key], kvpress_kept(key)
@@ -273,3 +279,13 @@ def test_lukv_agrees_only_with_the_curves_head_budgets(kept_by_evalkit, ratio):
         kept_by_evalkit[f"expected_attention~0.02@{ratio}"], kvpress_kept(f"lukv_expected_attention@{ratio}")
     )
     assert sum(even) / len(even) < 0.95, f"k in every head: mean Jaccard {sum(even) / len(even):.4f}"
+
+
+@pytest.mark.parametrize("ratio", ["0.5", "0.75"])
+def test_simlayerkv_finds_kvpress_lazy_layers_and_only_at_its_threshold(kept_by_evalkit, ratio):
+    """Every layer holds what SimLayerKVPress's holds (all 826 tokens, or 4 + 128 - 1 when lazy), some layers of
+    each; at a threshold between the two slots' the lazy layers are others, so the check can fail."""
+    theirs = [len(layer[0]) for layer in kvpress_kept(f"simlayerkv@{ratio}")]
+    assert set(theirs) == {len(FIXTURE["ids"]), 4 + 128 - 1}
+    assert [len(layer[0]) for layer in kept_by_evalkit[f"simlayerkv@{ratio}"]] == theirs
+    assert [len(layer[0]) for layer in kept_by_evalkit[f"simlayerkv~0.7@{ratio}"]] != theirs
