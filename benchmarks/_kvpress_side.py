@@ -21,6 +21,7 @@ import kvpress
 import numpy as np
 import torch
 import transformers
+from kvpress.presses.kvzap_press import KVzapModel
 from kvpress.presses.qfilter_press import QFilters
 from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -58,6 +59,17 @@ def qfilter_press(ratio: float, folder: str | None):
     return press
 
 
+def kvzap_press(ratio: float, folder: str | None):
+    """kvpress's KVzapPress with the surrogates of `folder` (KVzapModel.from_pretrained reads a local folder), instead
+    of those it downloads for the model's name when the press starts."""
+    if folder is None:
+        return None
+    press = kvpress.KVzapPress(compression_ratio=ratio, model_type="linear")
+    press.kvzap_model = KVzapModel.from_pretrained(folder).to(torch.float32)
+    press.post_init_from_model = lambda model: None  # the surrogates above, not a download
+    return press
+
+
 def snapkv(ratio: float):
     """SnapKVPress with the window and kernel every SnapKV pair uses (evalkit's SnapKV is given the same)."""
     return kvpress.SnapKVPress(compression_ratio=ratio, window_size=WINDOW, kernel_size=KERNEL)
@@ -74,11 +86,15 @@ def lukv_press(ratio: float, curve: str | None):
 
 
 def presses(
-    ratio: float, qfilters: str | None = None, ea_stats: str | None = None, lukv_curve: str | None = None
+    ratio: float,
+    qfilters: str | None = None,
+    ea_stats: str | None = None,
+    lukv_curve: str | None = None,
+    kvzap: str | None = None,
 ) -> dict[str, tuple[object, str]]:
-    """name -> (press, attention implementation it needs); `qfilters`, `ea_stats`, `lukv_curve`: the files of the
-    Q-Filters, Expected Attention's query statistics and LU-KV's curve to use (a press needing one is left out
-    without it)."""
+    """name -> (press, attention implementation it needs); `qfilters`, `ea_stats`, `lukv_curve`, `kvzap`: the files of
+    the Q-Filters, Expected Attention's query statistics, LU-KV's curve and KVzap's surrogates to use (a press needing
+    one is left out without it)."""
     return {
         # LU-KV's per-head budgets from a local curve (evalkit's, benchmarks/lukv_curve.py); kvpress masks the keys
         "lukv_expected_attention": (lukv_press(ratio, lukv_curve), "sdpa"),
@@ -89,6 +105,8 @@ def presses(
         ),
         # Q-Filters from a local folder (evalkit's calibration, benchmarks/qfilter_calibrate.py), as evalkit reads them
         "qfilter": (qfilter_press(ratio, qfilters), "sdpa"),
+        # KVzap's linear surrogates from a local folder (evalkit's stand-in fit, benchmarks/kvzap_calibrate.py)
+        "kvzap": (kvzap_press(ratio, kvzap), "sdpa"),
         "streaming_llm": (kvpress.StreamingLLMPress(compression_ratio=ratio, n_sink=SINKS), "sdpa"),
         "knorm": (kvpress.KnormPress(compression_ratio=ratio), "sdpa"),
         "snapkv": (snapkv(ratio), "sdpa"),
@@ -200,6 +218,7 @@ def main() -> None:
         "--ea-stats", help="folder of Expected Attention's query statistics (ExpectedAttentionStats format)"
     )
     ap.add_argument("--lukv-curve", help="LU-KV's budget curve, a .npy file (99, layers, KV heads)")
+    ap.add_argument("--kvzap", help="folder of KVzap's surrogates (KVzapModel format) for the kvzap press")
     args = ap.parse_args()
     torch.manual_seed(0)
     transformers.utils.logging.disable_progress_bar()
@@ -219,7 +238,8 @@ def main() -> None:
             full[impl] = prefill(model, ids)
         kept, held, worst = {}, {}, 0.0
         for ratio in args.ratios:
-            for name, (press, impl) in presses(ratio, args.qfilters, args.ea_stats, args.lukv_curve).items():
+            files = (args.qfilters, args.ea_stats, args.lukv_curve, args.kvzap)
+            for name, (press, impl) in presses(ratio, *files).items():
                 if args.presses and name not in args.presses or press is None:
                     continue
                 model.set_attn_implementation(impl)

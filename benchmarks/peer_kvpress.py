@@ -49,6 +49,7 @@ count as an integer budget. Pairs compared (kvpress press <-> evalkit policy):
     EntropyGatedChunkKVPress(SnapKVPress)    <-> entropy_chunkkv(snapkv) (chunks of 10, spiky ones cut to 4)
     PerLayerCompressionPress(SnapKVPress)    <-> per_layer(snapkv) (ratios linear in depth, ratio +- 0.2);
                                                  per_layer(snapkv)* at kvpress's count per layer, int(T (1 - r))
+    KVzapPress("linear", KVZAP's surrogates) <-> kvzap (weights_path: the same folder)
     SimLayerKVPress(n_recent 128)            <-> simlayerkv (n_recent 128; no ratio: lazy_threshold 0.8 in the
                                                  0.5 slot, 0.6 in the 0.75 slot, each making some layers lazy)
 
@@ -99,6 +100,7 @@ from evalkit.policies.expected_attention_stats import ExpectedAttentionStats
 from evalkit.policies.h2o import H2O
 from evalkit.policies.keydiff import KeyDiff
 from evalkit.policies.knorm import KNorm
+from evalkit.policies.kvzap import KVzap
 from evalkit.policies.kvzip import KVzip
 from evalkit.policies.lagkv import LagKV
 from evalkit.policies.leverage import LeverageScore
@@ -121,6 +123,7 @@ FIXTURE = ROOT / "tests" / "data" / "kvpress_smollm2_kept.json"
 QFILTERS = ROOT / "tests" / "data" / "qfilter_smollm2"  # benchmarks/qfilter_calibrate.py's filters for SmolLM2
 EA_STATS = ROOT / "tests" / "data" / "ea_stats_smollm2"  # benchmarks/ea_stats_calibrate.py's statistics for SmolLM2
 LUKV_CURVE = ROOT / "tests" / "data" / "lukv_smollm2.npy"  # benchmarks/lukv_curve.py's curve for SmolLM2
+KVZAP = ROOT / "tests" / "data" / "kvzap_smollm2"  # benchmarks/kvzap_calibrate.py's linear surrogates for SmolLM2
 RATIOS = (0.5, 0.75)  # kvpress compression_ratio: the fraction REMOVED; kept fractions 0.5 and 0.25
 LENGTHS = (800, 1800)  # context lengths asked of the needle task (prose haystack); the first is the fixture's
 WINDOW, KERNEL, BETA, SINKS = 32, 5, 20, 4
@@ -157,6 +160,7 @@ PAIRS = {
     "criticaladakv_snapkv": "criticaladakv(snapkv)",
     "entropy_chunkkv_snapkv": "entropy_chunkkv(snapkv)",
     "simlayerkv": "simlayerkv",
+    "kvzap": "kvzap",
 }
 
 
@@ -246,6 +250,7 @@ def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) ->
         "block(keydiff)": Block(inner=KeyDiff(decode=False), budget=k, block=128),
         "per_layer(snapkv)": PerLayer(inner=SnapKV(**snap), budget=1 - ratio, layer_budgets=kept),
         "simlayerkv": SimLayerKV(lazy_threshold=LAZY[ratio], n_recent=LAZY_RECENT),
+        "kvzap": KVzap(budget=k, weights_path=str(KVZAP)),
         "per_layer(snapkv)*": PerLayerAt(inner=SnapKV(**snap), budget=1 - ratio, layer_budgets=kept),
     }
     for pol in pols.values():
@@ -272,6 +277,7 @@ def run_kvpress(python: str, model_dir: Path, prompts: list[dict], only: list[st
         cmd = [python, str(SIDE), "--model", str(model_dir), "--input", str(src), "--output", str(dst)]
         cmd += ["--ratios", *map(str, RATIOS), "--presses", *only]
         cmd += ["--qfilters", str(QFILTERS), "--ea-stats", str(EA_STATS), "--lukv-curve", str(LUKV_CURVE)]
+        cmd += ["--kvzap", str(KVZAP)]
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": ""}
         subprocess.run(cmd, check=True, env=env)
         return json.loads(dst.read_text())
@@ -404,6 +410,7 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
                 "inner": "snapkv",
                 "layer_budgets": "1 - compression ratio per layer, linear from ratio - 0.2 to ratio + 0.2",
             },
+            "kvzap": {"policy": "kvzap", "weights_path": "tests/data/kvzap_smollm2"},
             "simlayerkv": {
                 "policy": "simlayerkv",
                 "lazy_threshold": "0.8 in the 0.5 slot, 0.6 in the 0.75 slot (it takes no compression ratio)",

@@ -228,6 +228,7 @@ WEIGHTS_TINY = {
     "qfilter": Path(__file__).parent / "data" / "qfilter_tiny",
     "expected_attention_stats": Path(__file__).parent / "data" / "ea_stats_tiny",
     "lukv": Path(__file__).parent / "data" / "lukv_tiny.npy",  # benchmarks/lukv_curve.py
+    "kvzap": Path(__file__).parent / "data" / "kvzap_tiny",  # benchmarks/kvzap_calibrate.py
 }
 
 

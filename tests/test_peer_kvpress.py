@@ -40,6 +40,7 @@ from evalkit.policies.expected_attention_stats import ExpectedAttentionStats
 from evalkit.policies.h2o import H2O
 from evalkit.policies.keydiff import KeyDiff
 from evalkit.policies.knorm import KNorm
+from evalkit.policies.kvzap import KVzap
 from evalkit.policies.kvzip import KVzip
 from evalkit.policies.lagkv import LagKV
 from evalkit.policies.leverage import LeverageScore
@@ -59,6 +60,7 @@ FIXTURE = json.loads((ROOT / "tests" / "data" / "kvpress_smollm2_kept.json").rea
 QFILTERS = ROOT / "tests" / "data" / "qfilter_smollm2"
 EA_STATS = ROOT / "tests" / "data" / "ea_stats_smollm2"
 LUKV_CURVE = ROOT / "tests" / "data" / "lukv_smollm2.npy"
+KVZAP = ROOT / "tests" / "data" / "kvzap_smollm2"
 SNAP = {"window": 32, "kernel": 5, "pooling": "avg", "decode": False}
 # kvpress press -> the evalkit policy defined the same way, at kvpress's kept count k
 SAME = {
@@ -91,6 +93,8 @@ SAME = {
     "qfilter": lambda k: QFilter(budget=k, weights_path=str(QFILTERS)),
     # Expected Attention with the query statistics the fixture's kvpress side read (benchmarks/ea_stats_calibrate.py's)
     "expected_attention_stats": lambda k: ExpectedAttentionStats(budget=k, weights_path=str(EA_STATS)),
+    # KVzap's linear surrogates read from the folder the fixture's kvpress side read (benchmarks/kvzap_calibrate.py's)
+    "kvzap": lambda k: KVzap(budget=k, weights_path=str(KVZAP)),
     # KeyDiff's block-wise processing of the prompt, blocks of 128 (kvpress's BlockPress)
     "block_keydiff": lambda k: Block(inner=KeyDiff(decode=False), budget=k, block=128),
     # independent chunks of 256 tokens, each KeyDiff's on its own (kvpress's ChunkPress)
@@ -128,6 +132,16 @@ class KVzipAtCount(KVzip):
         if self.layerwise:  # evalkit's own loop over the layers, only checked against the sum
             return select(self, views, targets, across=False)
         return super().select_layers(views, targets)
+
+
+@dataclass(kw_only=True)
+class NegatedKVzap(KVzap):
+    """KVzap with every surrogate's output negated: the tokens it ranked last come first."""
+
+    def prepare(self, model, probes) -> dict:
+        prepared = super().prepare(model, probes)
+        self.surrogates = [lambda x, f=f: -f(x) for f in self.surrogates]
+        return prepared
 
 
 @dataclass(kw_only=True)
@@ -181,6 +195,7 @@ def kept_by_evalkit():
         pols[f"compactor@{ratio}"] = Compactor(budget=k, blending=float(ratio))
         pols[f"leverage~seed1@{ratio}"] = LeverageScore(budget=k, seed=1)  # another sketch
         pols[f"qfilter~negated@{ratio}"] = Negated(budget=k, weights_path=str(QFILTERS))  # the filters' sign flipped
+        pols[f"kvzap~negated@{ratio}"] = NegatedKVzap(budget=k, weights_path=str(KVZAP))  # the scores' sign flipped
         # LU-KV's heads' shares from the curve the fixture's kvpress side read; its row is the budget's fraction
         lukv = LUKV(inner=ExpectedAttention(epsilon=0.02), budget=1 - float(ratio), weights_path=str(LUKV_CURVE))
         pols[f"lukv_expected_attention@{ratio}"] = lukv
@@ -289,3 +304,10 @@ def test_simlayerkv_finds_kvpress_lazy_layers_and_only_at_its_threshold(kept_by_
     assert set(theirs) == {len(FIXTURE["ids"]), 4 + 128 - 1}
     assert [len(layer[0]) for layer in kept_by_evalkit[f"simlayerkv@{ratio}"]] == theirs
     assert [len(layer[0]) for layer in kept_by_evalkit[f"simlayerkv~0.7@{ratio}"]] != theirs
+
+
+@pytest.mark.parametrize("ratio", ["0.5", "0.75"])
+def test_kvzap_agrees_only_with_the_surrogates_as_given(kept_by_evalkit, ratio):
+    """The KVzap check can fail: with the surrogates' scores negated, evalkit keeps other tokens than kvpress."""
+    other = jaccards(kept_by_evalkit[f"kvzap~negated@{ratio}"], kvpress_kept(f"kvzap@{ratio}"))
+    assert sum(other) / len(other) < 0.9, f"kvzap, negated: mean Jaccard {sum(other) / len(other):.4f}"
