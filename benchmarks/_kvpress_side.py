@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 SINKS, WINDOW, KERNEL, BETA = 4, 32, 5, 20
 LAZY = {0.5: 0.8, 0.75: 0.6}  # SimLayerKV's lazy_threshold in each ratio's slot: it has no ratio of its own
 LAZY_RECENT = 128  # SimLayerKV's n_recent: below both prompts' lengths (kvpress's default 1024 would keep all)
+DMS_THRESHOLD = {0.5: -5.0, 0.75: -4.0}  # DMSPress's threshold on KVzap's scores in each ratio's slot: it has no ratio
 SKETCH_SEED = 0  # evalkit's leverage and compactor draw layer i's sketch from seed + i (their default seed: 0)
 
 
@@ -107,6 +108,13 @@ def presses(
         "qfilter": (qfilter_press(ratio, qfilters), "sdpa"),
         # KVzap's linear surrogates from a local folder (evalkit's stand-in fit, benchmarks/kvzap_calibrate.py)
         "kvzap": (kvzap_press(ratio, kvzap), "sdpa"),
+        # DMS over the same surrogates: no ratio, a threshold in each ratio's slot (DMS_THRESHOLD), the last 128 kept
+        "dms_kvzap": (
+            kvpress.DMSPress(kvzap_press(ratio, kvzap), threshold=DMS_THRESHOLD[ratio], sliding_window_size=128)
+            if kvzap
+            else None,
+            "sdpa",
+        ),
         "streaming_llm": (kvpress.StreamingLLMPress(compression_ratio=ratio, n_sink=SINKS), "sdpa"),
         "knorm": (kvpress.KnormPress(compression_ratio=ratio), "sdpa"),
         "snapkv": (snapkv(ratio), "sdpa"),

@@ -50,6 +50,8 @@ count as an integer budget. Pairs compared (kvpress press <-> evalkit policy):
     PerLayerCompressionPress(SnapKVPress)    <-> per_layer(snapkv) (ratios linear in depth, ratio +- 0.2);
                                                  per_layer(snapkv)* at kvpress's count per layer, int(T (1 - r))
     KVzapPress("linear", KVZAP's surrogates) <-> kvzap (weights_path: the same folder)
+    DMSPress(KVzapPress, window 128)         <-> dms(kvzap) (window 128; no ratio: threshold -5 in the 0.5 slot,
+                                                 -4 in the 0.75 slot, on KVzap's log scores)
     SimLayerKVPress(n_recent 128)            <-> simlayerkv (n_recent 128; no ratio: lazy_threshold 0.8 in the
                                                  0.5 slot, 0.6 in the 0.75 slot, each making some layers lazy)
 
@@ -94,6 +96,7 @@ from evalkit.policies.compactor import Compactor
 from evalkit.policies.critical import CriticalKV
 from evalkit.policies.critical_ada import CriticalAdaKV
 from evalkit.policies.cur import CUR
+from evalkit.policies.dms import DMS
 from evalkit.policies.entropy_chunkkv import EntropyGatedChunkKV
 from evalkit.policies.expected_attention import ExpectedAttention
 from evalkit.policies.expected_attention_stats import ExpectedAttentionStats
@@ -129,6 +132,7 @@ LENGTHS = (800, 1800)  # context lengths asked of the needle task (prose haystac
 WINDOW, KERNEL, BETA, SINKS = 32, 5, 20, 4
 LAZY = {0.5: 0.8, 0.75: 0.6}  # SimLayerKV's lazy_threshold in each ratio's slot (benchmarks/_kvpress_side.py's)
 LAZY_RECENT = 128
+DMS_THRESHOLD = {0.5: -5.0, 0.75: -4.0}  # DMS's threshold on KVzap's scores per ratio slot (_kvpress_side.py's)
 GROUP = 3  # SmolLM2-135M's query heads per KV head (9 / 3)
 # kvpress press name -> evalkit policy it is compared with (a label in the table)
 PAIRS = {
@@ -161,6 +165,7 @@ PAIRS = {
     "entropy_chunkkv_snapkv": "entropy_chunkkv(snapkv)",
     "simlayerkv": "simlayerkv",
     "kvzap": "kvzap",
+    "dms_kvzap": "dms(kvzap)",
 }
 
 
@@ -251,6 +256,7 @@ def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) ->
         "per_layer(snapkv)": PerLayer(inner=SnapKV(**snap), budget=1 - ratio, layer_budgets=kept),
         "simlayerkv": SimLayerKV(lazy_threshold=LAZY[ratio], n_recent=LAZY_RECENT),
         "kvzap": KVzap(budget=k, weights_path=str(KVZAP)),
+        "dms(kvzap)": DMS(inner=KVzap(weights_path=str(KVZAP)), threshold=DMS_THRESHOLD[ratio], window=128),
         "per_layer(snapkv)*": PerLayerAt(inner=SnapKV(**snap), budget=1 - ratio, layer_budgets=kept),
     }
     for pol in pols.values():
@@ -411,6 +417,12 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
                 "layer_budgets": "1 - compression ratio per layer, linear from ratio - 0.2 to ratio + 0.2",
             },
             "kvzap": {"policy": "kvzap", "weights_path": "tests/data/kvzap_smollm2"},
+            "dms_kvzap": {
+                "policy": "dms",
+                "inner": {"name": "kvzap", "weights_path": "tests/data/kvzap_smollm2"},
+                "threshold": "-5.0 in the 0.5 slot, -4.0 in the 0.75 slot (it takes no compression ratio)",
+                "window": 128,
+            },
             "simlayerkv": {
                 "policy": "simlayerkv",
                 "lazy_threshold": "0.8 in the 0.5 slot, 0.6 in the 0.75 slot (it takes no compression ratio)",

@@ -245,6 +245,11 @@ def policy(name: str, budget, **overrides):
     if name == "simlayerkv":  # keeps everything or a lazy layer's ends: no budget; a recent window that fits CTX
         cfg.policy.budget = 1.0
         cfg.policy.n_recent = overrides.get("n_recent", 16)
+    if name == "dms":  # kvzap's tiny surrogates (their scores run -9.7 to -8.5 here), a recent window that fits CTX;
+        # no budget: budget 1.0 asks it to keep everything (no threshold), any other a threshold near their median
+        cfg.policy.inner.weights_path = str(WEIGHTS_TINY["kvzap"])
+        cfg.policy.threshold = float("-inf") if budget == 1.0 else overrides.get("threshold", -9.0)
+        cfg.policy.budget, cfg.policy.window = 1.0, overrides.get("window", 16)
     if name == "duo_attention":  # roles from a hand-written pattern (DUO_PATTERN), windows that fit CTX
         cfg.policy.pattern = cfg.policy.pattern or str(DUO_PATTERN)
         cfg.policy.sink, cfg.policy.recent = overrides.get("sink", 4), overrides.get("recent", 16)

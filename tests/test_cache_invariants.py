@@ -26,8 +26,8 @@ GLOBAL = ("kvzip",)
 # percent); at 40 of 96 tokens (58.3% pruned, the 59% row) up to 1% of the tokens fewer
 CURVE = ("lukv",)
 # what they hold is not a count of tokens per head: duo_attention's budget is a share of heads (test_ragged),
-# simlayerkv keeps a layer whole or its lazy ends (test_simlayerkv)
-NO_TOKEN_BUDGET = ("duo_attention", "simlayerkv")
+# simlayerkv keeps a layer whole or its lazy ends (test_simlayerkv), dms what scores above its threshold (test_dms)
+NO_TOKEN_BUDGET = ("duo_attention", "simlayerkv", "dms")
 
 
 def run(model, ids, pol=None, steps=STEPS, after=None):

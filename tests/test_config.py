@@ -46,6 +46,11 @@ def test_every_policy_config_composes_and_instantiates(name):
             policy.validate(None)
         cfg.policy.weights_path = str(WEIGHTS_TINY[name])
         policy = build(cfg.policy, "policy")
+    if name == "dms":  # its threshold and its inner kvzap's surrogates are required settings
+        with pytest.raises(ConfigError, match="dms needs policy.threshold, in its inner policy's score units"):
+            policy.validate(None)
+        cfg.policy.threshold, cfg.policy.inner.weights_path = -9.0, str(WEIGHTS_TINY["kvzap"])
+        policy = build(cfg.policy, "policy")
     policy.validate(None)  # every value of the shipped YAML has its field's type
     run_spec(cfg)  # and the whole config passes the checks made before a model loads
 

@@ -34,6 +34,7 @@ from evalkit.policies.compactor import Compactor
 from evalkit.policies.critical import CriticalKV
 from evalkit.policies.critical_ada import CriticalAdaKV
 from evalkit.policies.cur import CUR
+from evalkit.policies.dms import DMS
 from evalkit.policies.entropy_chunkkv import EntropyGatedChunkKV
 from evalkit.policies.expected_attention import ExpectedAttention
 from evalkit.policies.expected_attention_stats import ExpectedAttentionStats
@@ -164,6 +165,8 @@ class PerLayerAtCount(PerLayer):
 
 # SimLayerKV takes no ratio: the fixture's side gave SimLayerKVPress a lazy_threshold in each ratio's slot, n_recent 128
 LAZY = {"0.5": 0.8, "0.75": 0.6}
+# DMS takes no ratio either: DMSPress over KVzapPress was given a threshold on KVzap's scores in each ratio's slot
+DMS_THRESHOLD = {"0.5": -5.0, "0.75": -4.0}
 # PerLayerCompressionPress(SnapKVPress)'s ratio per layer, as the fixture records them
 LAYER_RATIOS = {r: FIXTURE["header"]["per_layer_ratios"][r] for r in ("0.5", "0.75")}
 
@@ -200,6 +203,9 @@ def kept_by_evalkit():
         lukv = LUKV(inner=ExpectedAttention(epsilon=0.02), budget=1 - float(ratio), weights_path=str(LUKV_CURVE))
         pols[f"lukv_expected_attention@{ratio}"] = lukv
         pols[f"expected_attention~0.02@{ratio}"] = ExpectedAttention(budget=k, epsilon=0.02)  # every head its k
+    for ratio, threshold in DMS_THRESHOLD.items():
+        pols[f"dms_kvzap@{ratio}"] = DMS(inner=KVzap(weights_path=str(KVZAP)), threshold=threshold, window=128)
+        pols[f"dms_kvzap~window0@{ratio}"] = DMS(inner=KVzap(weights_path=str(KVZAP)), threshold=threshold, window=0)
     for ratio, threshold in LAZY.items():
         pols[f"simlayerkv@{ratio}"] = SimLayerKV(lazy_threshold=threshold, n_recent=128)
         pols[f"simlayerkv~0.7@{ratio}"] = SimLayerKV(lazy_threshold=0.7, n_recent=128)  # a threshold between them
@@ -225,14 +231,20 @@ def jaccards(ours, theirs) -> list[float]:
 
 
 @pytest.mark.parametrize(
-    "key", [f"{p}@{r}" for p in [*SAME, "compactor", "lukv_expected_attention", "simlayerkv"] for r in ("0.5", "0.75")]
+    "key",
+    [
+        f"{p}@{r}"
+        for p in [*SAME, "compactor", "lukv_expected_attention", "simlayerkv", "dms_kvzap"]
+        for r in ("0.5", "0.75")
+    ],
 )
 def test_evalkit_keeps_what_kvpress_keeps(kept_by_evalkit, key):
     ours, theirs = kept_by_evalkit[key], kvpress_kept(key)
     jaccard = jaccards(ours, theirs)
     assert len(jaccard) == 30 * 3
     assert sum(jaccard) / len(jaccard) >= 0.99, f"{key}: mean Jaccard {sum(jaccard) / len(jaccard):.4f}"
-    if key.split("@")[0] not in KVZIP:  # KVzip's counts per head follow the scores (and the rounding, above)
+    # KVzip's and DMS's counts per head follow the scores (KVzip's the rounding, above; DMS's the threshold, below)
+    if key.split("@")[0] not in (*KVZIP, "dms_kvzap"):
         assert [len(h) for h in ours[0]] == [len(h) for h in theirs[0]], "the same number of tokens kept"
 
 
@@ -311,3 +323,17 @@ def test_kvzap_agrees_only_with_the_surrogates_as_given(kept_by_evalkit, ratio):
     """The KVzap check can fail: with the surrogates' scores negated, evalkit keeps other tokens than kvpress."""
     other = jaccards(kept_by_evalkit[f"kvzap~negated@{ratio}"], kvpress_kept(f"kvzap@{ratio}"))
     assert sum(other) / len(other) < 0.9, f"kvzap, negated: mean Jaccard {sum(other) / len(other):.4f}"
+
+
+@pytest.mark.parametrize("ratio", ["0.5", "0.75"])
+def test_dms_keeps_kvpress_count_per_head_and_its_window(kept_by_evalkit, ratio):
+    """DMS's heads keep what scores above the threshold: each head's count is kvpress's (heads differ; a token or two
+    apart where a score sits within float rounding of the threshold), and without the window of 128 recent tokens
+    evalkit keeps other sets, so the check can fail."""
+    theirs = kvpress_kept(f"dms_kvzap@{ratio}")
+    counts = [len(h) for layer in theirs for h in layer]
+    assert len(set(counts)) > 1
+    ours = [len(h) for layer in kept_by_evalkit[f"dms_kvzap@{ratio}"] for h in layer]
+    assert max(abs(a - b) for a, b in zip(ours, counts, strict=True)) <= 2
+    other = jaccards(kept_by_evalkit[f"dms_kvzap~window0@{ratio}"], theirs)
+    assert sum(other) / len(other) < 0.99, f"dms, no window: mean Jaccard {sum(other) / len(other):.4f}"
