@@ -288,6 +288,13 @@ class Wrapper(KVPolicy):
             raise ConfigError(str(err).replace("policy.", "policy.inner.")) from None
 
 
+def no_budget(budget: float | int, keeps: str) -> None:
+    """For a policy whose settings, not a budget, decide what it keeps (SimLayerKV, DMS): a ConfigError unless `budget`
+    is 1.0 (every head may keep every token); `keeps` says what it keeps and which setting to turn instead."""
+    if budget != 1.0:
+        raise ConfigError(f"policy.budget={budget}: {keeps}, and leave policy.budget at 1.0")
+
+
 def checked_scores(policy: KVPolicy, scores: object, view: LayerView) -> Tensor:
     """`score`'s answer as float32 (B, Hkv, T), or a PolicyError: the wrong shape, or a score that is NaN or infinite
     on a token that holds one (padding slots of a ragged layer are not scored)."""
@@ -349,5 +356,6 @@ __all__ = [
     "checked_scores",
     "gather_tokens",
     "kept_protected",
+    "no_budget",
     "padded_indices",
 ]

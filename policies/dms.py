@@ -15,7 +15,7 @@ from typing import ClassVar
 from torch import Tensor
 
 from evalkit.errors import ConfigError
-from evalkit.policies import LayerView, Wrapper, checked_scores, padded_indices
+from evalkit.policies import LayerView, Wrapper, checked_scores, no_budget, padded_indices
 
 
 @dataclass(kw_only=True)
@@ -42,12 +42,11 @@ class DMS(Wrapper):
         return padded_indices(kept & view.real)
 
     def check_params(self) -> None:
-        if self.budget != 1.0:
-            raise ConfigError(
-                f"policy.budget={self.budget}: DMS keeps every token its inner policy scores at or above "
-                "policy.threshold and the last policy.window; set what it saves with the threshold, and leave "
-                "policy.budget at 1.0"
-            )
+        no_budget(
+            self.budget,
+            "DMS keeps every token its inner policy scores at or above policy.threshold and the last policy.window; "
+            "set what it saves with the threshold",
+        )
         if self.threshold is None:
             raise ConfigError(
                 "dms needs policy.threshold, in its inner policy's score units (with kvzap, the log of a KVzip+ score, "

@@ -28,7 +28,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from evalkit.attention.observation import Observation
+from evalkit.attention.observation import Observation, attention_inputs
 from evalkit.errors import ConfigError
 from evalkit.policies import KVPolicy, LayerView
 from evalkit.policies.weights import check_shape, read_tensors, recorded, weights_file
@@ -46,16 +46,11 @@ class HiddenStates(Observation):
     def second_pass(self, model: torch.nn.Module, full, context: Tensor, prompt) -> dict[int, Tensor]:
         got: dict[int, Tensor] = {}
 
-        def record(module, args, kwargs):
-            got[module.layer_idx] = kwargs.get("hidden_states", args[0] if args else None).float()
+        def record(layer_idx: int, hidden: Tensor) -> None:
+            got[layer_idx] = hidden.float()
 
-        attention = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
-        hooks = [m.register_forward_pre_hook(record, with_kwargs=True) for m in attention]
-        try:
+        with attention_inputs(model, record):
             model(context, use_cache=False)
-        finally:
-            for hook in hooks:
-                hook.remove()
         return got
 
 

@@ -17,8 +17,7 @@ chunk: a query chunk's scores (bounded by evalkit.attention.fused.CHUNK_ELEMENTS
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -27,7 +26,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
 from evalkit.attention.fused import query_chunk
-from evalkit.attention.observation import Observation
+from evalkit.attention.observation import Observation, attention_inputs
 from evalkit.attention.sdpa import observe, require_named
 
 PREVIOUS_IDS = 8  # the ids of the previous chunk that a later chunk's repeat prompt quotes (kvpress: prev_postfix_size)
@@ -322,19 +321,11 @@ def reconstruction_cache(full: Cache, blocks: list[Block], sinks: int) -> tuple[
     return Cache(layers=layers), scores
 
 
-@contextmanager
-def hidden_norms(model: torch.nn.Module, cache: Cache) -> Iterator[None]:
-    """KVzip+: within the block, every attention module of `model` (one with a `layer_idx` and an `o_proj`) records
-    the norm of the hidden states it receives on its layer of `cache`; a forward pre-hook, removed afterwards."""
+def hidden_norms(model: torch.nn.Module, cache: Cache) -> AbstractContextManager[None]:
+    """KVzip+: within the block, every attention layer of `model` records on its layer of `cache` the norm of the hidden
+    states it receives."""
 
-    def record(module, args, kwargs):
-        hidden = kwargs.get("hidden_states", args[0] if args else None)
-        cache.layers[module.layer_idx].hidden_norms = hidden.float().norm(dim=-1)  # (B, L)
+    def record(layer_idx: int, hidden: Tensor) -> None:
+        cache.layers[layer_idx].hidden_norms = hidden.float().norm(dim=-1)  # (B, L)
 
-    attention = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
-    hooks = [m.register_forward_pre_hook(record, with_kwargs=True) for m in attention]
-    try:
-        yield
-    finally:
-        for hook in hooks:
-            hook.remove()
+    return attention_inputs(model, record)

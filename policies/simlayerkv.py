@@ -19,7 +19,7 @@ from torch import Tensor
 
 from evalkit.attention.observation import WindowQueries
 from evalkit.errors import ConfigError
-from evalkit.policies import KVPolicy, LayerView
+from evalkit.policies import KVPolicy, LayerView, no_budget
 from evalkit.policies.snapkv import window_attention
 
 
@@ -62,12 +62,11 @@ class SimLayerKV(KVPolicy):
         return keep.to(view.keys.device).expand(b, h, -1).clone()
 
     def check_params(self) -> None:
-        if self.budget != 1.0:
-            raise ConfigError(
-                f"policy.budget={self.budget}: SimLayerKV keeps every token of a layer, or (a lazy layer) the first "
-                "n_initial and last n_recent; set what it saves with policy.lazy_threshold (lower: more lazy layers) "
-                "and policy.n_recent, and leave policy.budget at 1.0"
-            )
+        no_budget(
+            self.budget,
+            "SimLayerKV keeps every token of a layer, or (a lazy layer) the first n_initial and last n_recent; set "
+            "what it saves with policy.lazy_threshold (lower: more lazy layers) and policy.n_recent",
+        )
         if not 0.0 <= self.lazy_threshold <= 1.0:
             raise ConfigError(f"policy.lazy_threshold={self.lazy_threshold}: a share of attention in [0, 1], e.g. 0.9")
         if self.n_last < 1 or self.n_initial < 0 or self.n_recent <= self.n_last:

@@ -242,9 +242,10 @@ def policy(name: str, budget, **overrides):
         cfg.policy.inner = {"name": "snapkv", "window": 8}
     if name in WEIGHTS_TINY:  # learned weights calibrated on the tiny model (benchmarks/*_calibrate.py)
         cfg.policy.weights_path = cfg.policy.weights_path or str(WEIGHTS_TINY[name])
-    if name == "simlayerkv":  # keeps everything or a lazy layer's ends: no budget; a recent window that fits CTX
-        cfg.policy.budget = 1.0
-        cfg.policy.n_recent = overrides.get("n_recent", 16)
+    if name == "simlayerkv":  # keeps everything or a lazy layer's ends: no budget; a recent window that fits CTX;
+        # budget 1.0 asks it to keep everything (no layer can be lazy above 1.0), any other its YAML's threshold
+        cfg.policy.lazy_threshold = 1.0 if budget == 1.0 else overrides.get("lazy_threshold", cfg.policy.lazy_threshold)
+        cfg.policy.budget, cfg.policy.n_recent = 1.0, overrides.get("n_recent", 16)
     if name == "dms":  # kvzap's tiny surrogates (their scores run -9.7 to -8.5 here), a recent window that fits CTX;
         # no budget: budget 1.0 asks it to keep everything (no threshold), any other a threshold near their median
         cfg.policy.inner.weights_path = str(WEIGHTS_TINY["kvzap"])
@@ -280,6 +281,14 @@ def eager(tiny):
     model = copy.deepcopy(tiny.model)
     model.set_attn_implementation("eager")
     return model
+
+
+def attention_inputs_by_hand(model, context: torch.Tensor) -> list[torch.Tensor]:
+    """Per decoder layer, (B, T, hidden): the hidden states its attention receives, from transformers' own outputs
+    (output_hidden_states, the input of each layer) through that layer's input norm, in float32."""
+    with torch.inference_mode():
+        out = model(context, output_hidden_states=True)
+    return [layer.input_layernorm(out.hidden_states[i]).float() for i, layer in enumerate(model.model.layers)]
 
 
 def by_kv_head(x: torch.Tensor, hkv: int) -> torch.Tensor:

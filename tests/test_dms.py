@@ -16,7 +16,7 @@ from evalkit.kv.cache import held_per_layer, held_positions
 from evalkit.policies import KVPolicy, LayerView
 from evalkit.policies.dms import DMS
 from evalkit.policies.kvzap import KVzap
-from tests.conftest import CTX, WEIGHTS_TINY, compressed, run_cli
+from tests.conftest import CTX, WEIGHTS_TINY, attention_inputs_by_hand, compressed, run_cli
 
 
 @dataclass(kw_only=True)
@@ -50,10 +50,7 @@ def test_on_the_model_each_head_keeps_what_a_plain_rule_keeps_over_the_reference
     window, threshold = 16, -9.0
     pol = DMS(inner=KVzap(weights_path=str(WEIGHTS_TINY["kvzap"])), threshold=threshold, window=window)
     _, cache = compressed(tiny.model, ids, pol)
-    with torch.inference_mode():
-        out = tiny.model(ids[:, :CTX], output_hidden_states=True)
-    for i, layer in enumerate(tiny.model.model.layers):
-        hidden = layer.input_layernorm(out.hidden_states[i]).float()
+    for i, hidden in enumerate(attention_inputs_by_hand(tiny.model, ids[:, :CTX])):
         scores = pol.inner.surrogates[i](hidden).transpose(1, 2)[0]  # (Hkv, T)
         for h, held in enumerate(held_positions(cache.layers[i])[0]):
             want = [p for p in range(CTX) if p >= CTX - window or scores[h, p] >= threshold]

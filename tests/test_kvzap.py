@@ -19,7 +19,7 @@ from evalkit.errors import ConfigError
 from evalkit.kv.cache import held_positions
 from evalkit.policies import LayerView
 from evalkit.policies.kvzap import HiddenStates, KVzap, surrogates
-from tests.conftest import CTX, WEIGHTS_TINY, compressed, run_cli
+from tests.conftest import CTX, WEIGHTS_TINY, attention_inputs_by_hand, compressed, run_cli
 
 
 def write_surrogates(folder, tensors: dict, hidden_dim, n: int, d: int, h: int) -> str:
@@ -72,20 +72,15 @@ def test_the_hidden_states_are_what_each_attention_receives(tiny, ids):
     layer's input norm, are what its attention receives."""
     context = ids[:, :CTX]
     got = HiddenStates().second_pass(tiny.model, None, context, None)
-    with torch.inference_mode():
-        out = tiny.model(context, output_hidden_states=True)
-    for i, layer in enumerate(tiny.model.model.layers):
-        want = layer.input_layernorm(out.hidden_states[i]).float()
+    for i, want in enumerate(attention_inputs_by_hand(tiny.model, context)):
         torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-5)
 
 
 def test_on_the_model_each_head_keeps_the_top_k_of_the_surrogate_on_the_reference_hidden_states(tiny, ids):
     pol = KVzap(budget=24, weights_path=str(WEIGHTS_TINY["kvzap"]))
     _, cache = compressed(tiny.model, ids, pol)
-    with torch.inference_mode():
-        out = tiny.model(ids[:, :CTX], output_hidden_states=True)
-    for i, layer in enumerate(tiny.model.model.layers):
-        scores = pol.surrogates[i](layer.input_layernorm(out.hidden_states[i]).float()).transpose(1, 2)  # (1, Hkv, T)
+    for i, hidden in enumerate(attention_inputs_by_hand(tiny.model, ids[:, :CTX])):
+        scores = pol.surrogates[i](hidden).transpose(1, 2)  # (1, Hkv, T)
         want = scores.topk(24, dim=-1).indices.sort(dim=-1).values
         assert torch.equal(held_positions(cache.layers[i]), want)
 

@@ -21,6 +21,8 @@ The engine hands the attention function one `Recorder` per forward (evalkit.atte
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
@@ -119,6 +121,25 @@ class WindowQueries(Observation):
             queries = torch.cat([held.queries, queries], dim=2)[:, :, -w:]
             positions = torch.cat([held.positions, positions])[-w:]
         return Window(queries, positions)
+
+
+@contextmanager
+def attention_inputs(model: torch.nn.Module, record: Callable[[int, Tensor], None]) -> Iterator[None]:
+    """Within the block, `record(layer_idx, hidden)` with the hidden states (B, L, hidden) that every attention module
+    of `model` (one with a `layer_idx` and an `o_proj`) receives, after its layer's input norm: forward pre-hooks,
+    removed afterwards. For an observation whose pass needs what the attention function does not see (KVzip+'s
+    norms, KVzap's hidden states)."""
+
+    def hook(module, args, kwargs):
+        record(module.layer_idx, kwargs.get("hidden_states", args[0] if args else None))
+
+    attention = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
+    hooks = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in attention]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 class Recorder(Protocol):
