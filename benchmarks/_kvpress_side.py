@@ -7,7 +7,9 @@ For every prompt, press and compression ratio it prefills the ids once under the
 positions each layer and KV head still holds by matching every held key row against the keys of a plain prefill
 of the same ids (post-RoPE keys differ from position to position, and a press only gathers rows, so each held
 row equals exactly one full-cache row). That needs nothing from the press's internals, and also checks that
-the press did nothing but select rows.
+the press did nothing but select rows. Presses that rewrite what they keep (BY_VALUES: re-rotated keys, zeroed key
+channels) are matched by their held values instead, which they leave as they were; for every press in REWRITES the
+output also holds a digest of each held token's key and value (`digest`) and each head's zeroed key channels.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import kvpress
 import numpy as np
 import torch
 import transformers
+from _digest import digest, pruned  # benchmarks/_digest.py, beside this script: evalkit's side digests alike
 from kvpress.presses.kvzap_press import KVzapModel
 from kvpress.presses.qfilter_press import QFilters
 from transformers import AutoModelForCausalLM, DynamicCache
@@ -29,6 +32,10 @@ SINKS, WINDOW, KERNEL, BETA = 4, 32, 5, 20
 LAZY = {0.5: 0.8, 0.75: 0.6}  # SimLayerKV's lazy_threshold in each ratio's slot: it has no ratio of its own
 LAZY_RECENT = 128  # SimLayerKV's n_recent: below both prompts' lengths (kvpress's default 1024 would keep all)
 DMS_THRESHOLD = {0.5: -5.0, 0.75: -4.0}  # DMSPress's threshold on KVzap's scores in each ratio's slot: it has no ratio
+# Presses whose held keys are not rows of the full cache (re-rotated, channels zeroed): their kept positions are
+# recovered from the held values, which they leave as they were
+BY_VALUES = ("key_rerotation_snapkv", "think", "think_snapkv")
+REWRITES = ("key_rerotation_snapkv", "merging_snapkv", "think", "think_snapkv")  # their held tensors are digested
 SKETCH_SEED = 0  # evalkit's leverage and compactor draw layer i's sketch from seed + i (their default seed: 0)
 
 
@@ -164,6 +171,16 @@ def presses(
         # SimLayerKV takes no ratio: in each ratio's slot a lazy_threshold that makes some layers lazy (LAZY), n_recent
         # 128, its defaults otherwise (n_last 1, n_initial 4)
         "simlayerkv": (kvpress.SimLayerKVPress(lazy_threshold=LAZY[ratio], n_recent=LAZY_RECENT), "sdpa"),
+        # presses that rewrite what the kept tokens hold, over SnapKV: kept keys re-rotated to contiguous positions;
+        # evicted values merged into the most similar kept token's (threshold 0, every evicted token: its defaults);
+        # ThinK's key channels, a share `ratio` of them pruned alone, half of them after SnapKV (ComposedPress)
+        "key_rerotation_snapkv": (kvpress.KeyRerotationPress(snapkv(ratio)), "sdpa"),
+        "merging_snapkv": (kvpress.MergingPress(snapkv(ratio)), "sdpa"),
+        "think": (kvpress.ThinKPress(key_channel_compression_ratio=ratio, window_size=WINDOW), "sdpa"),
+        "think_snapkv": (
+            kvpress.ComposedPress([snapkv(ratio), kvpress.ThinKPress(key_channel_compression_ratio=0.5)]),
+            "sdpa",
+        ),
         # head-adaptive: kvpress keeps every key and masks the evicted ones (module.masked_key_indices)
         "adakv_snapkv": (kvpress.AdaKVPress(snapkv(ratio)), "sdpa"),
     }
@@ -188,30 +205,32 @@ def masked_positions(model, n_tokens: int) -> list[list[list[int]]] | None:
 
 
 @torch.inference_mode()
-def prefill(model, ids: torch.Tensor, press=None) -> list[torch.Tensor]:
-    """Per layer, the (Hkv, T_held, D) keys the cache holds after prefilling `ids` (under `press` if given)."""
+def prefill(model, ids: torch.Tensor, press=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the (Hkv, T_held, D) keys and values the cache holds after prefilling `ids` (under `press`)."""
     cache = DynamicCache(config=model.config)
     if press is None:
         model(input_ids=ids, past_key_values=cache, use_cache=True)
     else:
         with press(model):
             model(input_ids=ids, past_key_values=cache, use_cache=True)
-    return [layer.keys[0].clone() for layer in cache.layers]
+    return [(layer.keys[0].clone(), layer.values[0].clone()) for layer in cache.layers]
 
 
-def positions(held: torch.Tensor, full: torch.Tensor) -> tuple[list[list[int]], float]:
-    """Per KV head, the sorted positions of the full-cache rows that the held rows equal; and the largest
-    distance of a held row to its match (0.0 when every row was copied bit for bit)."""
-    out, worst = [], 0.0
+def positions(held: torch.Tensor, full: torch.Tensor) -> tuple[list[list[int]], float, list[list[int]]]:
+    """Per KV head, the sorted positions of the full-cache rows that the held rows equal; the largest distance of a
+    held row to its match (0.0 when every row was copied bit for bit); and per head the held slots in the order of
+    their positions."""
+    out, worst, order = [], 0.0, []
     for h in range(full.shape[0]):
         d = torch.cdist(held[h].double(), full[h].double(), compute_mode="donot_use_mm_for_euclid_dist")
         dist, idx = d.min(dim=-1)
         worst = max(worst, float(dist.max()) if dist.numel() else 0.0)
         pos = sorted(idx.tolist())
         if len(set(pos)) != len(pos):
-            raise RuntimeError("two held keys matched the same position: cannot identify the kept tokens")
+            raise RuntimeError("two held rows matched the same position: cannot identify the kept tokens")
         out.append(pos)
-    return out, worst
+        order.append(idx.argsort().tolist())
+    return out, worst, order
 
 
 def main() -> None:
@@ -244,7 +263,7 @@ def main() -> None:
         for impl in ("sdpa", "eager"):
             model.set_attn_implementation(impl)
             full[impl] = prefill(model, ids)
-        kept, held, worst = {}, {}, 0.0
+        kept, held, worst, digests, channels = {}, {}, 0.0, {}, {}
         for ratio in args.ratios:
             files = (args.qfilters, args.ea_stats, args.lukv_curve, args.kvzap)
             for name, (press, impl) in presses(ratio, *files).items():
@@ -262,15 +281,28 @@ def main() -> None:
                     held[key] = [sum(len(h) for h in layer) for layer in unmasked]  # all heads: heads differ
                     print(f"{prompt['name']} {key}: held per layer {held[key]}", file=sys.stderr, flush=True)
                     continue
-                for layer, (h_keys, f_keys) in enumerate(zip(layers, full[impl], strict=True)):
-                    pos, dist = positions(h_keys, f_keys)
+                by = 1 if name in BY_VALUES else 0  # match the held values where the keys were rewritten
+                for layer, (h_kv, f_kv) in enumerate(zip(layers, full[impl], strict=True)):
+                    pos, dist, order = positions(h_kv[by], f_kv[by])
                     if dist > 1e-4:
-                        raise RuntimeError(f"{key} layer {layer}: a held key is {dist} from every full-cache key")
+                        raise RuntimeError(f"{key} layer {layer}: a held row is {dist} from every full-cache row")
                     worst = max(worst, dist)
                     kept[key].append(pos)
                     held[key].append(len(pos[0]))
+                    if name in REWRITES:
+                        digests.setdefault(key, []).append(digest(*h_kv, order))
+                        channels.setdefault(key, []).append(pruned(h_kv[0]))
                 print(f"{prompt['name']} {key}: held per layer {held[key]}", file=sys.stderr, flush=True)
-        results.append({"name": prompt["name"], "n_tokens": len(prompt["ids"]), "kept": kept, "max_match_dist": worst})
+        results.append(
+            {
+                "name": prompt["name"],
+                "n_tokens": len(prompt["ids"]),
+                "kept": kept,
+                "max_match_dist": worst,
+                "digests": digests,
+                "pruned_channels": channels,
+            }
+        )
 
     meta = {
         "kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else version("kvpress"),

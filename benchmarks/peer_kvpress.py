@@ -80,6 +80,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from _digest import digest, pruned  # benchmarks/_digest.py: the kvpress side digests alike
 from omegaconf import OmegaConf
 
 from evalkit.cli.spec import model_spec
@@ -101,6 +102,7 @@ from evalkit.policies.entropy_chunkkv import EntropyGatedChunkKV
 from evalkit.policies.expected_attention import ExpectedAttention
 from evalkit.policies.expected_attention_stats import ExpectedAttentionStats
 from evalkit.policies.h2o import H2O
+from evalkit.policies.key_rerotation import KeyRerotation
 from evalkit.policies.keydiff import KeyDiff
 from evalkit.policies.knorm import KNorm
 from evalkit.policies.kvzap import KVzap
@@ -108,13 +110,16 @@ from evalkit.policies.kvzip import KVzip
 from evalkit.policies.lagkv import LagKV
 from evalkit.policies.leverage import LeverageScore
 from evalkit.policies.lukv import LUKV
+from evalkit.policies.merging import Merging
 from evalkit.policies.non_causal import NonCausalAttention
+from evalkit.policies.none import FullCache
 from evalkit.policies.per_layer import PerLayer
 from evalkit.policies.pyramidkv import PyramidKV
 from evalkit.policies.qfilter import QFilter
 from evalkit.policies.simlayerkv import SimLayerKV
 from evalkit.policies.snapkv import SnapKV
 from evalkit.policies.streaming_llm import StreamingLLM
+from evalkit.policies.think import ThinK
 from evalkit.policies.tova import TOVA
 from evalkit.tasks.needle import NeedleTask
 from evalkit.tasks.prompt import Repeat, build_prompt
@@ -166,7 +171,15 @@ PAIRS = {
     "simlayerkv": "simlayerkv",
     "kvzap": "kvzap",
     "dms_kvzap": "dms(kvzap)",
+    "key_rerotation_snapkv": "key_rerotation(snapkv)",
+    "merging_snapkv": "merging(snapkv)",
+    "think": "think(none)",
+    "think_snapkv": "think(snapkv)",
 }
+# pairs that rewrite what they keep: their held keys and values are compared by digest (benchmarks/_digest.py), and
+# their key channels zeroed in every held token
+REWRITES = ("key_rerotation_snapkv", "merging_snapkv", "think", "think_snapkv")
+DIGEST_RTOL = 1e-4  # float32 sums of a few hundred thousand terms, in two summation orders
 
 
 @dataclass(kw_only=True)
@@ -257,6 +270,11 @@ def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) ->
         "simlayerkv": SimLayerKV(lazy_threshold=LAZY[ratio], n_recent=LAZY_RECENT),
         "kvzap": KVzap(budget=k, weights_path=str(KVZAP)),
         "dms(kvzap)": DMS(inner=KVzap(weights_path=str(KVZAP)), threshold=DMS_THRESHOLD[ratio], window=128),
+        "key_rerotation(snapkv)": KeyRerotation(inner=SnapKV(**snap), budget=k),
+        "merging(snapkv)": Merging(inner=SnapKV(**snap), budget=k),  # threshold 0, every evicted token: kvpress's
+        # ThinK: a share `ratio` of the key channels alone; half of them after SnapKV (kvpress's ComposedPress)
+        "think(none)": ThinK(inner=FullCache(), channels=ratio, window=WINDOW),
+        "think(snapkv)": ThinK(inner=SnapKV(**snap), budget=k, channels=0.5, window=WINDOW),
         "per_layer(snapkv)*": PerLayerAt(inner=SnapKV(**snap), budget=1 - ratio, layer_budgets=kept),
     }
     for pol in pols.values():
@@ -290,20 +308,37 @@ def run_kvpress(python: str, model_dir: Path, prompts: list[dict], only: list[st
 
 
 @torch.inference_mode()
-def evalkit_kept(model, prompt: dict, pols: dict[str, KVPolicy]) -> dict[str, list[list[list[int]]]]:
+def evalkit_kept(model, prompt: dict, pols: dict[str, KVPolicy]) -> tuple[dict, dict, dict]:
     """Per policy, per layer, per KV head: the sorted positions evalkit keeps after one shared prefill (and KVzip's
-    reconstruction pass over it)."""
+    reconstruction pass over it); and per policy that rewrites what it keeps (REWRITES), per layer, the digests of
+    the held keys and values and the key channels zero in every held token (benchmarks/_digest.py)."""
     ids = torch.tensor([prompt["ids"]], device=model.device)
     for pol in pols.values():  # what a policy reads from the model (CriticalKV's output projections); no probes
         pol.prepare(model, None)
     full, obs = prefill(model, ids, list(pols.values()))
     reconstruction(model, full, ids, Repeat(**prompt["repeat"]), list(pols.values()), obs)
-    out = {}
+    out, digests, channels = {}, {}, {}
+    rewriting = {PAIRS[press] for press in REWRITES}
     for name, pol in pols.items():
         cache = compress(full, pol, obs)
         # a ragged layer's padding slots are at position -1
         out[name] = [[sorted(p for p in h.tolist() if p >= 0) for h in held_positions(lay)[0]] for lay in cache.layers]
-    return out
+        if name in rewriting:
+            order = [held_positions(lay)[0].argsort(dim=-1).tolist() for lay in cache.layers]
+            digests[name] = [digest(lay.keys[0], lay.values[0], o) for lay, o in zip(cache.layers, order, strict=True)]
+            channels[name] = [pruned(lay.keys[0]) for lay in cache.layers]
+    return out, digests, channels
+
+
+def digest_gap(ours: list[list[list[float]]], theirs: list[list[list[float]]]) -> float:
+    """The largest relative difference between two digests, |a - b| / max(|a|, |b|, 1), over layers, heads, sums."""
+    gaps = [
+        abs(a - b) / max(abs(a), abs(b), 1.0)
+        for layer_a, layer_b in zip(ours, theirs, strict=True)
+        for head_a, head_b in zip(layer_a, layer_b, strict=True)
+        for a, b in zip(head_a, head_b, strict=True)
+    ]
+    return max(gaps)
 
 
 def compare(ours: list[list[list[int]]], theirs: list[list[list[int]]]) -> tuple[float, float, int, int]:
@@ -423,6 +458,15 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
                 "threshold": "-5.0 in the 0.5 slot, -4.0 in the 0.75 slot (it takes no compression ratio)",
                 "window": 128,
             },
+            "key_rerotation_snapkv": {"policy": "key_rerotation", "inner": "snapkv"},
+            "merging_snapkv": {
+                "policy": "merging",
+                "inner": "snapkv",
+                "similarity_threshold": 0.0,
+                "merge_fraction": 1.0,
+            },
+            "think": {"policy": "think", "inner": "none", "channels": "the compression ratio", "window": 32},
+            "think_snapkv": {"policy": "think", "inner": "snapkv", "channels": 0.5, "window": 32},
             "simlayerkv": {
                 "policy": "simlayerkv",
                 "lazy_threshold": "0.8 in the 0.5 slot, 0.6 in the 0.75 slot (it takes no compression ratio)",
@@ -441,14 +485,26 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
         },
         "encoding": "kept[press@compression_ratio][layer][kv_head] is a hex bitmask: position p is kept when "
         "(int(s, 16) >> p) & 1; keys are compression ratios (fraction removed), 0.5 and 0.75; held_per_layer is "
-        "head 0's count (AdaKV's and KVzip's heads hold different counts)",
+        "head 0's count (AdaKV's and KVzip's heads hold different counts); for the presses that rewrite what they "
+        "keep, digests[press@ratio][layer][kv_head] holds five sums of the held keys and values and "
+        "pruned_channels[press@ratio][layer][kv_head] the key channels zero in every held token "
+        "(benchmarks/_digest.py)",
     }
     kept = {key: [[to_hex(h) for h in layer] for layer in layers] for key, layers in kv_prompt["kept"].items()}
     held = {key: [len(layer[0]) for layer in layers] for key, layers in kv_prompt["kept"].items()}
+    digests, channels = kv_prompt.get("digests", {}), kv_prompt.get("pruned_channels", {})
     old = json.loads(FIXTURE.read_text()) if FIXTURE.exists() else {}
     if old.get("ids") == prompt["ids"]:  # --presses: the other pairs' choices stay as they were
         kept, held = {**old["kept"], **kept}, {**old["held_per_layer"], **held}
-    data = {"header": header, "ids": prompt["ids"], "held_per_layer": held, "kept": kept}
+        digests, channels = {**old.get("digests", {}), **digests}, {**old.get("pruned_channels", {}), **channels}
+    data = {
+        "header": header,
+        "ids": prompt["ids"],
+        "held_per_layer": held,
+        "kept": kept,
+        "digests": digests,
+        "pruned_channels": channels,
+    }
     FIXTURE.parent.mkdir(parents=True, exist_ok=True)
     FIXTURE.write_text(json.dumps(data, separators=(",", ":")) + "\n")
     print(f"wrote {FIXTURE.relative_to(ROOT)} ({FIXTURE.stat().st_size / 1024:.0f} KiB)")
@@ -496,12 +552,25 @@ def main() -> None:
             stars = [(press, f"{PAIRS[press]}*") for press in args.presses if press in STARRED]
             labels = [PAIRS[press] for press in args.presses] + [label for _, label in stars]
             pols = {label: pol for label, pol in evalkit_policies(n, ratio, pyramid_budgets).items() if label in labels}
-            ours = evalkit_kept(loaded.model, prompt, pols)
+            ours, digests, channels = evalkit_kept(loaded.model, prompt, pols)
             pairs = [(press, PAIRS[press]) for press in args.presses]
             pairs += stars
             for press, label in pairs:
                 mean, low, same, total = compare(ours[label], theirs[press])
                 rows.append((f"{label} ~ {press}", 1 - ratio, prompt["name"], n_kept(n, ratio), mean, low, same, total))
+                if press in REWRITES:
+                    key = f"{press}@{ratio}"
+                    gap = digest_gap(digests[label], kv_prompt["digests"][key])
+                    theirs_ch, ours_ch = kv_prompt["pruned_channels"][key], channels[label]
+                    pairs_ch = zip(ours_ch, theirs_ch, strict=True)
+                    heads = sum(a == b for la, lb in pairs_ch for a, b in zip(la, lb, strict=True))
+                    pruned_n = len(ours_ch[0][0])
+                    print(
+                        f"{label} ~ {press} at {1 - ratio:.2f} on {prompt['name']}: digests within {gap:.2e} "
+                        f"(bound {DIGEST_RTOL}); zeroed key channels the same in {heads}/{total} heads "
+                        f"({pruned_n} per head)",
+                        flush=True,
+                    )
 
     print()
     print(f"{'evalkit ~ kvpress':40} {'kept':>5} {'prompt':>11} {'k':>5} {'Jaccard':>8} {'min':>6} {'identical':>11}")

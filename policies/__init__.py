@@ -164,6 +164,14 @@ class KVPolicy:
             scores = scores.masked_fill(protected, math.inf)
         return scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
 
+    def rewrite(self, view: LayerView, kept: Tensor) -> tuple[Tensor, Tensor] | None:
+        """The keys and values the kept tokens hold from now on, each (B, Hkv, k, D) as `gather_tokens(view.keys,
+        kept)` is, rewritten from what the layer held before the eviction (`view`) and the indices `select` kept: a
+        policy that merges evicted values into kept ones, re-rotates kept keys or zeroes key channels says so here.
+        None (the default): the kept tokens hold what they held. The engine checks the shape, dtype and finiteness
+        (evalkit.kv.contract.check_rewrite); what a layer holds in bytes is measured from the tensors it holds."""
+        return None
+
     def check_params(self) -> None:
         """Raise ConfigError for a parameter out of its range; the types are checked already (check_fields).
         Policies with parameters extend it."""
@@ -277,6 +285,9 @@ class Wrapper(KVPolicy):
 
     def score(self, view: LayerView) -> Tensor:
         return self.inner.score(view)
+
+    def rewrite(self, view: LayerView, kept: Tensor) -> tuple[Tensor, Tensor] | None:
+        return self.inner.rewrite(view, kept)
 
     def check_params(self) -> None:
         check_fields(self.inner, "policy.inner")

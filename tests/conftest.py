@@ -251,6 +251,9 @@ def policy(name: str, budget, **overrides):
         cfg.policy.inner.weights_path = str(WEIGHTS_TINY["kvzap"])
         cfg.policy.threshold = float("-inf") if budget == 1.0 else overrides.get("threshold", -9.0)
         cfg.policy.budget, cfg.policy.window = 1.0, overrides.get("window", 16)
+    if name == "think":  # keeps everything at 1.0 (no channel pruned); else half the channels after SnapKV's choice
+        cfg.policy.channels = 0.0 if budget == 1.0 else overrides.get("channels", 0.5)
+        cfg.policy.inner = "none" if budget == 1.0 else {"name": "snapkv", "window": 8}
     if name == "duo_attention":  # roles from a hand-written pattern (DUO_PATTERN), windows that fit CTX
         cfg.policy.pattern = cfg.policy.pattern or str(DUO_PATTERN)
         cfg.policy.sink, cfg.policy.recent = overrides.get("sink", 4), overrides.get("recent", 16)

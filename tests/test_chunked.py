@@ -22,7 +22,7 @@ BUDGET, CHUNK = 40, 16
 # The policies whose choice can be made again after every chunk; PyramidKV's per-layer budgets are defined for the
 # whole prompt only. Checked against the classes' declarations below.
 CHUNKABLE = ("none", "streaming_llm", "h2o", "snapkv", "knorm", "random", "window", "keydiff", "tova", "qfilter")
-CHUNKABLE += ("chunkkv", "criticalkv", "per_layer")  # wrappers over snapkv
+CHUNKABLE += ("chunkkv", "criticalkv", "per_layer", "merging")  # wrappers over snapkv
 
 
 def test_policies_declare_whether_they_can_evict_chunk_by_chunk():

@@ -164,7 +164,12 @@ def enforce(cache: Cache, policy: KVPolicy) -> None:
         across = bool(policy.ranks_across_layers)
     for layer_idx, idx in select(policy, views, targets, across).items():
         layer = cache.layers[layer_idx]
-        layer.keep(contract.check_indices(policy, idx, views[layer_idx], layer_idx))
+        idx = contract.check_indices(policy, idx, views[layer_idx], layer_idx)
+        with contract.calling(policy, "rewrite", layer_idx):
+            rewritten = policy.rewrite(views[layer_idx], idx)
+        layer.keep(idx)
+        if rewritten is not None:
+            layer.keys, layer.values = contract.check_rewrite(policy, rewritten, layer, layer_idx)
         if not across:  # one held to each layer's budget; one ranking across layers, to the sum
             contract.check_layer(policy, layer.tokens(), layer.allowed, targets[layer_idx], layer_idx)
     contract.check_held(policy, {i: (cache.layers[i].tokens(), cache.layers[i].allowed) for i in evictable}, seen)
@@ -211,12 +216,15 @@ def deployed_bytes(cache: Cache) -> int:
 
 
 def fp16_layer_bytes(layer) -> int:
-    """Bytes a layer's real tokens take as fp16 keys and values (padding of a ragged layer not counted)."""
+    """Bytes a layer's real tokens take as fp16 keys and values (padding of a ragged layer not counted). A key
+    channel that is zero in every token a head holds (ThinK's pruned channels) is not stored: a head's keys count
+    its other channels, its values every channel."""
     if getattr(layer, "keys", None) is None or not layer.keys.numel():
         return 0
-    dense = layer.keys.shape[:3].numel()  # (B, Hkv, T)
-    tokens = int(layer.tokens().sum()) if isinstance(layer, EvictingLayer) else dense
-    return 2 * DEPLOYED_ELEMENT_BYTES * tokens * layer.keys.shape[-1]
+    b, h, t, d = layer.keys.shape
+    tokens = layer.tokens() if isinstance(layer, EvictingLayer) else torch.full((b, h), t, device=layer.keys.device)
+    channels = (layer.keys != 0).any(dim=2).sum(-1)  # (B, Hkv) key channels each head stores
+    return DEPLOYED_ELEMENT_BYTES * int((tokens * (channels + d)).sum())
 
 
 def fp16_bytes(cache: Cache) -> int:

@@ -6,6 +6,8 @@ After every compression (the prompt's, each chunk of a chunked prefill, each evi
   twice in a head (a ragged policy pads with -1, the only index allowed below 0), and kept what it was asked for:
   at most k tokens per head (a ragged policy: k x Hkv over the layer's heads), or the tokens it declares protected
   where those are more;
+- `rewrite`, where a policy rewrites what the kept tokens hold (merged values, re-rotated keys), returned keys and
+  values of exactly the kept tokens' shape and dtype, every element finite;
 - the tokens held, summed over the evicting layers and their KV heads, are at most what the budget allows: per head
   `min(seen, max(ceil(budget x seen) or the token budget, protected + 1))`, where `protected` counts the tokens the
   policy itself declares it keeps whatever the scores (`KVPolicy.protected`: sinks, a recent or observation window),
@@ -161,6 +163,25 @@ def check_indices(policy: KVPolicy, idx: object, view: LayerView, layer_idx: int
             "policy"
         )
     return idx
+
+
+def check_rewrite(policy: KVPolicy, rewritten: object, layer, layer_idx: int) -> tuple[Tensor, Tensor]:
+    """`rewrite`'s answer for a layer that now holds the kept tokens: two tensors of the shape, dtype and device of
+    the keys and values it holds, every element finite; else a PolicyError. The tokens held, and so the bytes, are
+    the layer's: a rewrite changes what they hold, never how many."""
+    where = f"{describe(policy)}: rewrite() at layer {layer_idx}"
+    if not isinstance(rewritten, tuple) or len(rewritten) != 2:
+        raise PolicyError(f"{where} returned {type(rewritten).__name__}, not (keys, values) or None; fix the policy")
+    for name, new, held in zip(("keys", "values"), rewritten, (layer.keys, layer.values), strict=True):
+        if not isinstance(new, Tensor) or new.shape != held.shape or new.dtype != held.dtype:
+            got = f"{tuple(new.shape)} {new.dtype}" if isinstance(new, Tensor) else type(new).__name__
+            raise PolicyError(
+                f"{where} returned {name} {got}, not the {tuple(held.shape)} {held.dtype} of the kept tokens; fix the "
+                "policy"
+            )
+        if new.device != held.device or not bool(torch.isfinite(new).all()):
+            raise PolicyError(f"{where} returned {name} that are not finite on {held.device}; fix the policy")
+    return rewritten
 
 
 def allowance(policy: KVPolicy, view: LayerView, k: int, layer_idx: int) -> Tensor:

@@ -1,0 +1,68 @@
+"""KeyRerotation: any scorer's choice, with the kept keys re-rotated to contiguous positions.
+
+The rotary trick of transformers' old SinkCache and of Finch (Corallo and Papotti 2024, "FINCH: Prompt-guided
+Key-Value Cache Compression", TACL), as kvpress's KeyRerotationPress applies it: once the inner policy has chosen
+which tokens a head keeps, the key in slot j (the kept tokens in their order) is rotated by j - p, p its original
+position, so that the kept keys read as if the evicted tokens had never been there: RoPE rotations compose, R(j - p)
+R(p) = R(j). Values are unchanged. The tokens that follow keep their true positions (the cache reports the tokens
+seen, as kvpress's does), so a gap separates the re-rotated prompt from them.
+
+A key's rotation is what its position was, so the kept keys are re-rotated once, after the prompt: this wrapper
+neither evicts chunk by chunk nor while decoding (a second rotation would start from a slot, not a position).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers.models.llama.modeling_llama import rotate_half
+
+from evalkit.errors import ConfigError
+from evalkit.policies import LayerView, Probes, Wrapper, gather_tokens
+
+
+def rerotated(keys: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
+    """Keys (B, Hkv, k, D) held at `positions` (B, Hkv, k), rotated as if held at slots 0 .. k-1 (RoPE in the
+    half-split layout transformers uses: angle (slot - position) x inv_freq on channel pairs (i, i + D/2))."""
+    k = keys.shape[2]
+    delta = torch.arange(k, device=keys.device, dtype=torch.float32) - positions.float()  # (B, Hkv, k)
+    angles = delta[..., None] * inv_freq.float().to(keys.device)  # (B, Hkv, k, D/2)
+    angles = torch.cat([angles, angles], dim=-1)
+    return keys * angles.cos().to(keys.dtype) + rotate_half(keys) * angles.sin().to(keys.dtype)
+
+
+@dataclass(kw_only=True)
+class KeyRerotation(Wrapper):
+    """The inner policy's choice; the kept keys re-rotated to slots 0 .. k-1, once, after the prompt."""
+
+    name: str = "key_rerotation"
+    decode: bool | None = False
+
+    @property
+    def chunkable(self) -> bool:  # type: ignore[override]
+        return False
+
+    @property
+    def decodable(self) -> bool:  # type: ignore[override]
+        return False
+
+    def prepare(self, model, probes: Probes) -> dict | None:
+        """Read the model's rotary frequencies; a model whose rotary embedding scales its angles (attention_scaling
+        other than 1) or has none cannot be re-rotated by the angles alone: refused."""
+        rotary = getattr(model.get_decoder(), "rotary_emb", None)
+        inv_freq = getattr(rotary, "inv_freq", None)
+        if not isinstance(inv_freq, Tensor) or getattr(rotary, "attention_scaling", 1.0) != 1.0:
+            raise ConfigError(
+                f"{self.name} re-rotates keys by one rotary embedding with unscaled angles; "
+                f"{type(model).__name__} has none such: choose another policy"
+            )
+        self.inv_freq = inv_freq.detach()  # not a field: not recorded, not compared
+        return self.inner.prepare(model, probes)
+
+    def rewrite(self, view: LayerView, kept: Tensor) -> tuple[Tensor, Tensor]:
+        if not hasattr(self, "inv_freq"):
+            raise ValueError(f"{self.name}: the rotary frequencies were not read (prepare() was not called)")
+        keys = gather_tokens(view.keys, kept)
+        return rerotated(keys, gather_tokens(view.positions, kept), self.inv_freq), gather_tokens(view.values, kept)
