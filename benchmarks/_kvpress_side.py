@@ -7,9 +7,11 @@ For every prompt, press and compression ratio it prefills the ids once under the
 positions each layer and KV head still holds by matching every held key row against the keys of a plain prefill
 of the same ids (post-RoPE keys differ from position to position, and a press only gathers rows, so each held
 row equals exactly one full-cache row). That needs nothing from the press's internals, and also checks that
-the press did nothing but select rows. Presses that rewrite what they keep (BY_VALUES: re-rotated keys, zeroed key
-channels) are matched by their held values instead, which they leave as they were; for every press in REWRITES the
-output also holds a digest of each held token's key and value (`digest`) and each head's zeroed key channels.
+the press did nothing but select rows. Presses that rewrite what they keep: ThinK's zeroed key channels are left out
+of the match (CHANNELS); KeyRerotation's re-rotated keys match no full-cache key, so the indices it re-rotates are
+recorded as its rerotate_keys receives them (`recording_rerotation`) and its held values checked against the
+full cache's at those positions. For every press in REWRITES the output also holds digests of the held keys and
+values and each head's zeroed key channels (benchmarks/_digest.py).
 """
 
 from __future__ import annotations
@@ -34,8 +36,23 @@ LAZY_RECENT = 128  # SimLayerKV's n_recent: below both prompts' lengths (kvpress
 DMS_THRESHOLD = {0.5: -5.0, 0.75: -4.0}  # DMSPress's threshold on KVzap's scores in each ratio's slot: it has no ratio
 # Presses whose held keys are not rows of the full cache (re-rotated, channels zeroed): their kept positions are
 # recovered from the held values, which they leave as they were
-BY_VALUES = ("key_rerotation_snapkv", "think", "think_snapkv")
+CHANNELS = ("think", "think_snapkv")  # keys matched on the channels they hold, not the zeroed ones
+REROTATED = ("key_rerotation_snapkv",)  # positions recorded from rerotate_keys
 REWRITES = ("key_rerotation_snapkv", "merging_snapkv", "think", "think_snapkv")  # their held tensors are digested
+ROTATED: list[torch.Tensor] = []  # per layer, in forward order: the (Hkv, k) indices KeyRerotationPress re-rotated
+
+
+def recording_rerotation() -> None:
+    """Record, unchanged, the indices KeyRerotationPress passes to its rerotate_keys (the positions it keeps)."""
+    original = kvpress.KeyRerotationPress.rerotate_keys
+
+    def rerotate_keys(module, indices, keys):
+        ROTATED.append(indices[0].clone())
+        return original(module, indices, keys)
+
+    kvpress.KeyRerotationPress.rerotate_keys = staticmethod(rerotate_keys)
+
+
 SKETCH_SEED = 0  # evalkit's leverage and compactor draw layer i's sketch from seed + i (their default seed: 0)
 
 
@@ -249,6 +266,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     transformers.utils.logging.disable_progress_bar()
+    recording_rerotation()
     with open(args.input) as f:
         prompts = json.load(f)["prompts"]
 
@@ -272,6 +290,7 @@ def main() -> None:
                 model.set_attn_implementation(impl)
                 for layer in model.model.layers:
                     layer.self_attn.masked_key_indices = None
+                ROTATED.clear()
                 layers = prefill(model, ids, press)
                 key = f"{name}@{ratio}"
                 kept[key], held[key] = [], []
@@ -281,9 +300,16 @@ def main() -> None:
                     held[key] = [sum(len(h) for h in layer) for layer in unmasked]  # all heads: heads differ
                     print(f"{prompt['name']} {key}: held per layer {held[key]}", file=sys.stderr, flush=True)
                     continue
-                by = 1 if name in BY_VALUES else 0  # match the held values where the keys were rewritten
                 for layer, (h_kv, f_kv) in enumerate(zip(layers, full[impl], strict=True)):
-                    pos, dist, order = positions(h_kv[by], f_kv[by])
+                    if name in REROTATED:  # the recorded positions; the values held there are the full cache's
+                        idx = ROTATED[layer]
+                        pos, order = idx.sort(dim=-1).values.tolist(), idx.argsort(dim=-1).tolist()
+                        there = f_kv[1].gather(1, idx[..., None].expand_as(h_kv[1]))
+                        dist = float((h_kv[1] - there).norm(dim=-1).max())
+                    elif name in CHANNELS:  # the held channels of each head; the zeroed ones left out of the match
+                        pos, dist, order = positions(h_kv[0], f_kv[0] * (h_kv[0] != 0).any(dim=1, keepdim=True))
+                    else:
+                        pos, dist, order = positions(h_kv[0], f_kv[0])
                     if dist > 1e-4:
                         raise RuntimeError(f"{key} layer {layer}: a held row is {dist} from every full-cache row")
                     worst = max(worst, dist)

@@ -42,19 +42,24 @@ from evalkit.policies.h2o import H2O
 from evalkit.policies.keydiff import KeyDiff
 from evalkit.policies.knorm import KNorm
 from evalkit.policies.kvzap import KVzap
+from evalkit.policies.key_rerotation import KeyRerotation
 from evalkit.policies.kvzip import KVzip
 from evalkit.policies.lagkv import LagKV
 from evalkit.policies.leverage import LeverageScore
 from evalkit.policies.lukv import LUKV
+from evalkit.policies.merging import Merging
 from evalkit.policies.non_causal import NonCausalAttention
+from evalkit.policies.none import FullCache
 from evalkit.policies.per_layer import PerLayer
 from evalkit.policies.pyramidkv import PyramidKV
 from evalkit.policies.qfilter import QFilter
 from evalkit.policies.simlayerkv import SimLayerKV
 from evalkit.policies.snapkv import SnapKV
 from evalkit.policies.streaming_llm import StreamingLLM
+from evalkit.policies.think import ThinK
 from evalkit.policies.tova import TOVA
 from evalkit.tasks.prompt import Repeat
+from benchmarks._digest import digest, pruned
 from tests.conftest import ROOT
 
 FIXTURE = json.loads((ROOT / "tests" / "data" / "kvpress_smollm2_kept.json").read_text())
@@ -109,7 +114,16 @@ SAME = {
     # the layer's highest score here, kvpress's highest + 1, which cuts the chunk astride the window's start in 3 of
     # the 30 layers (0.994 to 0.999)
     "entropy_chunkkv_snapkv": lambda k: EntropyGatedChunkKV(inner=SnapKV(**SNAP), budget=k),
+    # the policies that rewrite what they keep, over SnapKV: kept keys re-rotated; evicted values merged (threshold 0,
+    # every evicted token); half the key channels pruned after SnapKV's choice (ThinK alone is below: no budget)
+    "key_rerotation_snapkv": lambda k: KeyRerotation(inner=SnapKV(**SNAP), budget=k),
+    "merging_snapkv": lambda k: Merging(inner=SnapKV(**SNAP), budget=k),
+    "think_snapkv": lambda k: ThinK(inner=SnapKV(**SNAP), budget=k, channels=0.5),
 }
+# ... whose held tensors are also compared, by digest (benchmarks/_digest.py), with ThinK alone (a share `ratio` of
+# the key channels pruned, every token kept)
+REWRITING = ("key_rerotation_snapkv", "merging_snapkv", "think_snapkv", "think")
+DIGEST_RTOL = 1e-4  # float32 tensors summed in float64: equal tensors agree to ~1e-6 (benchmarks/peer_kvpress.py)
 KVZIP = {"kvzip": {}, "kvzip_layerwise": {"layerwise": True}, "kvzip_plus": {"plus": True}}
 
 
@@ -317,3 +331,52 @@ def test_dms_keeps_kvpress_count_per_head_and_its_window(kept_by_evalkit, ratio)
     assert max(abs(a - b) for a, b in zip(ours, counts, strict=True)) <= 2
     other = jaccards(kept_by_evalkit[f"dms_kvzap~window0@{ratio}"], theirs)
     assert sum(other) / len(other) < 0.99, f"dms, no window: mean Jaccard {sum(other) / len(other):.4f}"
+
+
+@pytest.fixture(scope="module")
+def rewritten_by_evalkit():
+    """Per `press@ratio` of REWRITING, and SnapKV's as the control: the digests of evalkit's held keys and values per
+    layer (benchmarks/_digest.py, in position order) and per head the key channels zero in every held token."""
+    loaded = models.load(model_spec(OmegaConf.load(ROOT / "conf" / "model" / "smollm2-135m.yaml")), "cpu")
+    pols = {}
+    for ratio, k in FIXTURE["header"]["n_kept"].items():
+        pols |= {f"{press}@{ratio}": SAME[press](k) for press in REWRITING if press in SAME}
+        pols[f"think@{ratio}"] = ThinK(inner=FullCache(), channels=float(ratio), window=32)
+        pols[f"snapkv@{ratio}"] = SAME["snapkv"](k)
+    for pol in pols.values():
+        pol.prepare(loaded.model, None)
+    full, obs = prefill(loaded.model, torch.tensor([FIXTURE["ids"]]), list(pols.values()))
+    out = {}
+    for key, pol in pols.items():
+        layers = compress(full, pol, obs).layers
+        order = [held_positions(layer)[0].argsort(dim=-1).tolist() for layer in layers]
+        sums = [digest(layer.keys[0], layer.values[0], o) for layer, o in zip(layers, order, strict=True)]
+        out[key] = (sums, [pruned(layer.keys[0]) for layer in layers])
+    return out
+
+
+def digest_gap(ours: list, theirs: list) -> float:
+    """The largest relative difference |a - b| / max(|a|, |b|, 1) over layers, heads and the five sums."""
+    return max(
+        abs(a - b) / max(abs(a), abs(b), 1.0)
+        for la, lb in zip(ours, theirs, strict=True)
+        for ha, hb in zip(la, lb, strict=True)
+        for a, b in zip(ha, hb, strict=True)
+    )
+
+
+@pytest.mark.parametrize("key", [f"{p}@{r}" for p in REWRITING for r in ("0.5", "0.75")])
+def test_evalkit_holds_the_keys_and_values_kvpress_holds_where_the_method_rewrites_them(rewritten_by_evalkit, key):
+    """Re-rotated keys, merged values, pruned key channels: every layer and head's digests within float32 rounding of
+    kvpress's, and the same key channels zeroed in every head. SnapKV's own held tensors (no rewrite) are the
+    control: outside the bound, so the check can fail."""
+    sums, channels = rewritten_by_evalkit[key]
+    gap = digest_gap(sums, FIXTURE["digests"][key])
+    assert gap <= DIGEST_RTOL, f"{key}: digests {gap:.2e} apart"
+    assert channels == FIXTURE["pruned_channels"][key]
+    ratio = key.split("@")[1]
+    if key.startswith("think@"):
+        assert {len(h) for layer in channels for h in layer} == {int(64 * float(ratio))}
+    else:
+        control, _ = rewritten_by_evalkit[f"snapkv@{ratio}"]
+        assert digest_gap(control, FIXTURE["digests"][key]) > 100 * DIGEST_RTOL
