@@ -32,7 +32,8 @@ from evalkit.config.choices import options  # noqa: E402
 
 # a wrapper -> the inner policy it runs over
 WRAPPERS = {"chunkkv": "snapkv", "adakv": "snapkv", "criticalkv": "snapkv", "criticaladakv": "snapkv"}
-WRAPPERS |= {"per_layer": "snapkv", "entropy_chunkkv": "snapkv"}
+WRAPPERS |= {"per_layer": "snapkv", "entropy_chunkkv": "snapkv", "key_rerotation": "snapkv", "merging": "snapkv"}
+WRAPPERS |= {"think": "snapkv"}  # ThinK after SnapKV's tokens (alone, policy=think, it keeps every token)
 WRAPPERS |= {"block": "keydiff", "chunk": "keydiff"}
 RUNS = {
     "needle": ["task=needle"],

@@ -39,25 +39,16 @@ from evalkit.policies.kvzip_pass import Reconstruction
 
 
 @dataclass(kw_only=True)
-class KVzip(SinkPolicy):
-    """The highest scores of the reconstruction pass, ranked over all layers and KV heads (or per layer); sinks kept."""
+class RankedTogether(SinkPolicy):
+    """The highest scores of all layers and KV heads ranked together (or, `layerwise`, each layer's heads together),
+    sinks first: KVzip's selection, which Fast KVzip shares. Compress once, after the prompt; heads keep different
+    counts. A subclass gives `score`."""
 
-    name: str = "kvzip"
-    chunk_size: int = 2048  # context tokens reconstructed per pass
     layerwise: bool = False  # true: k x Hkv per layer, shared by its heads; false (published): ranked over all layers
-    plus: bool = False  # KVzip+ normalisation (kvpress kvzip_plus_normalization)
     decode: bool = False  # as published: compress the prompt once
-    chunkable: ClassVar[bool] = False  # its scores need the whole context, reconstructed
+    chunkable: ClassVar[bool] = False  # its scores need the whole context
     decodable: ClassVar[bool] = False  # no scores for the tokens added after the prompt
     ragged: ClassVar[bool] = True  # heads keep different counts
-
-    def needs(self) -> tuple[Reconstruction]:
-        """The reconstruction pass it scores with."""
-        return (Reconstruction(self.n_sink, self.chunk_size, self.plus),)
-
-    def score(self, view: LayerView) -> Tensor:
-        scores = view.observed(self.needs()[0])  # (B, Hkv, tokens prefilled)
-        return scores.gather(-1, view.positions.clamp(min=0))
 
     def ranked(self, view: LayerView) -> Tensor:
         """(B, Hkv, T) float32 scores to rank by: sinks first (+inf), padding last (-inf); with no sinks, each head's
@@ -97,6 +88,23 @@ class KVzip(SinkPolicy):
             out[i] = padded_indices(kept[:, offset : offset + r[0].numel()].view(r.shape))
             offset += r[0].numel()
         return out
+
+
+@dataclass(kw_only=True)
+class KVzip(RankedTogether):
+    """The highest scores of the reconstruction pass, ranked over all layers and KV heads (or per layer); sinks kept."""
+
+    name: str = "kvzip"
+    chunk_size: int = 2048  # context tokens reconstructed per pass
+    plus: bool = False  # KVzip+ normalisation (kvpress kvzip_plus_normalization)
+
+    def needs(self) -> tuple[Reconstruction]:
+        """The reconstruction pass it scores with."""
+        return (Reconstruction(self.n_sink, self.chunk_size, self.plus),)
+
+    def score(self, view: LayerView) -> Tensor:
+        scores = view.observed(self.needs()[0])  # (B, Hkv, tokens prefilled)
+        return scores.gather(-1, view.positions.clamp(min=0))
 
     def check_params(self) -> None:
         super().check_params()
