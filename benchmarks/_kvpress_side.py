@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import transformers
 from _digest import digest, pruned  # benchmarks/_digest.py, beside this script: evalkit's side digests alike
+from kvpress.presses.fastkvzip_press import FastKVzipGate
 from kvpress.presses.kvzap_press import KVzapModel
 from kvpress.presses.qfilter_press import QFilters
 from transformers import AutoModelForCausalLM, DynamicCache
@@ -95,6 +96,23 @@ def kvzap_press(ratio: float, folder: str | None):
     return press
 
 
+def fastkvzip_press(ratio: float, path: str | None):
+    """kvpress's FastKVzipPress with the gates of the torch file `path` (the published format: {"module": [one state
+    dict per layer]}), built as kvpress's load_fastkvzip builds them, instead of those it downloads for the model."""
+    if path is None:
+        return None
+    gates = []
+    for i, weights in enumerate(torch.load(path, weights_only=True)["module"]):
+        n_kv, _, sink, dim = weights["k_base"].shape
+        group = weights["q_proj.weight"].shape[0] // (n_kv * dim)
+        gate = FastKVzipGate(i, weights["q_proj.weight"].shape[1], n_kv, group, torch.float32, dim, sink)
+        gate.load_state_dict(weights)
+        gates.append(gate)
+    press = kvpress.FastKVzipPress(compression_ratio=ratio)
+    press.gates = gates  # FastKVzipPress downloads only when it has none
+    return press
+
+
 def snapkv(ratio: float):
     """SnapKVPress with the window and kernel every SnapKV pair uses (evalkit's SnapKV is given the same)."""
     return kvpress.SnapKVPress(compression_ratio=ratio, window_size=WINDOW, kernel_size=KERNEL)
@@ -116,11 +134,15 @@ def presses(
     ea_stats: str | None = None,
     lukv_curve: str | None = None,
     kvzap: str | None = None,
+    fastkvzip: str | None = None,
 ) -> dict[str, tuple[object, str]]:
-    """name -> (press, attention implementation it needs); `qfilters`, `ea_stats`, `lukv_curve`, `kvzap`: the files of
-    the Q-Filters, Expected Attention's query statistics, LU-KV's curve and KVzap's surrogates to use (a press needing
-    one is left out without it)."""
+    """name -> (press, attention implementation it needs); `qfilters`, `ea_stats`, `lukv_curve`, `kvzap`, `fastkvzip`:
+    the files of the Q-Filters, Expected Attention's query statistics, LU-KV's curve, KVzap's surrogates and Fast
+    KVzip's gates to use (a press needing one is left out without it)."""
     return {
+        # Fast KVzip with the gates of a local file (evalkit's seeded ones, benchmarks/fastkvzip_calibrate.py); all
+        # layers ranked together (its default), 4 sinks, a window of 2% of the context; kvpress masks the keys
+        "fastkvzip": (fastkvzip_press(ratio, fastkvzip), "sdpa"),
         # LU-KV's per-head budgets from a local curve (evalkit's, benchmarks/lukv_curve.py); kvpress masks the keys
         "lukv_expected_attention": (lukv_press(ratio, lukv_curve), "sdpa"),
         # Expected Attention with the query statistics of a local folder (evalkit's, benchmarks/ea_stats_calibrate.py)
@@ -263,6 +285,7 @@ def main() -> None:
     )
     ap.add_argument("--lukv-curve", help="LU-KV's budget curve, a .npy file (99, layers, KV heads)")
     ap.add_argument("--kvzap", help="folder of KVzap's surrogates (KVzapModel format) for the kvzap press")
+    ap.add_argument("--fastkvzip", help="Fast KVzip's gates (a torch file, the published format)")
     args = ap.parse_args()
     torch.manual_seed(0)
     transformers.utils.logging.disable_progress_bar()
@@ -283,7 +306,7 @@ def main() -> None:
             full[impl] = prefill(model, ids)
         kept, held, worst, digests, channels = {}, {}, 0.0, {}, {}
         for ratio in args.ratios:
-            files = (args.qfilters, args.ea_stats, args.lukv_curve, args.kvzap)
+            files = (args.qfilters, args.ea_stats, args.lukv_curve, args.kvzap, args.fastkvzip)
             for name, (press, impl) in presses(ratio, *files).items():
                 if args.presses and name not in args.presses or press is None:
                     continue

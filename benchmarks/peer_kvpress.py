@@ -54,6 +54,12 @@ count as an integer budget. Pairs compared (kvpress press <-> evalkit policy):
                                                  -4 in the 0.75 slot, on KVzap's log scores)
     SimLayerKVPress(n_recent 128)            <-> simlayerkv (n_recent 128; no ratio: lazy_threshold 0.8 in the
                                                  0.5 slot, 0.6 in the 0.75 slot, each making some layers lazy)
+    KeyRerotationPress(SnapKVPress)          <-> key_rerotation(snapkv) (and the re-rotated keys, by digest)
+    MergingPress(SnapKVPress)                <-> merging(snapkv) (and the merged values, by digest)
+    ThinKPress(ratio); ComposedPress([SnapKVPress, ThinKPress(0.5)])
+                                             <-> think(none) (channels = ratio); think(snapkv) (channels 0.5)
+    FastKVzipPress (FASTKVZIP's gates)       <-> fastkvzip (weights_path: the same file, seeded and untrained);
+                                                 fastkvzip* at kvpress's global count, as kvzip*
 
 kvpress keeps, for KVzip, n - int(n x ratio) tokens over all layers and heads (per layer: Hkv T - int(Hkv T ratio));
 evalkit is given kvpress's per-head count int(T (1 - ratio)) and keeps that times Hkv x layers, so at some lengths
@@ -81,6 +87,7 @@ from pathlib import Path
 
 import torch
 from _digest import digest, pruned  # benchmarks/_digest.py: the kvpress side digests alike
+from fastkvzip_calibrate import initial_gates
 from omegaconf import OmegaConf
 
 from evalkit.cli.spec import model_spec
@@ -101,6 +108,7 @@ from evalkit.policies.dms import DMS
 from evalkit.policies.entropy_chunkkv import EntropyGatedChunkKV
 from evalkit.policies.expected_attention import ExpectedAttention
 from evalkit.policies.expected_attention_stats import ExpectedAttentionStats
+from evalkit.policies.fastkvzip import FastKVzip
 from evalkit.policies.h2o import H2O
 from evalkit.policies.key_rerotation import KeyRerotation
 from evalkit.policies.keydiff import KeyDiff
@@ -132,6 +140,8 @@ QFILTERS = ROOT / "tests" / "data" / "qfilter_smollm2"  # benchmarks/qfilter_cal
 EA_STATS = ROOT / "tests" / "data" / "ea_stats_smollm2"  # benchmarks/ea_stats_calibrate.py's statistics for SmolLM2
 LUKV_CURVE = ROOT / "tests" / "data" / "lukv_smollm2.npy"  # benchmarks/lukv_curve.py's curve for SmolLM2
 KVZAP = ROOT / "tests" / "data" / "kvzap_smollm2"  # benchmarks/kvzap_calibrate.py's linear surrogates for SmolLM2
+# Fast KVzip's seeded, untrained gates for SmolLM2 (benchmarks/fastkvzip_calibrate.initial_gates), written at each run
+FASTKVZIP = Path(tempfile.gettempdir()) / "evalkit-peer-fastkvzip-smollm2.pt"
 RATIOS = (0.5, 0.75)  # kvpress compression_ratio: the fraction REMOVED; kept fractions 0.5 and 0.25
 LENGTHS = (800, 1800)  # context lengths asked of the needle task (prose haystack); the first is the fixture's
 WINDOW, KERNEL, BETA, SINKS = 32, 5, 20, 4
@@ -171,6 +181,7 @@ PAIRS = {
     "simlayerkv": "simlayerkv",
     "kvzap": "kvzap",
     "dms_kvzap": "dms(kvzap)",
+    "fastkvzip": "fastkvzip",
     "key_rerotation_snapkv": "key_rerotation(snapkv)",
     "merging_snapkv": "merging(snapkv)",
     "think": "think(none)",
@@ -204,7 +215,17 @@ class KVzipAt(KVzip):
 
 
 # also compared at kvpress's exact counts
-STARRED = ("pyramidkv", "kvzip", "kvzip_layerwise", "kvzip_plus", "per_layer_snapkv")
+STARRED = ("pyramidkv", "kvzip", "kvzip_layerwise", "kvzip_plus", "per_layer_snapkv", "fastkvzip")
+
+
+@dataclass(kw_only=True)
+class FastKVzipAt(FastKVzip):
+    """evalkit's Fast KVzip keeping exactly kvpress's count, slots - int(slots x ratio), as KVzipAt."""
+
+    ratio: float = 0.5
+
+    def total(self, slots: int, targets: list[tuple[int, int]]) -> int:
+        return slots - int(slots * self.ratio)
 
 
 @dataclass(kw_only=True)
@@ -269,6 +290,8 @@ def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) ->
         "per_layer(snapkv)": PerLayer(inner=SnapKV(**snap), budget=1 - ratio, layer_budgets=kept),
         "simlayerkv": SimLayerKV(lazy_threshold=LAZY[ratio], n_recent=LAZY_RECENT),
         "kvzap": KVzap(budget=k, weights_path=str(KVZAP)),
+        "fastkvzip": FastKVzip(budget=k, weights_path=str(FASTKVZIP)),  # kvpress's defaults: 4 sinks, window 2%
+        "fastkvzip*": FastKVzipAt(budget=k, ratio=ratio, weights_path=str(FASTKVZIP)),
         "dms(kvzap)": DMS(inner=KVzap(weights_path=str(KVZAP)), threshold=DMS_THRESHOLD[ratio], window=128),
         "key_rerotation(snapkv)": KeyRerotation(inner=SnapKV(**snap), budget=k),
         "merging(snapkv)": Merging(inner=SnapKV(**snap), budget=k),  # threshold 0, every evicted token: kvpress's
@@ -301,7 +324,7 @@ def run_kvpress(python: str, model_dir: Path, prompts: list[dict], only: list[st
         cmd = [python, str(SIDE), "--model", str(model_dir), "--input", str(src), "--output", str(dst)]
         cmd += ["--ratios", *map(str, RATIOS), "--presses", *only]
         cmd += ["--qfilters", str(QFILTERS), "--ea-stats", str(EA_STATS), "--lukv-curve", str(LUKV_CURVE)]
-        cmd += ["--kvzap", str(KVZAP)]
+        cmd += ["--kvzap", str(KVZAP), "--fastkvzip", str(FASTKVZIP)]
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": ""}
         subprocess.run(cmd, check=True, env=env)
         return json.loads(dst.read_text())
@@ -452,6 +475,13 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
                 "layer_budgets": "1 - compression ratio per layer, linear from ratio - 0.2 to ratio + 0.2",
             },
             "kvzap": {"policy": "kvzap", "weights_path": "tests/data/kvzap_smollm2"},
+            "fastkvzip": {
+                "policy": "fastkvzip",
+                "weights_path": "benchmarks/fastkvzip_calibrate.initial_gates (seeded, untrained)",
+                "n_sink": 4,
+                "window_ratio": 0.02,
+                "layerwise": False,
+            },
             "dms_kvzap": {
                 "policy": "dms",
                 "inner": {"name": "kvzap", "weights_path": "tests/data/kvzap_smollm2"},
@@ -530,6 +560,7 @@ def main() -> None:
     cfg = model_spec(OmegaConf.load(CONF))
     loaded = models.load(cfg, "cpu")
     model_dir = converted_folder(cfg)  # the converted safetensors folder
+    initial_gates(loaded.model.config.get_text_config(), FASTKVZIP)  # the same file for kvpress and evalkit
     prompts = build_prompts(loaded.tokenizer)
     print("prompts:", ", ".join(f"{p['name']} ({len(p['ids'])} tokens)" for p in prompts), flush=True)
 

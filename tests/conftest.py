@@ -229,6 +229,7 @@ WEIGHTS_TINY = {
     "expected_attention_stats": Path(__file__).parent / "data" / "ea_stats_tiny",
     "lukv": Path(__file__).parent / "data" / "lukv_tiny.npy",  # benchmarks/lukv_curve.py
     "kvzap": Path(__file__).parent / "data" / "kvzap_tiny",  # benchmarks/kvzap_calibrate.py
+    "fastkvzip": Path(__file__).parent / "data" / "fastkvzip_tiny.pt",  # benchmarks/fastkvzip_calibrate.py
 }
 
 

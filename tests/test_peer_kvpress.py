@@ -21,6 +21,8 @@ import torch
 from omegaconf import OmegaConf
 from torch import Tensor
 
+from benchmarks._digest import digest, pruned
+from benchmarks.fastkvzip_calibrate import initial, initial_gates
 from evalkit.cli.spec import model_spec
 from evalkit.engine import models
 from evalkit.engine.engine import prefill, reconstruction
@@ -38,11 +40,12 @@ from evalkit.policies.dms import DMS
 from evalkit.policies.entropy_chunkkv import EntropyGatedChunkKV
 from evalkit.policies.expected_attention import ExpectedAttention
 from evalkit.policies.expected_attention_stats import ExpectedAttentionStats
+from evalkit.policies.fastkvzip import FastKVzip
 from evalkit.policies.h2o import H2O
+from evalkit.policies.key_rerotation import KeyRerotation
 from evalkit.policies.keydiff import KeyDiff
 from evalkit.policies.knorm import KNorm
 from evalkit.policies.kvzap import KVzap
-from evalkit.policies.key_rerotation import KeyRerotation
 from evalkit.policies.kvzip import KVzip
 from evalkit.policies.lagkv import LagKV
 from evalkit.policies.leverage import LeverageScore
@@ -59,7 +62,6 @@ from evalkit.policies.streaming_llm import StreamingLLM
 from evalkit.policies.think import ThinK
 from evalkit.policies.tova import TOVA
 from evalkit.tasks.prompt import Repeat
-from benchmarks._digest import digest, pruned
 from tests.conftest import ROOT
 
 FIXTURE = json.loads((ROOT / "tests" / "data" / "kvpress_smollm2_kept.json").read_text())
@@ -192,10 +194,26 @@ pytestmark = [
 ]
 
 
+@dataclass(kw_only=True)
+class FastKVzipAtCount(FastKVzip):
+    """Fast KVzip keeping kvpress's count of the slots it ranks together, as KVzipAtCount."""
+
+    ratio: float = 0.5
+
+    def total(self, slots: int, targets: list[tuple[int, int]]) -> int:
+        return slots - int(slots * self.ratio)
+
+
 @pytest.fixture(scope="module")
-def kept_by_evalkit():
+def kept_by_evalkit(tmp_path_factory):
     """Per `press@ratio`: evalkit's kept positions per layer and KV head after one shared prefill of the ids."""
     loaded = models.load(model_spec(OmegaConf.load(ROOT / "conf" / "model" / "smollm2-135m.yaml")), "cpu")
+    # Fast KVzip's gates: the seeded, untrained ones the fixture's kvpress side read (fastkvzip_calibrate.initial)
+    config = loaded.model.config.get_text_config()
+    gates = str(initial_gates(config, tmp_path_factory.mktemp("fastkvzip") / "gates.pt"))
+    other = tmp_path_factory.mktemp("fastkvzip-other") / "gates.pt"
+    n_kv, n_q, hidden = config.num_key_value_heads, config.num_attention_heads, config.hidden_size
+    torch.save({"module": [initial(n_kv, n_q, hidden, 100 + i) for i in range(config.num_hidden_layers)]}, other)
     pols = {
         f"{press}@{ratio}": make(FIXTURE["header"]["n_kept"][ratio])
         for press, make in SAME.items()
@@ -217,6 +235,10 @@ def kept_by_evalkit():
         lukv = LUKV(inner=ExpectedAttention(epsilon=0.02), budget=1 - float(ratio), weights_path=str(LUKV_CURVE))
         pols[f"lukv_expected_attention@{ratio}"] = lukv
         pols[f"expected_attention~0.02@{ratio}"] = ExpectedAttention(budget=k, epsilon=0.02)  # every head its k
+    for ratio, k in FIXTURE["header"]["n_kept"].items():
+        pols[f"fastkvzip@{ratio}"] = FastKVzip(budget=k, weights_path=gates)
+        pols[f"fastkvzip*@{ratio}"] = FastKVzipAtCount(budget=k, ratio=float(ratio), weights_path=gates)
+        pols[f"fastkvzip~other@{ratio}"] = FastKVzip(budget=k, weights_path=str(other))  # gates of other seeds
     for ratio, threshold in DMS_THRESHOLD.items():
         pols[f"dms_kvzap@{ratio}"] = DMS(inner=KVzap(weights_path=str(KVZAP)), threshold=threshold, window=128)
         pols[f"dms_kvzap~window0@{ratio}"] = DMS(inner=KVzap(weights_path=str(KVZAP)), threshold=threshold, window=0)
@@ -248,7 +270,7 @@ def jaccards(ours, theirs) -> list[float]:
     "key",
     [
         f"{p}@{r}"
-        for p in [*SAME, "compactor", "lukv_expected_attention", "simlayerkv", "dms_kvzap"]
+        for p in [*SAME, "compactor", "lukv_expected_attention", "simlayerkv", "dms_kvzap", "fastkvzip"]
         for r in ("0.5", "0.75")
     ],
 )
@@ -257,12 +279,13 @@ def test_evalkit_keeps_what_kvpress_keeps(kept_by_evalkit, key):
     jaccard = jaccards(ours, theirs)
     assert len(jaccard) == 30 * 3
     assert sum(jaccard) / len(jaccard) >= 0.99, f"{key}: mean Jaccard {sum(jaccard) / len(jaccard):.4f}"
-    # KVzip's and DMS's counts per head follow the scores (KVzip's the rounding, above; DMS's the threshold, below)
-    if key.split("@")[0] not in (*KVZIP, "dms_kvzap"):
+    # KVzip's, Fast KVzip's and DMS's counts per head follow the scores (KVzip's the rounding, above; DMS's the
+    # threshold, below)
+    if key.split("@")[0] not in (*KVZIP, "fastkvzip", "dms_kvzap"):
         assert [len(h) for h in ours[0]] == [len(h) for h in theirs[0]], "the same number of tokens kept"
 
 
-@pytest.mark.parametrize("key", [f"{p}@{r}" for p in KVZIP for r in ("0.5", "0.75")])
+@pytest.mark.parametrize("key", [f"{p}@{r}" for p in [*KVZIP, "fastkvzip"] for r in ("0.5", "0.75")])
 def test_kvzip_at_kvpress_count_keeps_kvpress_tokens_head_for_head(kept_by_evalkit, key):
     """Held to kvpress's own count, the choice is kvpress's: every layer and head keeps the same set (1.0000 on
     90/90 heads when the fixture was written; a few near-tie flips across machines are allowed)."""
@@ -299,6 +322,7 @@ CONTROLS = [
     ("expected_attention", "expected_attention_stats", 0.97),  # the prompt's own statistics, not the file's
     ("expected_attention~0.02", "lukv_expected_attention", 0.95),  # k in every head, no curve
     ("kvzap~negated", "kvzap", 0.9),  # the surrogates' scores negated
+    ("fastkvzip~other", "fastkvzip", 0.9),  # gates drawn from other seeds
 ]
 
 
