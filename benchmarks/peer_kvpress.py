@@ -58,6 +58,7 @@ count as an integer budget. Pairs compared (kvpress press <-> evalkit policy):
     MergingPress(SnapKVPress)                <-> merging(snapkv) (and the merged values, by digest)
     ThinKPress(ratio); ComposedPress([SnapKVPress, ThinKPress(0.5)])
                                              <-> think(none) (channels = ratio); think(snapkv) (channels 0.5)
+    KVgradPress (defaults: chunks of 512)    <-> kvgrad (chunk_size 512); kvgrad* at kvpress's count, as kvzip*
     FastKVzipPress (FASTKVZIP's gates)       <-> fastkvzip (weights_path: the same file, seeded and untrained);
                                                  fastkvzip* at kvpress's global count, as kvzip*
 
@@ -113,6 +114,7 @@ from evalkit.policies.h2o import H2O
 from evalkit.policies.key_rerotation import KeyRerotation
 from evalkit.policies.keydiff import KeyDiff
 from evalkit.policies.knorm import KNorm
+from evalkit.policies.kvgrad import KVgrad
 from evalkit.policies.kvzap import KVzap
 from evalkit.policies.kvzip import KVzip
 from evalkit.policies.lagkv import LagKV
@@ -182,6 +184,7 @@ PAIRS = {
     "kvzap": "kvzap",
     "dms_kvzap": "dms(kvzap)",
     "fastkvzip": "fastkvzip",
+    "kvgrad": "kvgrad",
     "key_rerotation_snapkv": "key_rerotation(snapkv)",
     "merging_snapkv": "merging(snapkv)",
     "think": "think(none)",
@@ -215,12 +218,22 @@ class KVzipAt(KVzip):
 
 
 # also compared at kvpress's exact counts
-STARRED = ("pyramidkv", "kvzip", "kvzip_layerwise", "kvzip_plus", "per_layer_snapkv", "fastkvzip")
+STARRED = ("pyramidkv", "kvzip", "kvzip_layerwise", "kvzip_plus", "per_layer_snapkv", "fastkvzip", "kvgrad")
 
 
 @dataclass(kw_only=True)
 class FastKVzipAt(FastKVzip):
     """evalkit's Fast KVzip keeping exactly kvpress's count, slots - int(slots x ratio), as KVzipAt."""
+
+    ratio: float = 0.5
+
+    def total(self, slots: int, targets: list[tuple[int, int]]) -> int:
+        return slots - int(slots * self.ratio)
+
+
+@dataclass(kw_only=True)
+class KVgradAt(KVgrad):
+    """evalkit's KVgrad keeping exactly kvpress's count, slots - int(slots x ratio), as KVzipAt."""
 
     ratio: float = 0.5
 
@@ -292,6 +305,8 @@ def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) ->
         "kvzap": KVzap(budget=k, weights_path=str(KVZAP)),
         "fastkvzip": FastKVzip(budget=k, weights_path=str(FASTKVZIP)),  # kvpress's defaults: 4 sinks, window 2%
         "fastkvzip*": FastKVzipAt(budget=k, ratio=ratio, weights_path=str(FASTKVZIP)),
+        "kvgrad": KVgrad(budget=k),  # kvpress's defaults: 4 sinks, chunks of 512, all layers ranked together
+        "kvgrad*": KVgradAt(budget=k, ratio=ratio),
         "dms(kvzap)": DMS(inner=KVzap(weights_path=str(KVZAP)), threshold=DMS_THRESHOLD[ratio], window=128),
         "key_rerotation(snapkv)": KeyRerotation(inner=SnapKV(**snap), budget=k),
         "merging(snapkv)": Merging(inner=SnapKV(**snap), budget=k),  # threshold 0, every evicted token: kvpress's
@@ -475,6 +490,7 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
                 "layer_budgets": "1 - compression ratio per layer, linear from ratio - 0.2 to ratio + 0.2",
             },
             "kvzap": {"policy": "kvzap", "weights_path": "tests/data/kvzap_smollm2"},
+            "kvgrad": {"policy": "kvgrad", "n_sink": 4, "chunk_size": 512, "layerwise": False},
             "fastkvzip": {
                 "policy": "fastkvzip",
                 "weights_path": "benchmarks/fastkvzip_calibrate.initial_gates (seeded, untrained)",

@@ -45,6 +45,7 @@ from evalkit.policies.h2o import H2O
 from evalkit.policies.key_rerotation import KeyRerotation
 from evalkit.policies.keydiff import KeyDiff
 from evalkit.policies.knorm import KNorm
+from evalkit.policies.kvgrad import KVgrad
 from evalkit.policies.kvzap import KVzap
 from evalkit.policies.kvzip import KVzip
 from evalkit.policies.lagkv import LagKV
@@ -127,6 +128,7 @@ SAME = {
 REWRITING = ("key_rerotation_snapkv", "merging_snapkv", "think_snapkv", "think")
 DIGEST_RTOL = 1e-4  # float32 tensors summed in float64: equal tensors agree to ~1e-6 (benchmarks/peer_kvpress.py)
 KVZIP = {"kvzip": {}, "kvzip_layerwise": {"layerwise": True}, "kvzip_plus": {"plus": True}}
+# KVgrad (its pass and gradients run here too, chunks of 512: two for the fixture's prompt), ranked as KVzip ranks
 
 
 @dataclass(kw_only=True)
@@ -195,6 +197,16 @@ pytestmark = [
 
 
 @dataclass(kw_only=True)
+class KVgradAtCount(KVgrad):
+    """KVgrad keeping kvpress's count of the slots it ranks together, as KVzipAtCount."""
+
+    ratio: float = 0.5
+
+    def total(self, slots: int, targets: list[tuple[int, int]]) -> int:
+        return slots - int(slots * self.ratio)
+
+
+@dataclass(kw_only=True)
 class FastKVzipAtCount(FastKVzip):
     """Fast KVzip keeping kvpress's count of the slots it ranks together, as KVzipAtCount."""
 
@@ -239,6 +251,8 @@ def kept_by_evalkit(tmp_path_factory):
         pols[f"fastkvzip@{ratio}"] = FastKVzip(budget=k, weights_path=gates)
         pols[f"fastkvzip*@{ratio}"] = FastKVzipAtCount(budget=k, ratio=float(ratio), weights_path=gates)
         pols[f"fastkvzip~other@{ratio}"] = FastKVzip(budget=k, weights_path=str(other))  # gates of other seeds
+        pols[f"kvgrad@{ratio}"] = KVgrad(budget=k)
+        pols[f"kvgrad*@{ratio}"] = KVgradAtCount(budget=k, ratio=float(ratio))
     for ratio, threshold in DMS_THRESHOLD.items():
         pols[f"dms_kvzap@{ratio}"] = DMS(inner=KVzap(weights_path=str(KVZAP)), threshold=threshold, window=128)
         pols[f"dms_kvzap~window0@{ratio}"] = DMS(inner=KVzap(weights_path=str(KVZAP)), threshold=threshold, window=0)
@@ -270,7 +284,7 @@ def jaccards(ours, theirs) -> list[float]:
     "key",
     [
         f"{p}@{r}"
-        for p in [*SAME, "compactor", "lukv_expected_attention", "simlayerkv", "dms_kvzap", "fastkvzip"]
+        for p in [*SAME, "compactor", "lukv_expected_attention", "simlayerkv", "dms_kvzap", "fastkvzip", "kvgrad"]
         for r in ("0.5", "0.75")
     ],
 )
@@ -281,11 +295,11 @@ def test_evalkit_keeps_what_kvpress_keeps(kept_by_evalkit, key):
     assert sum(jaccard) / len(jaccard) >= 0.99, f"{key}: mean Jaccard {sum(jaccard) / len(jaccard):.4f}"
     # KVzip's, Fast KVzip's and DMS's counts per head follow the scores (KVzip's the rounding, above; DMS's the
     # threshold, below)
-    if key.split("@")[0] not in (*KVZIP, "fastkvzip", "dms_kvzap"):
+    if key.split("@")[0] not in (*KVZIP, "fastkvzip", "kvgrad", "dms_kvzap"):
         assert [len(h) for h in ours[0]] == [len(h) for h in theirs[0]], "the same number of tokens kept"
 
 
-@pytest.mark.parametrize("key", [f"{p}@{r}" for p in [*KVZIP, "fastkvzip"] for r in ("0.5", "0.75")])
+@pytest.mark.parametrize("key", [f"{p}@{r}" for p in [*KVZIP, "fastkvzip", "kvgrad"] for r in ("0.5", "0.75")])
 def test_kvzip_at_kvpress_count_keeps_kvpress_tokens_head_for_head(kept_by_evalkit, key):
     """Held to kvpress's own count, the choice is kvpress's: every layer and head keeps the same set (1.0000 on
     90/90 heads when the fixture was written; a few near-tie flips across machines are allowed)."""
@@ -323,6 +337,7 @@ CONTROLS = [
     ("expected_attention~0.02", "lukv_expected_attention", 0.95),  # k in every head, no curve
     ("kvzap~negated", "kvzap", 0.9),  # the surrogates' scores negated
     ("fastkvzip~other", "fastkvzip", 0.9),  # gates drawn from other seeds
+    ("kvzip", "kvgrad", 0.9),  # the reconstruction attention alone, no gradient or value weights (about 0.5 and 0.4)
 ]
 
 
