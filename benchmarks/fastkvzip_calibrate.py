@@ -20,36 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.calibration import load, parser  # noqa: E402
-from evalkit.engine.engine import prefill, reconstruction  # noqa: E402
+from benchmarks.calibration import load, parser, scores_and_hidden  # noqa: E402
 from evalkit.policies.fastkvzip import gate_scores  # noqa: E402
-from evalkit.policies.kvzap import HiddenStates  # noqa: E402
-from evalkit.policies.kvzip import KVzip  # noqa: E402
-from evalkit.policies.kvzip_pass import Reconstruction  # noqa: E402
 
 SINKS, CHUNK, DIM, GATE_SINKS, LR = 4, 2048, 16, 16, 3e-3
-
-
-class Calibration(KVzip):
-    """Not a policy to run: KVzip's observation and the hidden states, recorded for the fit."""
-
-    def needs(self):
-        return (Reconstruction(SINKS, CHUNK, plus=False), HiddenStates())
-
-
-def pairs(model, prompts: list[torch.Tensor]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer: the hidden states (1, N, hidden) and the KVzip scores (1, Hkv, N) of every context token after the
-    sinks, all prompts end to end."""
-    pol = Calibration(budget=1.0, n_sink=SINKS, chunk_size=CHUNK)
-    xs: dict[int, list] = {}
-    ys: dict[int, list] = {}
-    for ids in prompts:
-        full, obs = prefill(model, ids.to(model.device), [pol])
-        reconstruction(model, full, ids, None, [pol], obs)
-        for layer, values in obs.items():
-            xs.setdefault(layer, []).append(values[HiddenStates()][:, SINKS:])
-            ys.setdefault(layer, []).append(values[Reconstruction(SINKS, CHUNK, plus=False)][:, :, SINKS:])
-    return {layer: (torch.cat(xs[layer], dim=1), torch.cat(ys[layer], dim=2)) for layer in sorted(xs)}
 
 
 def initial(n_kv: int, n_q: int, hidden: int, seed: int) -> dict[str, torch.Tensor]:
@@ -98,7 +72,7 @@ def main() -> None:
     args = ap.parse_args()
     loaded, prompts = load(args)
     cfg = loaded.model.config.get_text_config()
-    data = pairs(loaded.model, prompts)
+    data = scores_and_hidden(loaded.model, prompts, SINKS, CHUNK, plus=False)
     if len(data) != cfg.num_hidden_layers:
         raise SystemExit(f"{len(data)} of {cfg.num_hidden_layers} layers attend fully: Fast KVzip needs every layer")
     gates, r2s = [], []

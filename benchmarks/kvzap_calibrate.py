@@ -24,36 +24,15 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.calibration import load, parser  # noqa: E402
-from evalkit.engine.engine import prefill, reconstruction  # noqa: E402
-from evalkit.policies.kvzap import HiddenStates  # noqa: E402
-from evalkit.policies.kvzip import KVzip  # noqa: E402
-from evalkit.policies.kvzip_pass import Reconstruction  # noqa: E402
+from benchmarks.calibration import load, parser, scores_and_hidden  # noqa: E402
 
 SINKS, CHUNK, FLOOR, RIDGE = 4, 2048, 1e-6, 1e-3
 
 
-class Calibration(KVzip):
-    """Not a policy to run: KVzip+'s observation and the hidden states, recorded for the fit."""
-
-    def needs(self):
-        return (Reconstruction(SINKS, CHUNK, plus=True), HiddenStates())
-
-
 def pairs(model, prompts: list[torch.Tensor]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Per layer: the hidden states (N, hidden) and the log scores (N, Hkv) of every context token after the sinks."""
-    pol = Calibration(budget=1.0, n_sink=SINKS, chunk_size=CHUNK, plus=True)
-    xs: dict[int, list] = {}
-    ys: dict[int, list] = {}
-    for ids in prompts:
-        full, obs = prefill(model, ids.to(model.device), [pol])
-        reconstruction(model, full, ids, None, [pol], obs)
-        for layer, values in obs.items():
-            hidden = values[HiddenStates()][0, SINKS:]  # (T - sinks, hidden)
-            scores = values[Reconstruction(SINKS, CHUNK, plus=True)][0, :, SINKS:]  # (Hkv, T - sinks)
-            xs.setdefault(layer, []).append(hidden.double())
-            ys.setdefault(layer, []).append(scores.double().clamp_min(FLOOR).log().T)
-    return {layer: (torch.cat(xs[layer]), torch.cat(ys[layer])) for layer in sorted(xs)}
+    data = scores_and_hidden(model, prompts, SINKS, CHUNK, plus=True)
+    return {layer: (x[0].double(), y[0].double().clamp_min(FLOOR).log().T) for layer, (x, y) in data.items()}
 
 
 def fit(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:

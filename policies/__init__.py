@@ -299,6 +299,22 @@ class Wrapper(KVPolicy):
             raise ConfigError(str(err).replace("policy.", "policy.inner.")) from None
 
 
+@dataclass(kw_only=True)
+class OnceWrapper(Wrapper):
+    """A wrapper that compresses once, after the prompt, whatever its inner policy can (KeyRerotation, ThinK): neither
+    chunk by chunk nor while decoding."""
+
+    decode: bool | None = False
+
+    @property
+    def chunkable(self) -> bool:  # type: ignore[override]
+        return False
+
+    @property
+    def decodable(self) -> bool:  # type: ignore[override]
+        return False
+
+
 def no_budget(budget: float | int, keeps: str) -> None:
     """For a policy whose settings, not a budget, decide what it keeps (SimLayerKV, DMS): a ConfigError unless `budget`
     is 1.0 (every head may keep every token); `keeps` says what it keeps and which setting to turn instead."""
@@ -360,6 +376,7 @@ def gather_tokens(x: Tensor, idx: Tensor) -> Tensor:
 __all__ = [
     "KVPolicy",
     "LayerView",
+    "OnceWrapper",
     "Probe",
     "Probes",
     "SinkPolicy",

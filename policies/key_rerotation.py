@@ -20,7 +20,7 @@ from torch import Tensor
 from transformers.models.llama.modeling_llama import rotate_half
 
 from evalkit.errors import ConfigError
-from evalkit.policies import LayerView, Probes, Wrapper, gather_tokens
+from evalkit.policies import LayerView, OnceWrapper, Probes, gather_tokens
 
 
 def rerotated(keys: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
@@ -34,19 +34,10 @@ def rerotated(keys: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
 
 
 @dataclass(kw_only=True)
-class KeyRerotation(Wrapper):
+class KeyRerotation(OnceWrapper):
     """The inner policy's choice; the kept keys re-rotated to slots 0 .. k-1, once, after the prompt."""
 
     name: str = "key_rerotation"
-    decode: bool | None = False
-
-    @property
-    def chunkable(self) -> bool:  # type: ignore[override]
-        return False
-
-    @property
-    def decodable(self) -> bool:  # type: ignore[override]
-        return False
 
     def prepare(self, model, probes: Probes) -> dict | None:
         """Read the model's rotary frequencies; a model whose rotary embedding scales its angles (attention_scaling

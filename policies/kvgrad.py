@@ -28,11 +28,10 @@ from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
 from evalkit.attention.observation import Observation
-from evalkit.attention.sdpa import observe
 from evalkit.errors import ConfigError
-from evalkit.policies import LayerView, Probes
-from evalkit.policies.kvzip import RankedTogether
-from evalkit.policies.kvzip_pass import Block, RawIds, pass_inputs, reconstruction_cache
+from evalkit.policies import Probes
+from evalkit.policies.kvzip import KVzip
+from evalkit.policies.kvzip_pass import Block, RawIds, pass_inputs, reconstruction_cache, run_pass
 
 TINY = 1e-30  # a gradient norm of 0 weights its probe's attention by 0, kept finite
 
@@ -107,21 +106,14 @@ class GradReconstruction(Observation):
         norms = gradient_norms(model, full, ids, positions, blocks)
         for i in scores:  # KVzip+'s query divisor, as 1 / the gradient's norm: the probabilities times the norm
             cache.layers[i].hidden_norms = 1.0 / norms[i].clamp(min=TINY)
-        with torch.inference_mode():
-            model(
-                input_ids=ids,
-                position_ids=positions,
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-                **observe(None, cache),
-            )
+        run_pass(model, cache, ids, positions)
         return scores
 
 
 @dataclass(kw_only=True)
-class KVgrad(RankedTogether):
-    """KVgrad's scores (KVzip's pass weighted by the gradients), ranked over all layers and KV heads (or per layer)."""
+class KVgrad(KVzip):
+    """KVgrad's scores (KVzip's pass weighted by the gradients), ranked over all layers and KV heads (or per layer), as
+    KVzip's are read and ranked; `plus` does not apply (the value term is always there), as kvpress's KVgradPress."""
 
     name: str = "kvgrad"
     chunk_size: int = 512  # context tokens reconstructed per pass (kvpress's default for KVgrad)
@@ -138,11 +130,7 @@ class KVgrad(RankedTogether):
             )
         return None
 
-    def score(self, view: LayerView) -> Tensor:
-        scores = view.observed(self.needs()[0])  # (B, Hkv, tokens prefilled)
-        return scores.gather(-1, view.positions.clamp(min=0))
-
     def check_params(self) -> None:
         super().check_params()
-        if self.chunk_size < 1:
-            raise ConfigError(f"policy.chunk_size={self.chunk_size}: a pass reconstructs at least 1 token; e.g. 512")
+        if self.plus:
+            raise ConfigError("policy.plus=true: kvgrad always weights by the values' output norms; leave it false")

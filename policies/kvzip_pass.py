@@ -97,15 +97,15 @@ def reconstruct(
     cache, scores = reconstruction_cache(full, blocks, sinks)
     if blocks:
         with hidden_norms(model, cache) if plus else nullcontext():
-            model(
-                input_ids=ids,
-                position_ids=positions,
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-                **observe(None, cache),
-            )
+            run_pass(model, cache, ids, positions)
     return scores
+
+
+@torch.inference_mode()
+def run_pass(model: torch.nn.Module, cache: Cache, ids: Tensor, positions: Tensor) -> None:
+    """The pass's one forward: every block of `ids` at its `positions`, attended by the layers of `cache` (built by
+    `reconstruction_cache`), which fill their scores."""
+    model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1, **observe(None, cache))
 
 
 @dataclass(frozen=True)

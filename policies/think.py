@@ -19,7 +19,7 @@ from torch import Tensor
 
 from evalkit.attention.observation import Observation, Window, WindowQueries
 from evalkit.errors import ConfigError
-from evalkit.policies import LayerView, Wrapper, gather_tokens
+from evalkit.policies import LayerView, OnceWrapper, gather_tokens
 
 
 def pruned_channels(keys: Tensor, queries: Tensor, n: int) -> Tensor:
@@ -31,21 +31,12 @@ def pruned_channels(keys: Tensor, queries: Tensor, n: int) -> Tensor:
 
 
 @dataclass(kw_only=True)
-class ThinK(Wrapper):
+class ThinK(OnceWrapper):
     """The inner policy's tokens; then `channels` of each KV head's key channels zeroed, the least queried."""
 
     name: str = "think"
     channels: float = 0.5  # the share of key channels pruned (kvpress key_channel_compression_ratio)
     window: int = 32  # the last context queries that score the channels
-    decode: bool | None = False
-
-    @property
-    def chunkable(self) -> bool:  # type: ignore[override]
-        return False
-
-    @property
-    def decodable(self) -> bool:  # type: ignore[override]
-        return False
 
     def needs(self) -> tuple[Observation, ...]:
         own = WindowQueries(self.window)

@@ -15,7 +15,7 @@ from evalkit.engine.engine import prefill, reconstruction
 from evalkit.errors import ConfigError
 from evalkit.policies.kvgrad import GradReconstruction, KVgrad
 from tests.conftest import policy, run_cli, tiny_row
-from tests.test_kvzip import chat, prompt, value_output_norm  # noqa: F401 - the fixtures are used by name
+from tests.test_kvzip import chat, chunk_sequences, prompt, value_output_norm  # noqa: F401 - fixtures by name
 
 
 def recording(layers) -> tuple[dict, list]:
@@ -42,12 +42,7 @@ def eager_kvgrad(eager, context, repeat, sinks, chunk, prev=8):
     hkv, group = cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads
     layers = eager.model.layers
     out = {i: torch.zeros(hkv, n) for i in range(len(layers))}
-    los = list(range(repeat.start, n, chunk))
-    for i, lo in enumerate(los):
-        hi = min(lo + chunk, n)
-        quote = context[0, max(los[i - 1], lo - prev) : lo].tolist() if i else []
-        head = (repeat.part + quote if i else repeat.first) + repeat.suffix
-        seq = torch.cat([context, torch.tensor([head]), context[:, lo:hi]], dim=1)
+    for lo, hi, seq in chunk_sequences(context, repeat, chunk, prev):
         seen, hooks = recording(layers)
         try:
             with torch.enable_grad():

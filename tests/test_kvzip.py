@@ -96,6 +96,21 @@ def value_output_norm(attn, v, group):
     return torch.stack([torch.stack([m.norm(dim=0) for m in row]) for row in heads])
 
 
+def chunk_sequences(context, repeat, chunk, prev=8) -> list[tuple[int, int, torch.Tensor]]:
+    """Per chunk [lo, hi) of the context after the template opening: lo, hi and the sequence [context, repeat prompt
+    (the first instruction, or the later one with the previous chunk's last `prev` ids), the chunk], as kvpress
+    builds each chunk's pass."""
+    n = context.shape[1]
+    los = list(range(repeat.start, n, chunk))
+    out = []
+    for i, lo in enumerate(los):
+        hi = min(lo + chunk, n)
+        quote = context[0, max(los[i - 1], lo - prev) : lo].tolist() if i else []
+        head = (repeat.part + quote if i else repeat.first) + repeat.suffix
+        out.append((lo, hi, torch.cat([context, torch.tensor([head]), context[:, lo:hi]], dim=1)))
+    return out
+
+
 def eager_scores(eager, context, repeat, sinks, chunk, plus=False, prev=8):
     """The reconstruction scores from transformers' eager attention matrices over the whole sequence [context,
     repeat prompt, chunk of the context], one sequence per chunk, written from the paper and kvpress's description:
@@ -114,12 +129,7 @@ def eager_scores(eager, context, repeat, sinks, chunk, plus=False, prev=8):
         if t == "full_attention"
     ]
     out = {i: torch.zeros(hkv, n) for i in full}
-    los = list(range(repeat.start, n, chunk))
-    for i, lo in enumerate(los):
-        hi = min(lo + chunk, n)
-        quote = context[0, max(los[i - 1], lo - prev) : lo].tolist() if i else []
-        head = (repeat.part + quote if i else repeat.first) + repeat.suffix
-        seq = torch.cat([context, torch.tensor([head]), context[:, lo:hi]], dim=1)
+    for lo, hi, seq in chunk_sequences(context, repeat, chunk, prev):
         with torch.inference_mode():
             attentions = eager(input_ids=seq, output_attentions=True).attentions  # per layer (1, Hq, L, L)
         norms = norms_entering_attention(eager, seq) if plus else None
