@@ -58,6 +58,7 @@ count as an integer budget. Pairs compared (kvpress press <-> evalkit policy):
     MergingPress(SnapKVPress)                <-> merging(snapkv) (and the merged values, by digest)
     ThinKPress(ratio); ComposedPress([SnapKVPress, ThinKPress(0.5)])
                                              <-> think(none) (channels = ratio); think(snapkv) (channels 0.5)
+    KVComposePress (structured, defaults)    <-> kvcompose; kvcompose* at kvpress's count of ranks
     KVgradPress (defaults: chunks of 512)    <-> kvgrad (chunk_size 512); kvgrad* at kvpress's count, as kvzip*
     FastKVzipPress (FASTKVZIP's gates)       <-> fastkvzip (weights_path: the same file, seeded and untrained);
                                                  fastkvzip* at kvpress's global count, as kvzip*
@@ -114,6 +115,7 @@ from evalkit.policies.h2o import H2O
 from evalkit.policies.key_rerotation import KeyRerotation
 from evalkit.policies.keydiff import KeyDiff
 from evalkit.policies.knorm import KNorm
+from evalkit.policies.kvcompose import KVCompose
 from evalkit.policies.kvgrad import KVgrad
 from evalkit.policies.kvzap import KVzap
 from evalkit.policies.kvzip import KVzip
@@ -185,6 +187,7 @@ PAIRS = {
     "dms_kvzap": "dms(kvzap)",
     "fastkvzip": "fastkvzip",
     "kvgrad": "kvgrad",
+    "kvcompose": "kvcompose",
     "key_rerotation_snapkv": "key_rerotation(snapkv)",
     "merging_snapkv": "merging(snapkv)",
     "think": "think(none)",
@@ -218,7 +221,16 @@ class KVzipAt(KVzip):
 
 
 # also compared at kvpress's exact counts
-STARRED = ("pyramidkv", "kvzip", "kvzip_layerwise", "kvzip_plus", "per_layer_snapkv", "fastkvzip", "kvgrad")
+STARRED = (
+    "pyramidkv",
+    "kvzip",
+    "kvzip_layerwise",
+    "kvzip_plus",
+    "per_layer_snapkv",
+    "fastkvzip",
+    "kvgrad",
+    "kvcompose",
+)
 
 
 @dataclass(kw_only=True)
@@ -239,6 +251,21 @@ class KVgradAt(KVgrad):
 
     def total(self, slots: int, targets: list[tuple[int, int]]) -> int:
         return slots - int(slots * self.ratio)
+
+
+@dataclass(kw_only=True)
+class KVComposeAt(KVCompose):
+    """evalkit's KVCompose ranking kvpress's count of composite ranks, int(layers x T x (1 - ratio)), not k x layers."""
+
+    ratio: float = 0.5
+
+    def total(self, targets: dict[int, int]) -> int:
+        slots = len(targets) * self.seen
+        return int(slots * (1 - self.ratio))
+
+    def select_layers(self, views, targets):
+        self.seen = next(iter(views.values())).seen
+        return super().select_layers(views, targets)
 
 
 @dataclass(kw_only=True)
@@ -307,6 +334,8 @@ def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) ->
         "fastkvzip*": FastKVzipAt(budget=k, ratio=ratio, weights_path=str(FASTKVZIP)),
         "kvgrad": KVgrad(budget=k),  # kvpress's defaults: 4 sinks, chunks of 512, all layers ranked together
         "kvgrad*": KVgradAt(budget=k, ratio=ratio),
+        "kvcompose": KVCompose(budget=k),  # kvpress's defaults are its defaults
+        "kvcompose*": KVComposeAt(budget=k, ratio=ratio),
         "dms(kvzap)": DMS(inner=KVzap(weights_path=str(KVZAP)), threshold=DMS_THRESHOLD[ratio], window=128),
         "key_rerotation(snapkv)": KeyRerotation(inner=SnapKV(**snap), budget=k),
         "merging(snapkv)": Merging(inner=SnapKV(**snap), budget=k),  # threshold 0, every evicted token: kvpress's
@@ -491,6 +520,15 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
             },
             "kvzap": {"policy": "kvzap", "weights_path": "tests/data/kvzap_smollm2"},
             "kvgrad": {"policy": "kvgrad", "n_sink": 4, "chunk_size": 512, "layerwise": False},
+            "kvcompose": {
+                "policy": "kvcompose",
+                "agg_task": "max",
+                "agg_group": "mean",
+                "agg_head": "mean",
+                "add_v_norm": False,
+                "add_mean_across_heads": True,
+                "keep_token_lower_bound": 0,
+            },
             "fastkvzip": {
                 "policy": "fastkvzip",
                 "weights_path": "benchmarks/fastkvzip_calibrate.initial_gates (seeded, untrained)",

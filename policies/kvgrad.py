@@ -25,28 +25,15 @@ from typing import ClassVar
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache
 
 from evalkit.attention.observation import Observation
 from evalkit.errors import ConfigError
 from evalkit.policies import Probes
 from evalkit.policies.kvzip import KVzip
-from evalkit.policies.kvzip_pass import Block, RawIds, pass_inputs, reconstruction_cache, run_pass
+from evalkit.policies.kvzip_pass import Block, RawIds, ReadOnlyLayer, pass_inputs, reconstruction_cache, run_pass
 
 TINY = 1e-30  # a gradient norm of 0 weights its probe's attention by 0, kept finite
-
-
-class ReadOnlyLayer(DynamicLayer):
-    """A full cache layer read by the gradient pass: a forward sees its keys and values and the new ones, and leaves
-    it as it was (nothing is appended)."""
-
-    def __init__(self, keys: Tensor, values: Tensor):
-        super().__init__()
-        self.keys, self.values = keys, values
-        self.device, self.dtype, self.is_initialized = keys.device, keys.dtype, True
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
 
 
 def gradient_norms(model: torch.nn.Module, full: Cache, ids: Tensor, positions: Tensor, blocks: list[Block]) -> dict:

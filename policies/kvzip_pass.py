@@ -297,6 +297,19 @@ class ReconstructionLayer(DynamicLayer):
         return out, None
 
 
+class ReadOnlyLayer(DynamicLayer):
+    """A full cache layer read in place by a pass of transformers' own attention (KVgrad's gradients, KVCompose's
+    repeat): a forward sees its keys and values and the new ones, and leaves it as it was (nothing is appended)."""
+
+    def __init__(self, keys: Tensor, values: Tensor):
+        super().__init__()
+        self.keys, self.values = keys, values
+        self.device, self.dtype, self.is_initialized = keys.device, keys.dtype, True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+
 def value_norms(module: torch.nn.Module, values: Tensor) -> Tensor:
     """(B, Hkv, G, T): ||W_O v|| for each value (B, Hkv, T, D) and each query head of its group, where W_O is the slice
     of the output projection (`module.o_proj`) that reads that head: the size of what the value writes into the

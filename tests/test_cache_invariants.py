@@ -20,7 +20,8 @@ POLICIES = options("policy")
 ONCE = tuple(name for name in POLICIES if not policy(name, 0.25).decodable)
 # rank the tokens of all layers and heads together (KVzip as published): the budget holds over the whole cache, each
 # layer's and head's share follows the scores (by hand in test_kvzip)
-GLOBAL = ("kvzip", "fastkvzip", "kvgrad")  # they rank as kvzip ranks (by hand in test_fastkvzip, test_kvgrad)
+# (fastkvzip and kvgrad rank as kvzip ranks; kvcompose shares the budget among layers: test_kvcompose)
+GLOBAL = ("kvzip", "fastkvzip", "kvgrad", "kvcompose")
 # its layers' and heads' shares come from a curve (tests/data/lukv_tiny.npy), whose row is the budget's prune ratio
 # rounded up to a whole percent: at most the budget in all, and within a token per layer of it at 0.25 (a whole
 # percent); at 40 of 96 tokens (58.3% pruned, the 59% row) up to 1% of the tokens fewer

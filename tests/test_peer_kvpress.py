@@ -45,6 +45,7 @@ from evalkit.policies.h2o import H2O
 from evalkit.policies.key_rerotation import KeyRerotation
 from evalkit.policies.keydiff import KeyDiff
 from evalkit.policies.knorm import KNorm
+from evalkit.policies.kvcompose import KVCompose
 from evalkit.policies.kvgrad import KVgrad
 from evalkit.policies.kvzap import KVzap
 from evalkit.policies.kvzip import KVzip
@@ -128,7 +129,9 @@ SAME = {
 REWRITING = ("key_rerotation_snapkv", "merging_snapkv", "think_snapkv", "think")
 DIGEST_RTOL = 1e-4  # float32 tensors summed in float64: equal tensors agree to ~1e-6 (benchmarks/peer_kvpress.py)
 KVZIP = {"kvzip": {}, "kvzip_layerwise": {"layerwise": True}, "kvzip_plus": {"plus": True}}
-# KVgrad (its pass and gradients run here too, chunks of 512: two for the fixture's prompt), ranked as KVzip ranks
+# ranked over all layers as KVzip ranks, each also held to kvpress's count (`*`): Fast KVzip (seeded gates), KVgrad
+# (its pass and gradients run here too, chunks of 512: two for the fixture's prompt), KVCompose (its repeat pass)
+RANKED_TOGETHER = ("fastkvzip", "kvgrad", "kvcompose")
 
 
 @dataclass(kw_only=True)
@@ -207,6 +210,16 @@ class KVgradAtCount(KVgrad):
 
 
 @dataclass(kw_only=True)
+class KVComposeAtCount(KVCompose):
+    """KVCompose ranking kvpress's count of composite ranks, int(layers x T x (1 - ratio)), not k x layers."""
+
+    ratio: float = 0.5
+
+    def total(self, targets: dict[int, int]) -> int:
+        return int(len(targets) * len(FIXTURE["ids"]) * (1 - self.ratio))
+
+
+@dataclass(kw_only=True)
 class FastKVzipAtCount(FastKVzip):
     """Fast KVzip keeping kvpress's count of the slots it ranks together, as KVzipAtCount."""
 
@@ -253,6 +266,8 @@ def kept_by_evalkit(tmp_path_factory):
         pols[f"fastkvzip~other@{ratio}"] = FastKVzip(budget=k, weights_path=str(other))  # gates of other seeds
         pols[f"kvgrad@{ratio}"] = KVgrad(budget=k)
         pols[f"kvgrad*@{ratio}"] = KVgradAtCount(budget=k, ratio=float(ratio))
+        pols[f"kvcompose@{ratio}"] = KVCompose(budget=k)  # kvpress's defaults, structured
+        pols[f"kvcompose*@{ratio}"] = KVComposeAtCount(budget=k, ratio=float(ratio))
     for ratio, threshold in DMS_THRESHOLD.items():
         pols[f"dms_kvzap@{ratio}"] = DMS(inner=KVzap(weights_path=str(KVZAP)), threshold=threshold, window=128)
         pols[f"dms_kvzap~window0@{ratio}"] = DMS(inner=KVzap(weights_path=str(KVZAP)), threshold=threshold, window=0)
@@ -284,7 +299,7 @@ def jaccards(ours, theirs) -> list[float]:
     "key",
     [
         f"{p}@{r}"
-        for p in [*SAME, "compactor", "lukv_expected_attention", "simlayerkv", "dms_kvzap", "fastkvzip", "kvgrad"]
+        for p in [*SAME, "compactor", "lukv_expected_attention", "simlayerkv", "dms_kvzap", *RANKED_TOGETHER]
         for r in ("0.5", "0.75")
     ],
 )
@@ -293,13 +308,13 @@ def test_evalkit_keeps_what_kvpress_keeps(kept_by_evalkit, key):
     jaccard = jaccards(ours, theirs)
     assert len(jaccard) == 30 * 3
     assert sum(jaccard) / len(jaccard) >= 0.99, f"{key}: mean Jaccard {sum(jaccard) / len(jaccard):.4f}"
-    # KVzip's, Fast KVzip's and DMS's counts per head follow the scores (KVzip's the rounding, above; DMS's the
-    # threshold, below)
-    if key.split("@")[0] not in (*KVZIP, "fastkvzip", "kvgrad", "dms_kvzap"):
+    # the counts per head of KVzip and those ranked as it ranks follow the scores (and kvpress's rounding, above);
+    # DMS's its threshold (below)
+    if key.split("@")[0] not in (*KVZIP, *RANKED_TOGETHER, "dms_kvzap"):
         assert [len(h) for h in ours[0]] == [len(h) for h in theirs[0]], "the same number of tokens kept"
 
 
-@pytest.mark.parametrize("key", [f"{p}@{r}" for p in [*KVZIP, "fastkvzip", "kvgrad"] for r in ("0.5", "0.75")])
+@pytest.mark.parametrize("key", [f"{p}@{r}" for p in [*KVZIP, *RANKED_TOGETHER] for r in ("0.5", "0.75")])
 def test_kvzip_at_kvpress_count_keeps_kvpress_tokens_head_for_head(kept_by_evalkit, key):
     """Held to kvpress's own count, the choice is kvpress's: every layer and head keeps the same set (1.0000 on
     90/90 heads when the fixture was written; a few near-tie flips across machines are allowed)."""

@@ -1,0 +1,158 @@
+"""KVCompose: structured compression, the same number of tokens in every KV head of a layer, layers sharing the budget
+by composite scores.
+
+Akulov et al. 2025, "KVCompose: Efficient Structured KV Cache Compression with Composite Tokens" (arXiv:2509.05165),
+as kvpress's KVComposePress (its structured setting): the context is read a second time over the full cache, and each
+query head's attention to every context token is aggregated over the repeated queries (`agg_task`: max or mean),
+then over the query heads of a KV group (`agg_group`); with `add_v_norm` times the norm of the token's value; with
+`add_mean_across_heads` plus the layer's mean over its KV heads. A layer's composite score at rank r is the
+`agg_head` over its KV heads of each head's r-th highest score (the first layer's: the highest of any layer at r);
+the budget's tokens go to the best ranks of all layers together (every layer keeps at least one, and its first
+`keep_token_lower_bound` ranks), and each KV head of a layer keeps its own best tokens, that layer's count of them:
+heads keep different tokens, every head of a layer the same number, so the cache stays a plain tensor.
+
+The second read is this policy's observation (`RepeatAttention`): one forward of the context over the full cache,
+read in place, its attention recorded as it goes; kvpress runs it in eager attention and lets the cache grow by the
+repeat. Every layer must attend to the whole context (sliding-window models are refused). kvpress's unstructured
+setting (each head its own count) is not implemented.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache
+
+from evalkit.attention.observation import Attended, Observation
+from evalkit.attention.sdpa import observe
+from evalkit.errors import ConfigError
+from evalkit.policies import KVPolicy, LayerView, Probes
+from evalkit.policies.kvzip_pass import ReadOnlyLayer
+
+AGGREGATES = ("max", "mean")
+CHUNK = 256  # repeated queries whose attention is computed at once, per query head
+FIRST = 1e9  # added to the ranks kept whatever they score (keep_token_lower_bound), as kvpress adds it
+
+
+@dataclass
+class Aggregating:
+    """A recorder for the repeat's forward: per layer, (B, Hq, n) each query head's attention to the n context tokens,
+    aggregated over the repeated queries (`agg`), each softmax over the whole cache and the repeat's own keys."""
+
+    n: int
+    agg: str
+    got: dict[int, Tensor] = field(default_factory=dict)
+
+    def wants_mass(self, layer_idx: int, layer) -> bool:
+        return False
+
+    def record(self, layer_idx: int, layer, at: Attended) -> None:
+        b, hq, m, _ = at.query.shape
+        keys = at.key.float().repeat_interleave(hq // at.key.shape[1], dim=1)  # (B, Hq, n + m, D)
+        total = torch.full((b, hq, self.n), -math.inf if self.agg == "max" else 0.0, device=at.query.device)
+        for start in range(0, m, CHUNK):
+            end = min(start + CHUNK, m)
+            logits = (at.query[:, :, start:end].float() * at.scaling) @ keys.transpose(-1, -2)  # (B, Hq, c, n + m)
+            own = (
+                torch.arange(m, device=logits.device)[None, :] > torch.arange(start, end, device=logits.device)[:, None]
+            )
+            logits[..., self.n :] = logits[..., self.n :].masked_fill(own, -math.inf)
+            probs = logits.softmax(dim=-1)[..., : self.n]
+            total = torch.maximum(total, probs.amax(dim=2)) if self.agg == "max" else total + probs.sum(dim=2)
+        self.got[layer_idx] = total if self.agg == "max" else total / m
+
+
+@dataclass(frozen=True)
+class RepeatAttention(Observation):
+    """Per full-attention layer, (B, Hq, n_context): each query head's attention to every context token while the
+    context is read again over the full cache, aggregated over the repeated queries by `agg` (max or mean)."""
+
+    agg: str
+    pass_name: ClassVar[str] = "repeat"
+
+    @torch.inference_mode()
+    def second_pass(self, model: torch.nn.Module, full: Cache, context: Tensor, prompt) -> dict[int, Tensor]:
+        n = context.shape[1]
+        recorder = Aggregating(n, self.agg)
+        cache = Cache(layers=[ReadOnlyLayer(layer.keys, layer.values) for layer in full.layers])
+        positions = torch.arange(n, 2 * n, device=context.device)[None]
+        model(input_ids=context, position_ids=positions, cache=cache, logits_to_keep=1, **observe(recorder, cache))
+        return recorder.got
+
+
+def aggregate(x: Tensor, how: str, dim: int) -> Tensor:
+    return x.amax(dim=dim) if how == "max" else x.mean(dim=dim)
+
+
+@dataclass(kw_only=True)
+class KVCompose(KVPolicy):
+    """Per layer a count of tokens from composite scores ranked over all layers; each KV head its own best."""
+
+    name: str = "kvcompose"
+    agg_task: str = "max"  # over the repeated queries
+    agg_group: str = "mean"  # over the query heads of a KV group
+    agg_head: str = "mean"  # over a layer's KV heads, rank by rank (the composite score)
+    add_v_norm: bool = False
+    add_mean_across_heads: bool = True
+    keep_token_lower_bound: int = 0
+    decode: bool = False
+    chunkable: ClassVar[bool] = False  # its scores need the whole context read again
+    decodable: ClassVar[bool] = False
+
+    def needs(self) -> tuple[RepeatAttention]:
+        return (RepeatAttention(self.agg_task),)
+
+    def prepare(self, model, probes: Probes) -> dict | None:
+        config = model.config.get_text_config()
+        if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
+            raise ConfigError(
+                f"kvcompose needs every layer to attend to the whole context; {type(model).__name__} has "
+                "sliding-window layers: choose another policy"
+            )
+        return None
+
+    def score(self, view: LayerView) -> Tensor:
+        """(B, Hkv, T) each KV head's scores: the repeat's attention over its group, the value norm, the layer's
+        mean."""
+        heads = view.observed(self.needs()[0])  # (B, Hq, tokens prefilled)
+        b, hkv = view.keys.shape[:2]
+        per_head = heads.gather(-1, view.positions.clamp(min=0).repeat_interleave(heads.shape[1] // hkv, dim=1))
+        scores = aggregate(per_head.view(b, hkv, -1, per_head.shape[-1]), self.agg_group, dim=2)
+        if self.add_v_norm:
+            scores = scores * view.values.float().norm(dim=-1)
+        if self.add_mean_across_heads:
+            scores = scores + scores.mean(dim=1, keepdim=True)
+        return scores
+
+    def total(self, targets: dict[int, int]) -> int:
+        """Ranks kept over all layers: each layer's share of the budget summed."""
+        return sum(targets.values())
+
+    def select_layers(self, views: dict[int, LayerView], targets: dict[int, int]) -> dict[int, Tensor]:
+        scores = {i: self.score(view) for i, view in views.items()}
+        ranks = {i: s.sort(dim=-1, descending=True).values for i, s in scores.items()}  # each head's, best first
+        composite = {i: aggregate(r, self.agg_head, dim=1) for i, r in ranks.items()}  # (B, T) per layer
+        for c in composite.values():
+            c[:, : self.keep_token_lower_bound] += FIRST
+        first = min(composite)
+        composite[first] = torch.stack(list(composite.values())).amax(dim=0)  # the first layer: the highest of any
+        flat = torch.cat(list(composite.values()), dim=1)  # (B, layers x T)
+        ranked = flat.topk(min(self.total(targets), flat.shape[1]), dim=1).indices
+        layer_of = torch.cat([torch.full((c.shape[1],), j) for j, c in enumerate(composite.values())]).to(flat.device)
+        counts = torch.bincount(layer_of[ranked[0]], minlength=len(composite))
+        counts = counts.clamp(min=max(1, self.keep_token_lower_bound))  # no layer left empty
+        return {
+            i: scores[i].topk(int(k), dim=-1).indices.sort(dim=-1).values
+            for (i, view), k in zip(views.items(), counts.tolist(), strict=True)
+        }
+
+    def check_params(self) -> None:
+        for key in ("agg_task", "agg_group", "agg_head"):
+            if getattr(self, key) not in AGGREGATES:
+                raise ConfigError(f"policy.{key}={getattr(self, key)!r}: give one of {list(AGGREGATES)}")
+        if self.keep_token_lower_bound < 0:
+            raise ConfigError(f"policy.keep_token_lower_bound={self.keep_token_lower_bound}: give 0 or more tokens")
