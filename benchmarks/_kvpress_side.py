@@ -30,6 +30,7 @@ from kvpress.presses.fastkvzip_press import FastKVzipGate
 from kvpress.presses.kvzap_press import KVzapModel
 from kvpress.presses.qfilter_press import QFilters
 from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 SINKS, WINDOW, KERNEL, BETA = 4, 32, 5, 20
 LAZY = {0.5: 0.8, 0.75: 0.6}  # SimLayerKV's lazy_threshold in each ratio's slot: it has no ratio of its own
@@ -54,6 +55,12 @@ def recording_rerotation() -> None:
     kvpress.KeyRerotationPress.rerotate_keys = staticmethod(rerotate_keys)
 
 
+# Compressing while decoding: the first DECODE_CONTEXT ids prefilled, the next DECODE_STEPS fed one at a time at their
+# positions, the press compressing every DECODE_INTERVAL of those forwards; KNorm scores (kvpress's DecodingPress
+# requires a ScorerPress). DecodingPress keeps DECODE_TARGET tokens (the prefill untouched);
+# CompressionRatioDecodingPress a share of every token seen, after the prefill compressed to the same share
+DECODE_CONTEXT, DECODE_STEPS, DECODE_INTERVAL, DECODE_TARGET = 760, 48, 8, 764
+DECODING = ("decoding_knorm", "ratio_decoding_knorm", "decoding_tova")
 SKETCH_SEED = 0  # evalkit's leverage and compactor draw layer i's sketch from seed + i (their default seed: 0)
 
 
@@ -226,6 +233,26 @@ def presses(
             kvpress.ComposedPress([snapkv(ratio), kvpress.ThinKPress(key_channel_compression_ratio=0.5)]),
             "sdpa",
         ),
+        # compressing while decoding (DECODING): every 8 forwards to 764 tokens; a share of every token seen
+        "decoding_knorm": (
+            kvpress.DecodingPress(
+                kvpress.KnormPress(), compression_interval=DECODE_INTERVAL, target_size=DECODE_TARGET
+            ),
+            "sdpa",
+        ),
+        "decoding_tova": (
+            kvpress.DecodingPress(kvpress.TOVAPress(), compression_interval=DECODE_INTERVAL, target_size=DECODE_TARGET),
+            "sdpa",
+        ),
+        "ratio_decoding_knorm": (
+            kvpress.PrefillDecodingPress(
+                prefilling_press=kvpress.KnormPress(compression_ratio=ratio),
+                decoding_press=kvpress.CompressionRatioDecodingPress(
+                    kvpress.KnormPress(), target_compression_ratio=ratio, compression_interval=DECODE_INTERVAL
+                ),
+            ),
+            "sdpa",
+        ),
         # head-adaptive: kvpress keeps every key and masks the evicted ones (module.masked_key_indices)
         "adakv_snapkv": (kvpress.AdaKVPress(snapkv(ratio)), "sdpa"),
     }
@@ -259,6 +286,34 @@ def prefill(model, ids: torch.Tensor, press=None) -> list[tuple[torch.Tensor, to
         with press(model):
             model(input_ids=ids, past_key_values=cache, use_cache=True)
     return [(layer.keys[0].clone(), layer.values[0].clone()) for layer in cache.layers]
+
+
+@torch.inference_mode()
+def decoded(model, ids: torch.Tensor, press) -> tuple[list, list[torch.Tensor]]:
+    """Under `press`: the first DECODE_CONTEXT ids prefilled, the next DECODE_STEPS fed one at a time at their
+    positions. Per layer the (Hkv, T_held, D) keys and values held at the end, and the (Hkv, DECODE_STEPS, D) keys each
+    fed token added (recorded as the cache received them, before any compression), to match the held keys against."""
+    cache = DynamicCache(config=model.config)
+    added: dict[int, list[torch.Tensor]] = {}
+    original = DynamicLayer.update
+
+    def update(layer, key_states, value_states, *args, **kwargs):
+        if key_states.shape[-2] == 1:
+            added.setdefault(id(layer), []).append(key_states[0].clone())
+        return original(layer, key_states, value_states, *args, **kwargs)
+
+    DynamicLayer.update = update
+    try:
+        with press(model):
+            model(input_ids=ids[:, :DECODE_CONTEXT], past_key_values=cache, use_cache=True)
+            for i in range(DECODE_CONTEXT, DECODE_CONTEXT + DECODE_STEPS):
+                model(
+                    input_ids=ids[:, i : i + 1], past_key_values=cache, use_cache=True, position_ids=torch.tensor([[i]])
+                )
+    finally:
+        DynamicLayer.update = original
+    held = [(layer.keys[0].clone(), layer.values[0].clone()) for layer in cache.layers]
+    return held, [torch.cat(added[id(layer)], dim=1) for layer in cache.layers]
 
 
 def positions(held: torch.Tensor, full: torch.Tensor) -> tuple[list[list[int]], float, list[list[int]]]:
@@ -320,7 +375,12 @@ def main() -> None:
                 for layer in model.model.layers:
                     layer.self_attn.masked_key_indices = None
                 ROTATED.clear()
-                layers = prefill(model, ids, press)
+                if name in DECODING:  # held keys matched against the context's and those the fed tokens added
+                    layers, added = decoded(model, ids, press)
+                    plain = prefill(model, ids[:, :DECODE_CONTEXT])
+                    pool = [(torch.cat([k, a], dim=1), v) for (k, v), a in zip(plain, added, strict=True)]
+                else:
+                    layers, pool = prefill(model, ids, press), full[impl]
                 key = f"{name}@{ratio}"
                 kept[key], held[key] = [], []
                 unmasked = masked_positions(model, ids.shape[1])
@@ -329,7 +389,7 @@ def main() -> None:
                     held[key] = [sum(len(h) for h in layer) for layer in unmasked]  # all heads: heads differ
                     print(f"{prompt['name']} {key}: held per layer {held[key]}", file=sys.stderr, flush=True)
                     continue
-                for layer, (h_kv, f_kv) in enumerate(zip(layers, full[impl], strict=True)):
+                for layer, (h_kv, f_kv) in enumerate(zip(layers, pool, strict=True)):
                     if name in REROTATED:  # the recorded positions; the values held there are the full cache's
                         idx = ROTATED[layer]
                         pos, order = idx.sort(dim=-1).values.tolist(), idx.argsort(dim=-1).tolist()

@@ -58,6 +58,11 @@ count as an integer budget. Pairs compared (kvpress press <-> evalkit policy):
     MergingPress(SnapKVPress)                <-> merging(snapkv) (and the merged values, by digest)
     ThinKPress(ratio); ComposedPress([SnapKVPress, ThinKPress(0.5)])
                                              <-> think(none) (channels = ratio); think(snapkv) (channels 0.5)
+    DecodingPress(KnormPress), every 8 forwards to 764 tokens
+                                             <-> knorm~decode (budget 764, decode=true, decode_interval=8)
+    PrefillDecodingPress(KnormPress(r), CompressionRatioDecodingPress(KnormPress(), r, every 8))
+                                             <-> knorm~ratio_decode (budget 1 - r, decode=true, decode_interval=8);
+                                                 both on 760 prompt ids prefilled and the next 48 fed one at a time
     KVComposePress (structured, defaults)    <-> kvcompose; kvcompose* at kvpress's count of ranks
     KVgradPress (defaults: chunks of 512)    <-> kvgrad (chunk_size 512); kvgrad* at kvpress's count, as kvzip*
     FastKVzipPress (FASTKVZIP's gates)       <-> fastkvzip (weights_path: the same file, seeded and untrained);
@@ -95,7 +100,8 @@ from omegaconf import OmegaConf
 from evalkit.cli.spec import model_spec
 from evalkit.embedded import converted_folder
 from evalkit.engine import models
-from evalkit.engine.engine import prefill, reconstruction
+from evalkit.engine.decode import teacher_forced
+from evalkit.engine.engine import evictor, prefill, reconstruction
 from evalkit.kv.cache import compress, held_positions
 from evalkit.policies import KVPolicy
 from evalkit.policies.adakv import AdaKV
@@ -188,6 +194,9 @@ PAIRS = {
     "fastkvzip": "fastkvzip",
     "kvgrad": "kvgrad",
     "kvcompose": "kvcompose",
+    "decoding_knorm": "knorm~decode",
+    "ratio_decoding_knorm": "knorm~ratio_decode",
+    "decoding_tova": "tova~decode",
     "key_rerotation_snapkv": "key_rerotation(snapkv)",
     "merging_snapkv": "merging(snapkv)",
     "think": "think(none)",
@@ -196,6 +205,10 @@ PAIRS = {
 # pairs that rewrite what they keep: their held keys and values are compared by digest (benchmarks/_digest.py), and
 # their key channels zeroed in every held token
 REWRITES = ("key_rerotation_snapkv", "merging_snapkv", "think", "think_snapkv")
+# compressing while decoding, as the kvpress side runs it: DECODE_CONTEXT ids prefilled, DECODE_STEPS fed one at a time,
+# an eviction every DECODE_INTERVAL forwards, to DECODE_TARGET tokens or to the share of every token seen
+DECODE_CONTEXT, DECODE_STEPS, DECODE_INTERVAL, DECODE_TARGET = 760, 48, 8, 764
+DECODED = ("knorm~decode", "knorm~ratio_decode", "tova~decode")
 DIGEST_RTOL = 1e-4  # float32 sums of a few hundred thousand terms, in two summation orders
 
 
@@ -335,6 +348,11 @@ def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) ->
         "kvgrad": KVgrad(budget=k),  # kvpress's defaults: 4 sinks, chunks of 512, all layers ranked together
         "kvgrad*": KVgradAt(budget=k, ratio=ratio),
         "kvcompose": KVCompose(budget=k),  # kvpress's defaults are its defaults
+        # KNorm evicting every 8 forwards while decoding: to 764 tokens (DecodingPress); to the share 1 - ratio of the
+        # tokens seen, the prompt compressed to it first (PrefillDecodingPress with CompressionRatioDecodingPress)
+        "knorm~decode": KNorm(budget=DECODE_TARGET, decode=True, decode_interval=DECODE_INTERVAL),
+        "knorm~ratio_decode": KNorm(budget=1 - ratio, decode=True, decode_interval=DECODE_INTERVAL),
+        "tova~decode": TOVA(budget=DECODE_TARGET, decode=True, decode_interval=DECODE_INTERVAL),
         "kvcompose*": KVComposeAt(budget=k, ratio=ratio),
         "dms(kvzap)": DMS(inner=KVzap(weights_path=str(KVZAP)), threshold=DMS_THRESHOLD[ratio], window=128),
         "key_rerotation(snapkv)": KeyRerotation(inner=SnapKV(**snap), budget=k),
@@ -387,6 +405,9 @@ def evalkit_kept(model, prompt: dict, pols: dict[str, KVPolicy]) -> tuple[dict, 
     out, digests, channels = {}, {}, {}
     rewriting = {PAIRS[press] for press in REWRITES}
     for name, pol in pols.items():
+        if name in DECODED:
+            out[name] = decoded_kept(model, ids, pol)
+            continue
         cache = compress(full, pol, obs)
         # a ragged layer's padding slots are at position -1
         out[name] = [[sorted(p for p in h.tolist() if p >= 0) for h in held_positions(lay)[0]] for lay in cache.layers]
@@ -395,6 +416,16 @@ def evalkit_kept(model, prompt: dict, pols: dict[str, KVPolicy]) -> tuple[dict, 
             digests[name] = [digest(lay.keys[0], lay.values[0], o) for lay, o in zip(cache.layers, order, strict=True)]
             channels[name] = [pruned(lay.keys[0]) for lay in cache.layers]
     return out, digests, channels
+
+
+@torch.inference_mode()
+def decoded_kept(model, ids: torch.Tensor, pol: KVPolicy) -> list[list[list[int]]]:
+    """Per layer and KV head, the positions `pol` holds after the first DECODE_CONTEXT ids are prefilled and
+    compressed and the next DECODE_STEPS are fed one at a time, evicting after every `decode_interval`-th forward."""
+    full, obs = prefill(model, ids[:, :DECODE_CONTEXT], [pol])
+    cache = compress(full, pol, obs)
+    teacher_forced(model, cache, ids[:, DECODE_CONTEXT : DECODE_CONTEXT + DECODE_STEPS + 1], evictor(cache, pol))
+    return [[sorted(p for p in h.tolist() if p >= 0) for h in held_positions(lay)[0]] for lay in cache.layers]
 
 
 def digest_gap(ours: list[list[list[float]]], theirs: list[list[list[float]]]) -> float:
