@@ -315,6 +315,17 @@ class OnceWrapper(Wrapper):
         return False
 
 
+def full_attention_only(model, name: str, instead: str) -> None:
+    """A ConfigError unless every layer of `model` attends to the whole context: for a policy whose pass runs
+    transformers' own attention over a cache that holds every token (KVgrad, KVCompose); `instead` names another."""
+    config = model.config.get_text_config()
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
+        raise ConfigError(
+            f"{name} needs every layer to attend to the whole context; {type(model).__name__} has sliding-window "
+            f"layers: {instead}"
+        )
+
+
 def no_budget(budget: float | int, keeps: str) -> None:
     """For a policy whose settings, not a budget, decide what it keeps (SimLayerKV, DMS): a ConfigError unless `budget`
     is 1.0 (every head may keep every token); `keeps` says what it keeps and which setting to turn instead."""
@@ -382,6 +393,7 @@ __all__ = [
     "SinkPolicy",
     "Wrapper",
     "checked_scores",
+    "full_attention_only",
     "gather_tokens",
     "kept_protected",
     "no_budget",

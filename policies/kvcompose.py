@@ -30,7 +30,7 @@ from transformers.cache_utils import Cache
 from evalkit.attention.observation import Attended, Observation
 from evalkit.attention.sdpa import observe
 from evalkit.errors import ConfigError
-from evalkit.policies import KVPolicy, LayerView, Probes
+from evalkit.policies import KVPolicy, LayerView, Probes, full_attention_only
 from evalkit.policies.kvzip_pass import ReadOnlyLayer
 
 AGGREGATES = ("max", "mean")
@@ -107,12 +107,7 @@ class KVCompose(KVPolicy):
         return (RepeatAttention(self.agg_task),)
 
     def prepare(self, model, probes: Probes) -> dict | None:
-        config = model.config.get_text_config()
-        if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
-            raise ConfigError(
-                f"kvcompose needs every layer to attend to the whole context; {type(model).__name__} has "
-                "sliding-window layers: choose another policy"
-            )
+        full_attention_only(model, "kvcompose", "choose another policy")
         return None
 
     def score(self, view: LayerView) -> Tensor:

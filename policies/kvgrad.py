@@ -29,7 +29,7 @@ from transformers.cache_utils import Cache
 
 from evalkit.attention.observation import Observation
 from evalkit.errors import ConfigError
-from evalkit.policies import Probes
+from evalkit.policies import Probes, full_attention_only
 from evalkit.policies.kvzip import KVzip
 from evalkit.policies.kvzip_pass import Block, RawIds, ReadOnlyLayer, pass_inputs, reconstruction_cache, run_pass
 
@@ -109,12 +109,7 @@ class KVgrad(KVzip):
         return (GradReconstruction(self.n_sink, self.chunk_size),)
 
     def prepare(self, model, probes: Probes) -> dict | None:
-        config = model.config.get_text_config()
-        if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
-            raise ConfigError(
-                f"kvgrad needs every layer to attend to the whole context; {type(model).__name__} has sliding-window "
-                "layers: choose kvzip"
-            )
+        full_attention_only(model, "kvgrad", "choose kvzip")
         return None
 
     def check_params(self) -> None:

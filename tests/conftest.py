@@ -25,6 +25,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["MKL_NUM_THREADS"] = "1"
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -403,3 +404,10 @@ def drew(info: dict, rows: list[dict]) -> dict:
     """run.json `info` with the samples its run drew (data.samples): those of the baseline's rows."""
     ids = {str(r["sample_id"]): "0" * 16 for r in rows if r.get("variant") == "baseline"}
     return {**info, "data": {**(info.get("data") or {}), "samples": ids}}
+
+
+def sliding_model():
+    """A stand-in for a model with sliding-window layers, as far as a policy's `prepare` reads it: its text config's
+    layer types."""
+    config = types.SimpleNamespace(layer_types=["sliding_attention", "full_attention"])
+    return types.SimpleNamespace(config=types.SimpleNamespace(get_text_config=lambda: config))

@@ -5,8 +5,6 @@ the real model in tests/test_peer_kvpress.py."""
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
@@ -14,7 +12,7 @@ from evalkit.engine.engine import prefill, reconstruction
 from evalkit.errors import ConfigError
 from evalkit.policies import LayerView
 from evalkit.policies.kvcompose import KVCompose, RepeatAttention
-from tests.conftest import CTX, run_cli, tiny_row
+from tests.conftest import CTX, run_cli, sliding_model, tiny_row
 
 
 @pytest.mark.parametrize("agg", ["max", "mean"])
@@ -57,10 +55,8 @@ def test_layers_share_the_budget_by_composite_rank_and_each_head_keeps_its_own_b
 
 
 def test_what_it_cannot_run_is_refused():
-    config = types.SimpleNamespace(layer_types=["sliding_attention", "full_attention"])
-    model = types.SimpleNamespace(config=types.SimpleNamespace(get_text_config=lambda: config))
     with pytest.raises(ConfigError, match="kvcompose needs every layer to attend to the whole context"):
-        KVCompose(budget=0.25).prepare(model, None)
+        KVCompose(budget=0.25).prepare(sliding_model(), None)
     with pytest.raises(ConfigError, match="policy.agg_head='median'"):
         KVCompose(budget=0.25, agg_head="median").validate(None)
 

@@ -6,15 +6,13 @@ choices on the real model in tests/test_peer_kvpress.py."""
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
 from evalkit.engine.engine import prefill, reconstruction
 from evalkit.errors import ConfigError
 from evalkit.policies.kvgrad import GradReconstruction, KVgrad
-from tests.conftest import policy, run_cli, tiny_row
+from tests.conftest import policy, run_cli, sliding_model, tiny_row
 from tests.test_kvzip import chat, chunk_sequences, prompt, value_output_norm  # noqa: F401 - fixtures by name
 
 
@@ -80,10 +78,8 @@ def test_scores_equal_eager_attention_times_autograd_gradients(tiny, eager, prom
 
 
 def test_a_model_with_sliding_window_layers_is_refused():
-    config = types.SimpleNamespace(layer_types=["sliding_attention", "full_attention"])
-    model = types.SimpleNamespace(config=types.SimpleNamespace(get_text_config=lambda: config))
     with pytest.raises(ConfigError, match="kvgrad needs every layer to attend to the whole context"):
-        KVgrad(budget=0.25).prepare(model, None)
+        KVgrad(budget=0.25).prepare(sliding_model(), None)
     with pytest.raises(ConfigError, match="policy.chunk_size=0"):
         KVgrad(budget=0.25, chunk_size=0).validate(None)
 
