@@ -27,3 +27,14 @@ def digest(keys: torch.Tensor, values: torch.Tensor, order: list[list[int]]) -> 
 def pruned(keys: torch.Tensor) -> list[list[int]]:
     """Per KV head, the key channels that are zero in every held token."""
     return [torch.nonzero(~(k != 0).any(dim=0)).flatten().tolist() for k in keys]
+
+
+def digest_gap(ours: list, theirs: list) -> float:
+    """The largest relative difference |a - b| / max(|a|, |b|, 1) between two digests (per layer, per head, the five
+    sums), over layers, heads and sums."""
+    return max(
+        abs(a - b) / max(abs(a), abs(b), 1.0)
+        for la, lb in zip(ours, theirs, strict=True)
+        for ha, hb in zip(la, lb, strict=True)
+        for a, b in zip(ha, hb, strict=True)
+    )

@@ -93,7 +93,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from _digest import digest, pruned  # benchmarks/_digest.py: the kvpress side digests alike
+from _digest import digest, digest_gap, pruned  # benchmarks/_digest.py: the kvpress side digests alike
 from fastkvzip_calibrate import initial_gates
 from omegaconf import OmegaConf
 
@@ -426,17 +426,6 @@ def decoded_kept(model, ids: torch.Tensor, pol: KVPolicy) -> list[list[list[int]
     cache = compress(full, pol, obs)
     teacher_forced(model, cache, ids[:, DECODE_CONTEXT : DECODE_CONTEXT + DECODE_STEPS + 1], evictor(cache, pol))
     return [[sorted(p for p in h.tolist() if p >= 0) for h in held_positions(lay)[0]] for lay in cache.layers]
-
-
-def digest_gap(ours: list[list[list[float]]], theirs: list[list[list[float]]]) -> float:
-    """The largest relative difference between two digests, |a - b| / max(|a|, |b|, 1), over layers, heads, sums."""
-    gaps = [
-        abs(a - b) / max(abs(a), abs(b), 1.0)
-        for layer_a, layer_b in zip(ours, theirs, strict=True)
-        for head_a, head_b in zip(layer_a, layer_b, strict=True)
-        for a, b in zip(head_a, head_b, strict=True)
-    ]
-    return max(gaps)
 
 
 def compare(ours: list[list[list[int]]], theirs: list[list[list[int]]]) -> tuple[float, float, int, int]:

@@ -137,13 +137,11 @@ class KVCompose(KVPolicy):
         composite[first] = torch.stack(list(composite.values())).amax(dim=0)  # the first layer: the highest of any
         flat = torch.cat(list(composite.values()), dim=1)  # (B, layers x T)
         ranked = flat.topk(min(self.total(targets), flat.shape[1]), dim=1).indices
-        layer_of = torch.cat([torch.full((c.shape[1],), j) for j, c in enumerate(composite.values())]).to(flat.device)
-        counts = torch.bincount(layer_of[ranked[0]], minlength=len(composite))
+        t = flat.shape[1] // len(composite)  # every layer holds the prompt's T tokens: rank r of layer j is j x T + r
+        counts = torch.bincount(ranked[0] // t, minlength=len(composite))
         counts = counts.clamp(min=max(1, self.keep_token_lower_bound))  # no layer left empty
-        return {
-            i: scores[i].topk(int(k), dim=-1).indices.sort(dim=-1).values
-            for (i, view), k in zip(views.items(), counts.tolist(), strict=True)
-        }
+        kept = zip(views, counts.tolist(), strict=True)
+        return {i: scores[i].topk(k, dim=-1).indices.sort(dim=-1).values for i, k in kept}
 
     def check_params(self) -> None:
         for key in ("agg_task", "agg_group", "agg_head"):

@@ -42,37 +42,36 @@ def gradient_norms(model: torch.nn.Module, full: Cache, ids: Tensor, positions: 
     output, each block one forward and one backward over `full` (left unchanged)."""
     decoder = model.get_decoder()
     layers = decoder.layers
-    with torch.inference_mode(False), torch.enable_grad():
-        out = {i: torch.zeros(ids.shape[0], ids.shape[1], device=ids.device) for i in range(len(layers))}
-        past = [(layer.keys.clone(), layer.values.clone()) for layer in full.layers]  # not inference tensors
-        for blk in blocks:
-            captured: dict[int, Tensor] = {}
-            last: list[Tensor] = []
+    captured: dict[int, Tensor] = {}  # this block's attention outputs, by layer, and its last layer's output (-1)
 
-            def keep(module, args, output, captured=captured):
-                captured[int(module.layer_idx)] = output[0]
+    def keep(module, args, output) -> None:
+        captured[int(module.layer_idx)] = output[0]
 
-            def final(module, args, output, last=last):
-                last.append(output[0] if isinstance(output, tuple) else output)
+    def final(module, args, output) -> None:
+        captured[-1] = output[0] if isinstance(output, tuple) else output
 
-            hooks = [layer.self_attn.register_forward_hook(keep) for layer in layers]
-            hooks.append(layers[-1].register_forward_hook(final))
-            try:
+    hooks = [layer.self_attn.register_forward_hook(keep) for layer in layers]
+    hooks.append(layers[-1].register_forward_hook(final))
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            out = {i: torch.zeros(ids.shape[0], ids.shape[1], device=ids.device) for i in range(len(layers))}
+            past = [(layer.keys.clone(), layer.values.clone()) for layer in full.layers]  # not inference tensors
+            for blk in blocks:
+                captured.clear()
                 with torch.no_grad():  # the graph starts at the embeddings, not at the embedding table
                     embeds = decoder.embed_tokens(ids[:, blk.start : blk.end].clone())
                 embeds.requires_grad_(True)
                 cache = Cache(layers=[ReadOnlyLayer(k, v) for k, v in past])
-                decoder(
-                    inputs_embeds=embeds, position_ids=positions[:, blk.start : blk.end], cache=cache, use_cache=True
-                )
-            finally:
-                for hook in hooks:
-                    hook.remove()
-            phi = last[0].float().square().sum()
-            order = sorted(captured)
-            grads = torch.autograd.grad(phi, [captured[i] for i in order])
-            for i, g in zip(order, grads, strict=True):
-                out[i][:, blk.start : blk.end] = g.detach().float().norm(dim=-1)
+                at = positions[:, blk.start : blk.end]
+                decoder(inputs_embeds=embeds, position_ids=at, cache=cache, use_cache=True)
+                phi = captured.pop(-1).float().square().sum()
+                order = sorted(captured)
+                grads = torch.autograd.grad(phi, [captured[i] for i in order])
+                for i, g in zip(order, grads, strict=True):
+                    out[i][:, blk.start : blk.end] = g.detach().float().norm(dim=-1)
+    finally:
+        for hook in hooks:
+            hook.remove()
     return out
 
 

@@ -39,8 +39,7 @@ class ThinK(OnceWrapper):
     window: int = 32  # the last context queries that score the channels
 
     def needs(self) -> tuple[Observation, ...]:
-        own = WindowQueries(self.window)
-        return (*self.inner.needs(), *([own] if own not in self.inner.needs() else []))
+        return (*self.inner.needs(), WindowQueries(self.window))  # one recording where the inner's is the same
 
     def observation_window(self) -> int:
         return max(self.inner.observation_window(), self.window)

@@ -21,7 +21,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import Tensor
 
-from benchmarks._digest import digest, pruned
+from benchmarks._digest import digest, digest_gap, pruned
 from benchmarks.fastkvzip_calibrate import initial, initial_gates
 from evalkit.cli.spec import model_spec
 from evalkit.engine import models
@@ -408,16 +408,6 @@ def rewritten_by_evalkit():
         sums = [digest(layer.keys[0], layer.values[0], o) for layer, o in zip(layers, order, strict=True)]
         out[key] = (sums, [pruned(layer.keys[0]) for layer in layers])
     return out
-
-
-def digest_gap(ours: list, theirs: list) -> float:
-    """The largest relative difference |a - b| / max(|a|, |b|, 1) over layers, heads and the five sums."""
-    return max(
-        abs(a - b) / max(abs(a), abs(b), 1.0)
-        for la, lb in zip(ours, theirs, strict=True)
-        for ha, hb in zip(la, lb, strict=True)
-        for a, b in zip(ha, hb, strict=True)
-    )
 
 
 @pytest.mark.parametrize("key", [f"{p}@{r}" for p in REWRITING for r in ("0.5", "0.75")])

@@ -173,14 +173,14 @@ def check_rewrite(policy: KVPolicy, rewritten: object, layer, layer_idx: int) ->
     if not isinstance(rewritten, tuple) or len(rewritten) != 2:
         raise PolicyError(f"{where} returned {type(rewritten).__name__}, not (keys, values) or None; fix the policy")
     for name, new, held in zip(("keys", "values"), rewritten, (layer.keys, layer.values), strict=True):
-        if not isinstance(new, Tensor) or new.shape != held.shape or new.dtype != held.dtype:
-            got = f"{tuple(new.shape)} {new.dtype}" if isinstance(new, Tensor) else type(new).__name__
+        if not isinstance(new, Tensor) or (new.shape, new.dtype, new.device) != (held.shape, held.dtype, held.device):
+            got = f"{tuple(new.shape)} {new.dtype} on {new.device}" if isinstance(new, Tensor) else type(new).__name__
             raise PolicyError(
-                f"{where} returned {name} {got}, not the {tuple(held.shape)} {held.dtype} of the kept tokens; fix the "
-                "policy"
+                f"{where} returned {name} {got}, not the {tuple(held.shape)} {held.dtype} on {held.device} of the "
+                "kept tokens; fix the policy"
             )
-        if new.device != held.device or not bool(torch.isfinite(new).all()):
-            raise PolicyError(f"{where} returned {name} that are not finite on {held.device}; fix the policy")
+        if not bool(torch.isfinite(new).all()):
+            raise PolicyError(f"{where} returned {name} that are not finite; fix the policy")
     return rewritten
 
 
