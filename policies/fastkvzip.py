@@ -27,7 +27,7 @@ from torch import Tensor
 
 from evalkit.errors import ConfigError
 from evalkit.policies import LayerView
-from evalkit.policies.kvzap import HiddenStates
+from evalkit.policies.kvzap import HiddenStates, context_hidden
 from evalkit.policies.kvzip import RankedTogether
 from evalkit.policies.weights import check_shape, recorded, weights_file
 
@@ -98,10 +98,7 @@ class FastKVzip(RankedTogether):
     def score(self, view: LayerView) -> Tensor:
         if not hasattr(self, "gates"):
             raise ValueError(f"{self.name}: the gates were not read (prepare() was not called)")
-        hidden = view.observed(HiddenStates())  # (B, T, hidden): the context's, in order
-        if hidden.shape[1] != view.keys.shape[2]:
-            raise ValueError(f"{self.name}: layer {view.layer_idx} holds {view.keys.shape[2]} tokens, not the context")
-        scores = gate_scores(self.gates[view.layer_idx], hidden)
+        scores = gate_scores(self.gates[view.layer_idx], context_hidden(view, self.name))
         first = (view.positions < self.n_sink) | (view.positions >= view.seen - self.window(view.seen))
         return scores.masked_fill(first, 1.0)
 

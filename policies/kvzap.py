@@ -54,6 +54,15 @@ class HiddenStates(Observation):
         return got
 
 
+def context_hidden(view: LayerView, name: str) -> Tensor:
+    """(B, T, hidden) the hidden states `HiddenStates` read over the context, for a layer that holds the whole context
+    (a policy that scores from them compresses once, after the prompt); a ValueError naming the policy `name` else."""
+    hidden = view.observed(HiddenStates())
+    if hidden.shape[1] != view.keys.shape[2]:
+        raise ValueError(f"{name}: layer {view.layer_idx} holds {view.keys.shape[2]} tokens, not the context")
+    return hidden
+
+
 def surrogates(path: str, config) -> tuple[list[Callable[[Tensor], Tensor]], str]:
     """Per layer, the surrogate of the folder `path` (hidden states (B, T, hidden) -> scores (B, T, Hkv)), checked
     against the model's `config`, and which kind it is ("linear" or "mlp")."""
@@ -101,9 +110,7 @@ class KVzap(KVPolicy):
     def score(self, view: LayerView) -> Tensor:
         if not hasattr(self, "surrogates"):
             raise ValueError(f"{self.name}: the surrogates were not read (prepare() was not called)")
-        hidden = view.observed(HiddenStates())  # (B, T, hidden): the context's, in order
-        if hidden.shape[1] != view.keys.shape[2]:
-            raise ValueError(f"{self.name}: layer {view.layer_idx} holds {view.keys.shape[2]} tokens, not the context")
+        hidden = context_hidden(view, self.name)
         return self.surrogates[view.layer_idx](hidden).transpose(1, 2)  # (B, Hkv, T)
 
     def check_params(self) -> None:
