@@ -212,7 +212,7 @@ def test_a_p95_context_below_the_median_is_refused():
     node = OmegaConf.load(ROOT / "conf" / "plan.yaml").plan
     node.context, node.p95_context = 8192, 4096
     with pytest.raises(ConfigError, match="plan.p95_context=4096 is below plan.context=8192"):
-        plan_settings(node)
+        plan_settings(OmegaConf.to_container(node))
 
 
 # --- a bug before the model loads -----------------------------------------------------------------------------------

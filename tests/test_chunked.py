@@ -172,7 +172,7 @@ def test_a_variant_validates_its_chunk():
 
 def test_a_chunked_run_records_its_bounded_peak_and_the_gate_report_sets_it_beside_one_shot(tmp_path):
     from evalkit.cli.job import job_spec, run
-    from evalkit.gate.command import gate
+    from evalkit.gate.gating import gate
     from evalkit.gate.thresholds import Thresholds
     from evalkit.records import SAMPLES, read_rows
 

@@ -111,10 +111,19 @@ def test_every_quant_config_composes_into_a_storage_spec(name):
 
 @pytest.mark.parametrize("name", options("gate"))
 def test_every_gate_config_composes_into_thresholds(name):
-    from evalkit.gate.thresholds import load_thresholds
+    from evalkit.cli.gate import load_thresholds
 
     assert load_thresholds(name) is not None
     assert compose_config(f"gate={name}").gate.name == name
+
+
+def test_the_thresholds_defaults_are_conf_gate_default_yaml():
+    """The report falls back to Thresholds() where no verdict names its thresholds: they must be default.yaml's."""
+    from evalkit.cli.gate import load_thresholds
+    from evalkit.gate.thresholds import Thresholds
+
+    assert load_thresholds("default") == Thresholds()
+    assert load_thresholds("default") != Thresholds(max_drop=0.04)  # control: a changed value is seen
 
 
 @pytest.mark.parametrize("name", options("logger"))

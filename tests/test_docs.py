@@ -166,7 +166,7 @@ def test_cfg_cannot_preview_a_sweep(monkeypatch, capsys):
 def test_gate_commands_parse(argv, monkeypatch, capsys):
     """`--plan` runs (it only computes); a command that judges runs gets its folders and thresholds as written, the
     judging itself replaced (the README's folders are examples): an unknown option or gate config exits 2 here."""
-    from evalkit.gate import command as gate
+    from evalkit.cli import gate
 
     seen = {}
 
@@ -207,10 +207,9 @@ def test_report_commands_parse(argv, monkeypatch, capsys):
 def test_plan_commands_compose(argv):
     """conf/plan.yaml composes with the overrides and every plan.* setting is accepted (evalkit.plan.settings);
     nothing reads the model, so a Hub id or a path of yours does not need to exist here."""
-    from evalkit.plan import cli as plan_cli
-    from evalkit.plan.settings import settings as plan_settings
+    from evalkit.cli import plan as plan_cli
 
-    settings = plan_settings(plan_cli.compose(argv).plan)
+    settings = plan_cli.plan_settings(plan_cli.compose(argv))
     for arg in argv:
         key, _, value = arg.partition("=")
         if key.startswith("plan.") and value.replace(".", "").isdigit():

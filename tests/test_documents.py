@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from evalkit.gate.command import main
+from evalkit.cli.gate import main
 from evalkit.gate.judge import judge
 from evalkit.gate.thresholds import Thresholds
 from evalkit.records import read_rows

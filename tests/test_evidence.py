@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from evalkit.gate.command import main
+from evalkit.cli.gate import main
 from evalkit.records import read_rows
 from tests.conftest import compose_config
 

@@ -7,9 +7,9 @@ import json
 import pytest
 from scipy.stats import binomtest
 
-from evalkit.gate.command import main
+from evalkit.cli.gate import load_thresholds, main
 from evalkit.gate.judge import judge
-from evalkit.gate.thresholds import Thresholds, load_thresholds
+from evalkit.gate.thresholds import Thresholds
 from evalkit.records.schema import flip_cause
 from evalkit.records.summary import paired, summarize
 from evalkit.stats import mcnemar_exact

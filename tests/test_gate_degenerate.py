@@ -13,9 +13,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from evalkit.cli import sweep
+from evalkit.cli.gate import main
 from evalkit.errors import ConfigError
-from evalkit.gate import command as gate_command
-from evalkit.gate.command import main
+from evalkit.gate import gating
 from evalkit.records import read_rows
 from evalkit.report import build as report_module
 from evalkit.report.__main__ import main as report_main
@@ -349,14 +349,14 @@ def test_a_bug_exits_3_and_ctrl_c_130(tmp_path, capsys, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(gate_command, "judge", boom)
+    monkeypatch.setattr(gating, "judge", boom)
     assert main([str(d)]) == 3
     assert "internal error" in capsys.readouterr().err
 
     def stop(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(gate_command, "judge", stop)
+    monkeypatch.setattr(gating, "judge", stop)
     assert main([str(d)]) == 130
     monkeypatch.setattr(report_module, "summarize", boom)
     assert report_main([str(d)]) == 3
@@ -393,7 +393,7 @@ def test_a_bug_in_the_sweep_merge_exits_3(tmp_path, capsys, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(gate_command, "judge", boom)
+    monkeypatch.setattr(gating, "judge", boom)
     cfg = OmegaConf.create(
         {"hydra": {"sweep": {"dir": str(tmp_path / "sweep")}}, "gate": compose_config("gate=default").gate}
     )

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from evalkit.gate.command import main
+from evalkit.cli.gate import main
 from evalkit.gate.judge import judge
 from evalkit.gate.thresholds import Thresholds
 from tests.test_gate import rows

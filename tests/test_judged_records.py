@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from evalkit.cli.gate import main
 from evalkit.errors import ConfigError
-from evalkit.gate.command import main
 from evalkit.records import read_rows
 from tests.conftest import compose_config, run_cli
 

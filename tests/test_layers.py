@@ -9,7 +9,7 @@ excepted), and each folder imports only itself and the folders it sits on:
           evalkit/engine/   the HF engine: load, prefill once, compress, decode
             evalkit/tasks/ -> evalkit/kv/ -> policies/ -> evalkit/attention/ -> kernels/ -> leaves
       evalkit/plan/ -> evalkit/report/ -> evalkit/gate/ -> leaves: no torch, nothing of the pipeline
-      evalkit/config/       Hydra's config names and overrides, no torch: the command lines' and the planner's
+      evalkit/config/       Hydra's config names, overrides and gate files, no torch: the command lines' alone
     leaves: the modules directly in evalkit/, evalkit/records/, evalkit/scoring/, evalkit/stats/: nothing above them
 
 There is no exceptions list: no module sits outside its folder's layer. A module's own `__main__.py` is an entry
@@ -42,7 +42,7 @@ SITS_ON = {
     "evalkit.gate": set(),
     "evalkit.report": {"evalkit.gate"},
     "evalkit.config": set(),
-    "evalkit.plan": {"evalkit.report", "evalkit.gate", "evalkit.config"},
+    "evalkit.plan": {"evalkit.report", "evalkit.gate"},
 }
 SITS_ON["evalkit.backends"] = {"evalkit.engine", "evalkit.plan", *SITS_ON["evalkit.engine"], *SITS_ON["evalkit.plan"]}
 SITS_ON["evalkit.lmeval"] = {"evalkit.engine", *SITS_ON["evalkit.engine"]}

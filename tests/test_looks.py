@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from evalkit.cli.gate import main
 from evalkit.gate import looks
-from evalkit.gate.command import main
 from evalkit.gate.judge import judge
 from evalkit.gate.looks import LOOKS_FILE
 from evalkit.gate.reading import read_runs

@@ -12,7 +12,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from evalkit.gate.command import main as gate_main
+from evalkit.cli.gate import main as gate_main
 from evalkit.gate.pipeline import step_summary
 from evalkit.records import NOT_FINITE, finite, to_json
 from tests.conftest import ROOT, run_cli

@@ -221,7 +221,7 @@ def test_cache_root_is_the_models():
 def base_settings(**kw) -> Settings:
     node = OmegaConf.load(ROOT / "conf" / "plan.yaml").plan
     node.out = None
-    return settings(OmegaConf.merge(node, kw))
+    return settings(OmegaConf.to_container(OmegaConf.merge(node, kw)))
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import pytest
 
-from evalkit.gate.command import main as gate_main
+from evalkit.cli.gate import main as gate_main
 from evalkit.records import BASELINE
 from evalkit.report.__main__ import main as report_main
 from evalkit.report.page import pareto

@@ -269,7 +269,7 @@ def test_plan_writes_a_page_with_its_tables_and_an_interactive_pressure_plot(tmp
 def test_the_report_and_the_planner_load_without_torch():
     code = (
         "import sys, evalkit.report.build, evalkit.report.__main__, evalkit.report.page, evalkit.report.data, "
-        "evalkit.report.html, evalkit.plan.cli, evalkit.plan.page; "
+        "evalkit.report.html, evalkit.cli.plan, evalkit.plan.page; "
         "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')]; assert not bad, bad"
     )
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -12,8 +12,8 @@ import pytest
 from scipy.optimize import minimize_scalar
 from scipy.stats import bootstrap
 
+from evalkit.cli.gate import main
 from evalkit.errors import ConfigError
-from evalkit.gate.command import main
 from evalkit.gate.decide import min_samples
 from evalkit.gate.judge import judge
 from evalkit.gate.thresholds import Thresholds, thresholds

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from evalkit.gate.command import main as gate_main
+from evalkit.cli.gate import main as gate_main
 from evalkit.gate.tracked import label_of
 from evalkit.records.summary import summarize
 from tests.conftest import run_cli

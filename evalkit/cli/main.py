@@ -102,7 +102,7 @@ def _job(cfg: DictConfig) -> None:
             local = log_run(out_dir, lg.project, lg.group, lg.entity, lg.mode, gate_t)
             print(f"evalkit: W&B runs written to {', '.join(map(str, local))}")
         if spec.gate is not None and not in_sweep:  # a sweep is gated once, on all its jobs (evalkit.cli.sweep)
-            from evalkit.gate.command import gate
+            from evalkit.gate.gating import gate
             from evalkit.gate.outputs import print_verdict
 
             verdict = gate([out_dir], spec.gate.thresholds, wandb=lg.name == "wandb")

@@ -15,7 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from evalkit.backends import Backend, BackendSpec
 from evalkit.cli.config import backend, build, check_settings, listed_variants, validate, variants
-from evalkit.gate.thresholds import Thresholds, resolved, thresholds
+from evalkit.config.gatefile import resolved
+from evalkit.gate.thresholds import Thresholds, thresholds
 from evalkit.kv import contract
 from evalkit.kv.variant import Variant
 from evalkit.modelspec import ModelSpec

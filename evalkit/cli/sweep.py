@@ -32,7 +32,8 @@ class MergeJobs(Callback):
 
     def _merge(self, config: DictConfig) -> None:
         global exit_code
-        from evalkit.gate.thresholds import resolved, thresholds
+        from evalkit.config.gatefile import resolved
+        from evalkit.gate.thresholds import thresholds
 
         sweep = Path(config.hydra.sweep.dir)
         where = repr(config.gate.name)
@@ -49,7 +50,7 @@ class MergeJobs(Callback):
     def _judge(sweep: Path, limits, wandb: bool) -> int:
         """The sweep judged once, by the gate (its one look): the exit code. `wandb`: the verdict logged to every
         job's W&B runs too."""
-        from evalkit.gate.command import gate
+        from evalkit.gate.gating import gate
         from evalkit.gate.outputs import print_verdict
 
         try:

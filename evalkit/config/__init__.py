@@ -1,1 +1,2 @@
-"""Hydra's config names (choices) and overrides (overrides), without torch: the command lines' and the planner's."""
+"""Hydra's config names (choices), overrides (overrides) and the gate's YAML files (gatefile), without torch: the command
+lines' alone."""

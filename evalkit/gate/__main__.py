@@ -1,6 +1,6 @@
-"""`python -m evalkit.gate` (evalkit.gate.command)."""
+"""`python -m evalkit.gate` (evalkit.cli.gate)."""
 
-from evalkit.gate.command import main
+from evalkit.cli.gate import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,16 +1,12 @@
-"""The gate's thresholds (conf/gate/*.yaml): typed, ranged, and refused when no check is left that could show a
-variant keeps the baseline's accuracy."""
+"""The gate's thresholds (conf/gate/*.yaml, read as plain values by evalkit.config.gatefile): typed, ranged, and
+refused when no check is left that could show a variant keeps the baseline's accuracy. `Thresholds()` holds
+conf/gate/default.yaml's values (tests/test_config.py checks they agree)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from importlib.resources import files
-from pathlib import Path
 from typing import Any
-
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from evalkit.errors import ConfigError
 from evalkit.gate.contexts import GRADED_FLIP_DELTA
@@ -33,20 +29,6 @@ class Thresholds:
     min_compression: float = 0.99  # a compressing variant must hold less than this share of the baseline's bytes
     capacity: dict[str, float] = field(default_factory=lambda: {"gpu_gib": 80, "context": 32768})  # report only
     allow_partial: bool = False  # judge an unfinished run (fewer rows than its run.json's samples) as it is
-
-
-def load_thresholds(name_or_path: str) -> Thresholds:
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = Path(str(files("evalkit.conf") / "gate" / f"{name_or_path}.yaml"))
-    if not path.is_file():
-        raise ConfigError(f"gate {name_or_path!r}: no such gate config (conf/gate/<name>.yaml or a YAML path)")
-    try:
-        node = OmegaConf.load(path)
-    except Exception as err:  # noqa: BLE001 - YAML or OmegaConf errors: a file the user wrote
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ConfigError(f"gate {name_or_path!r}: {path} is not valid YAML ({first}); fix the file") from None
-    return thresholds(resolved(node, repr(name_or_path)), repr(name_or_path))
 
 
 # Each threshold: the types it takes, its range as (low, high, low included, high included), and an example. None
@@ -85,19 +67,6 @@ def check_threshold(key: str, value: Any) -> None:
     if not number or not _in_range(value, *bounds):
         what = "a whole number" if kinds == (int,) else "a number"
         raise ConfigError(f"gate.{key}={value!r}: give {what} in {_interval(*bounds)}, e.g. {example}{off}")
-
-
-def resolved(node, where: str) -> dict:
-    """The gate config as plain values, its interpolations resolved; one that cannot be (`max_drop: ${nope}`) is a
-    ConfigError naming the key."""
-    try:
-        return OmegaConf.to_container(OmegaConf.create(node), resolve=True)
-    except OmegaConfBaseException as err:
-        key = getattr(err, "full_key", None) or "a threshold"
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ConfigError(
-            f"gate {where}: {key} cannot be resolved ({first}); give {key} a value (conf/gate/default.yaml has each)"
-        ) from None
 
 
 def thresholds(values: Any, where: str) -> Thresholds:

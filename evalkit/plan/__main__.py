@@ -1,6 +1,6 @@
-"""`python -m evalkit.plan` (evalkit.plan.cli)."""
+"""`python -m evalkit.plan` (evalkit.cli.plan)."""
 
-from evalkit.plan.cli import main
+from evalkit.cli.plan import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

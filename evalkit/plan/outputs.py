@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
 from evalkit.errors import ConfigError
 from evalkit.plan import page as plan_page
 from evalkit.records import to_json, write_atomic
@@ -165,18 +163,19 @@ def write(p: dict[str, Any], out: Path) -> list[Path]:
     return [out / name for name in OUTPUTS]
 
 
-def log_wandb(cfg: DictConfig, p: dict[str, Any], out: Path) -> Path:
-    """One W&B run for the plan: the KV and capacity figures as metrics, the tables, the pressure PNG."""
+def log_wandb(logger: dict[str, Any], config: dict[str, Any], p: dict[str, Any], out: Path) -> Path:
+    """One W&B run for the plan: the KV and capacity figures as metrics, the tables, the pressure PNG. `logger`: the
+    logger node (project, entity, group, mode) as plain values; `config`: the plan's whole config, recorded."""
     import wandb
 
     run = wandb.init(
-        project=cfg.logger.project,
-        entity=cfg.logger.get("entity"),
-        group=cfg.logger.get("group") or "plan",
+        project=logger.get("project"),
+        entity=logger.get("entity"),
+        group=logger.get("group") or "plan",
         name=f"plan-{p['model']}",
-        mode=resolved_mode(cfg.logger.get("mode") or "auto"),
+        mode=resolved_mode(logger.get("mode") or "auto"),
         dir=str(out),
-        config=OmegaConf.to_container(cfg, resolve=True),
+        config=config,
         reinit="finish_previous",
     )
     metrics = {f"kv_bytes_per_token/{k}": v for k, v in p["kv_bytes_per_token"].items()}

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-from omegaconf import DictConfig, OmegaConf
+from typing import Any
 
 from evalkit.errors import ConfigError
 from evalkit.plan.arch import ELEMENT
@@ -31,9 +30,9 @@ class Settings:
     out: str | None
 
 
-def settings(node: DictConfig) -> Settings:
-    """The plan node, checked: one ConfigError naming the key and the fix."""
-    d = OmegaConf.to_container(node, resolve=True)
+def settings(d: dict[str, Any]) -> Settings:
+    """The plan node as plain values (conf/plan.yaml's `plan`, composed by evalkit.cli.plan), checked: one
+    ConfigError naming the key and the fix."""
     unknown = set(d) - set(Settings.__dataclass_fields__)
     if unknown:
         raise ConfigError(f"unknown plan keys {sorted(unknown)}; valid: {sorted(Settings.__dataclass_fields__)}")

@@ -26,7 +26,7 @@ from evalkit.gate.judge import baseline_problems
 from evalkit.gate.outputs import chunked_table, output_folder
 from evalkit.gate.reading import read_runs
 from evalkit.gate.summary import chunked_vs_oneshot, group_of, is_baseline, label_order
-from evalkit.gate.thresholds import load_thresholds, thresholds
+from evalkit.gate.thresholds import Thresholds, thresholds
 from evalkit.records.summary import summarize
 from evalkit.report.data import verdict_view
 from evalkit.report.page import pareto
@@ -180,15 +180,15 @@ def markdown(
 def report(runs: list[Path], out: Path) -> list[Path]:
     """Write report.html, report.md and the PNG plots into `out`; return the files written. The verdict is the
     gate's verdict.json where it judged these rows (evalkit.report.data.verdict_view). What would keep the gate from
-    judging the records is listed as warnings at the top (at the verdict's thresholds, else conf/gate/default.yaml)
-    and printed on stderr."""
+    judging the records is listed as warnings at the top (at the verdict's thresholds, else conf/gate/default.yaml's,
+    which Thresholds() holds) and printed on stderr."""
     records = read_runs(runs)
     if not records.rows:
         why = f": {records.problems[0]}" if records.problems else ""
         raise ConfigError(f"no records in {', '.join(map(str, runs))}{why}")
     out = output_folder(out)
     verdict = verdict_view(runs, records)
-    t = thresholds(verdict.thresholds, "in verdict.json") if verdict.thresholds else load_thresholds("default")
+    t = thresholds(verdict.thresholds, "in verdict.json") if verdict.thresholds else Thresholds()
     summary = summarize(records.rows, label_order)
     warnings = [*records.problems, *baseline_problems(summary, t)[0]]
     for w in warnings:

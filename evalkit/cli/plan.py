@@ -19,7 +19,7 @@ from evalkit.modelspec import ModelSpec
 from evalkit.names import safe_name
 from evalkit.plan.guide import make_plan
 from evalkit.plan.outputs import log_wandb, print_console, write
-from evalkit.plan.settings import settings
+from evalkit.plan.settings import Settings, settings
 
 
 def compose(argv: list[str]) -> DictConfig:
@@ -44,22 +44,24 @@ def compose(argv: list[str]) -> DictConfig:
     return cfg
 
 
+def plan_settings(cfg: DictConfig) -> Settings:
+    """The composed config's plan node as the planner's checked Settings."""
+    return settings(OmegaConf.to_container(cfg.plan, resolve=True))
+
+
 def run(argv: list[str]) -> int:
     cfg = compose(argv)
-    s = settings(cfg.plan)
+    s = plan_settings(cfg)
     p = make_plan(ModelSpec.from_mapping(OmegaConf.to_container(cfg.model, resolve=True)), s)
     out = Path(s.out) if s.out else Path(str(cfg.results_root)) / "plan" / safe_name(p["model"])
     print_console(p)
     for path in write(p, out):
         print(f"evalkit: wrote {path}")
     if cfg.logger.name == "wandb":
-        print(f"evalkit: W&B run written to {log_wandb(cfg, p, out)}")
+        logger = OmegaConf.to_container(cfg.logger, resolve=True)
+        print(f"evalkit: W&B run written to {log_wandb(logger, OmegaConf.to_container(cfg, resolve=True), p, out)}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     return guarded(lambda: run(sys.argv[1:] if argv is None else argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

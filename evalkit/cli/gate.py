@@ -1,7 +1,6 @@
 """The validation gate: runs judged against thresholds -> PASS, FAIL, INCONCLUSIVE or CANNOT JUDGE.
 
-gate() reads, judges and records a look under the runs' locks and writes the outputs (the run and a sweep call it
-after their last row); main() is its command line:
+The gate's command line (the gate itself: evalkit.gate.gating.gate):
 
     python -m evalkit.gate results/RUN [results/RUN2 ...] [--gate conf/gate/default.yaml] [--out DIR]
     python -m evalkit.gate --plan [--gate default] [--variants 3] [--cells 10]   # the samples a PASS needs
@@ -19,96 +18,22 @@ verdict.json and report.md either way."""
 from __future__ import annotations
 
 import argparse
-from contextlib import ExitStack
 from pathlib import Path
 
-from evalkit.errors import EXIT_FAIL, EXIT_OK, CannotJudge, ConfigError
+from evalkit.config import gatefile
+from evalkit.errors import EXIT_FAIL, EXIT_OK, ConfigError
 from evalkit.exits import guarded
-from evalkit.gate import looks
 from evalkit.gate.decide import floor
-from evalkit.gate.judge import Verdict, judge
-from evalkit.gate.outputs import print_verdict, verdict_doc, write_outputs
-from evalkit.gate.pipeline import write_ci
+from evalkit.gate.gating import gate
+from evalkit.gate.outputs import print_verdict
 from evalkit.gate.power import samples_advice
-from evalkit.gate.reading import read_runs, run_folders
-from evalkit.gate.thresholds import Thresholds, load_thresholds
-from evalkit.gate.tracked import log_verdict
-from evalkit.lock import RunLock
+from evalkit.gate.thresholds import Thresholds, thresholds
 from evalkit.tracking import wandb_package
 
-WAIT = 60.0  # seconds a gate waits for another process's lock on a run folder (another gate's look)
 
-
-def gate(
-    run_dirs: list[Path],
-    thresholds: Thresholds,
-    out_dir: Path | None = None,
-    junit: Path | None = None,
-    summary: Path | None = None,
-    wandb: bool = False,
-) -> Verdict:
-    """Judge the runs and write verdict.json and report.md into `out_dir` (default: the first run folder); return a
-    PASS or FAIL verdict for the caller to print. INCONCLUSIVE, or records that cannot be judged: the outputs are
-    written (where the folder is writable), the reasons printed (print_verdict), then CannotJudge is raised (exit
-    code 2) with the samples that would settle it, or what is wrong with the records. The runs are read, judged
-    and their look recorded under their folders' locks (evalkit.lock): gates run at once take turns. `junit`,
-    `summary`: where the verdict goes for a CI system too (evalkit.gate.pipeline), whatever it is; `wandb`: and to
-    the W&B runs of the runs judged (evalkit.gate.tracked)."""
-    folders = run_folders(run_dirs)
-    with ExitStack() as held:
-        for folder in sorted(set(folders)):  # one order for every gate: two never wait on each other
-            try:
-                held.enter_context(RunLock(folder, wait=WAIT))
-            except OSError:  # a read-only folder: judged, its look said not recorded (looks.append)
-                pass
-        verdict, infos = _judged(run_dirs, folders, thresholds)
-        if wandb:
-            logged = log_verdict(infos, verdict_doc(verdict, thresholds))
-            print(
-                f"evalkit gate: the verdict logged to {len(logged)} W&B run(s)"
-                if logged
-                else "evalkit gate: no W&B run to log the verdict to (no readable run.json and rows)"
-            )
-        return _finish(verdict, run_dirs, thresholds, out_dir, junit, summary)
-
-
-def _judged(run_dirs: list[Path], folders: list[Path], thresholds: Thresholds) -> tuple[Verdict, list[dict]]:
-    """The verdict on the runs, its look appended to every folder's looks.jsonl (the caller holds the locks), and
-    the runs' run.json as read."""
-    records = read_runs(run_dirs)
-    recorded = looks.read(folders, records.infos)
-    verdict = judge(records.rows, records.infos, thresholds, records.problems, recorded, records.partial)
-    verdict.runs = [str(d) for d in run_dirs]
-    if verdict.status != "CANNOT JUDGE":
-        verdict.not_judged += looks.append(folders, verdict.look, verdict.history)
-    return verdict, records.infos
-
-
-def _finish(
-    verdict: Verdict,
-    run_dirs: list[Path],
-    thresholds: Thresholds,
-    out_dir: Path | None,
-    junit: Path | None,
-    summary: Path | None,
-) -> Verdict:
-    """Write verdict.json and report.md; return a PASS or FAIL, raise CannotJudge otherwise (see gate)."""
-    out = out_dir or run_dirs[0]
-    write_ci(verdict_doc(verdict, thresholds), junit, summary)
-    if verdict.status in ("PASS", "FAIL"):
-        write_outputs(verdict, out, thresholds)
-        return verdict
-    try:
-        write_outputs(verdict, out, thresholds)
-    except ConfigError as err:
-        verdict.reasons.append(f"(verdict.json and report.md not written: {err})")
-    print_verdict(verdict)
-    if verdict.status == "INCONCLUSIVE":
-        raise CannotJudge(f"the gate is INCONCLUSIVE: {verdict.advice}")
-    more = len(verdict.reasons) - 1
-    raise CannotJudge(
-        f"the gate cannot judge these records: {verdict.reasons[0]}" + (f" (and {more} more, above)" if more else "")
-    )
+def load_thresholds(name_or_path: str) -> Thresholds:
+    """conf/gate/NAME.yaml or a YAML file of thresholds, typed and ranged; a ConfigError naming what is wrong."""
+    return thresholds(gatefile.read(name_or_path), repr(name_or_path))
 
 
 def _plan(args) -> list[str]:
@@ -155,7 +80,3 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK if verdict.passed else EXIT_FAIL
 
     return guarded(run)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
