@@ -39,8 +39,11 @@ DMS_THRESHOLD = {0.5: -5.0, 0.75: -4.0}  # DMSPress's threshold on KVzap's score
 # Presses whose held keys are not rows of the full cache (re-rotated, channels zeroed): their kept positions are
 # recovered from the held values, which they leave as they were
 CHANNELS = ("think", "think_snapkv")  # keys matched on the channels they hold, not the zeroed ones
-REROTATED = ("key_rerotation_snapkv",)  # positions recorded from rerotate_keys
-REWRITES = ("key_rerotation_snapkv", "merging_snapkv", "think", "think_snapkv")  # their held tensors are digested
+REROTATED = ("key_rerotation_snapkv", "finch")  # positions recorded from rerotate_keys
+REWRITES = ("key_rerotation_snapkv", "merging_snapkv", "think", "think_snapkv", "finch")  # held tensors digested
+# Finch's window is the question, which it finds after a delimiter token the user inserts (its hook removes it from
+# the embeddings): the prompt's last FINCH_QUESTION ids play the question, the delimiter an id the prompt lacks
+FINCH_QUESTION = 40
 ROTATED: list[torch.Tensor] = []  # per layer, in forward order: the (Hkv, k) indices KeyRerotationPress re-rotated
 
 
@@ -227,6 +230,9 @@ def presses(
         # evicted values merged into the most similar kept token's (threshold 0, every evicted token: its defaults);
         # ThinK's key channels, a share `ratio` of them pruned alone, half of them after SnapKV (ComposedPress)
         "key_rerotation_snapkv": (kvpress.KeyRerotationPress(snapkv(ratio)), "sdpa"),
+        # Finch over the whole prompt (its defaults: normalized scores, kept keys re-rotated), its question the
+        # prompt's last FINCH_QUESTION ids (main inserts the delimiter before them)
+        "finch": (kvpress.FinchPress(compression_ratio=ratio), "sdpa"),
         "merging_snapkv": (kvpress.MergingPress(snapkv(ratio)), "sdpa"),
         "think": (kvpress.ThinKPress(key_channel_compression_ratio=ratio, window_size=WINDOW), "sdpa"),
         "think_snapkv": (
@@ -379,6 +385,17 @@ def main() -> None:
                     layers, added = decoded(model, ids, press)
                     plain = prefill(model, ids[:, :DECODE_CONTEXT])
                     pool = [(torch.cat([k, a], dim=1), v) for (k, v), a in zip(plain, added, strict=True)]
+                elif name == "finch":  # the delimiter before the question; the cache holds the ids without it
+                    press.delimiter_token_id = next(i for i in range(cfg.vocab_size - 1, 0, -1) if i not in ids[0])
+                    delimited = torch.cat(
+                        [
+                            ids[:, :-FINCH_QUESTION],
+                            torch.tensor([[press.delimiter_token_id]]),
+                            ids[:, -FINCH_QUESTION:],
+                        ],
+                        dim=1,
+                    )
+                    layers, pool = prefill(model, delimited, press), full[impl]
                 else:
                     layers, pool = prefill(model, ids, press), full[impl]
                 key = f"{name}@{ratio}"
@@ -441,6 +458,12 @@ def main() -> None:
             "kvzip": {"layerwise": False, "n_sink": 4, "chunk_size": 2048, "attn_implementation": "sdpa"},
             "kvzip_layerwise": {"layerwise": True, "n_sink": 4, "chunk_size": 2048, "attn_implementation": "sdpa"},
             "kvzip_plus": {"kvzip_plus_normalization": True, "n_sink": 4, "chunk_size": 2048},
+            "finch": {
+                "question": FINCH_QUESTION,
+                "normalize_scores": True,
+                "rerotate_keys": True,
+                "chunk_length": None,
+            },
             "expected_attention": {
                 "n_future_positions": 512,
                 "n_sink": 4,

@@ -56,6 +56,8 @@ count as an integer budget. Pairs compared (kvpress press <-> evalkit policy):
                                                  0.5 slot, 0.6 in the 0.75 slot, each making some layers lazy)
     KeyRerotationPress(SnapKVPress)          <-> key_rerotation(snapkv) (and the re-rotated keys, by digest)
     MergingPress(SnapKVPress)                <-> merging(snapkv) (and the merged values, by digest)
+    FinchPress (defaults), its delimiter before the last 40 ids
+                                             <-> finch (its question the last 40 ids; re-rotated keys by digest)
     ThinKPress(ratio); ComposedPress([SnapKVPress, ThinKPress(0.5)])
                                              <-> think(none) (channels = ratio); think(snapkv) (channels 0.5)
     DecodingPress(KnormPress), every 8 forwards to 764 tokens
@@ -117,6 +119,7 @@ from evalkit.policies.entropy_chunkkv import EntropyGatedChunkKV
 from evalkit.policies.expected_attention import ExpectedAttention
 from evalkit.policies.expected_attention_stats import ExpectedAttentionStats
 from evalkit.policies.fastkvzip import FastKVzip
+from evalkit.policies.finch import Finch
 from evalkit.policies.h2o import H2O
 from evalkit.policies.key_rerotation import KeyRerotation
 from evalkit.policies.keydiff import KeyDiff
@@ -201,10 +204,13 @@ PAIRS = {
     "merging_snapkv": "merging(snapkv)",
     "think": "think(none)",
     "think_snapkv": "think(snapkv)",
+    "finch": "finch",
 }
 # pairs that rewrite what they keep: their held keys and values are compared by digest (benchmarks/_digest.py), and
 # their key channels zeroed in every held token
-REWRITES = ("key_rerotation_snapkv", "merging_snapkv", "think", "think_snapkv")
+REWRITES = ("key_rerotation_snapkv", "merging_snapkv", "think", "think_snapkv", "finch")
+# Finch's question: the prompt's last FINCH_QUESTION ids (the kvpress side inserts its delimiter before them)
+FINCH_QUESTION = 40
 # compressing while decoding, as the kvpress side runs it: DECODE_CONTEXT ids prefilled, DECODE_STEPS fed one at a time,
 # an eviction every DECODE_INTERVAL forwards, to DECODE_TARGET tokens or to the share of every token seen
 DECODE_CONTEXT, DECODE_STEPS, DECODE_INTERVAL, DECODE_TARGET = 760, 48, 8, 764
@@ -360,6 +366,7 @@ def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) ->
         # ThinK: a share `ratio` of the key channels alone; half of them after SnapKV (kvpress's ComposedPress)
         "think(none)": ThinK(inner=FullCache(), channels=ratio, window=WINDOW),
         "think(snapkv)": ThinK(inner=SnapKV(**snap), budget=k, channels=0.5, window=WINDOW),
+        "finch": Finch(budget=k),  # kvpress's defaults: normalized scores, kept keys re-rotated
         "per_layer(snapkv)*": PerLayerAt(inner=SnapKV(**snap), budget=1 - ratio, layer_budgets=kept),
     }
     for pol in pols.values():
@@ -401,7 +408,8 @@ def evalkit_kept(model, prompt: dict, pols: dict[str, KVPolicy]) -> tuple[dict, 
     for pol in pols.values():  # what a policy reads from the model (CriticalKV's output projections); no probes
         pol.prepare(model, None)
     full, obs = prefill(model, ids, list(pols.values()))
-    reconstruction(model, full, ids, Repeat(**prompt["repeat"]), list(pols.values()), obs)
+    parts = Repeat(**{**prompt["repeat"], "question": FINCH_QUESTION})  # KVzip's repeat prompt, Finch's question
+    reconstruction(model, full, ids, parts, list(pols.values()), obs)
     out, digests, channels = {}, {}, {}
     rewriting = {PAIRS[press] for press in REWRITES}
     for name, pol in pols.items():
@@ -471,6 +479,7 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
         "n_kept": {f"{r}": n_kept(n, r) for r in RATIOS},
         "per_layer_ratios": {f"{r}": layer_ratios(r) for r in RATIOS},  # PerLayerCompressionPress's, per layer
         "repeat": prompt["repeat"],  # KVzip's repeat prompt (evalkit.tasks.prompt.Repeat) for these ids
+        "finch_question": FINCH_QUESTION,  # Finch's question: the last ids (kvpress's delimiter inserted before them)
         "n_kept_rule": "kvpress keeps int(n_tokens * (1 - compression_ratio)) per head (PyramidKV: its per-layer "
         "budgets, see held_per_layer); evalkit must be given this count as an integer budget",
         "evalkit_equivalent": {
@@ -563,6 +572,12 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
                 "window": 128,
             },
             "key_rerotation_snapkv": {"policy": "key_rerotation", "inner": "snapkv"},
+            "finch": {
+                "policy": "finch",
+                "normalize": True,
+                "rerotate": True,
+                "question": "the last finch_question ids",
+            },
             "merging_snapkv": {
                 "policy": "merging",
                 "inner": "snapkv",

@@ -88,6 +88,7 @@ class KVPolicy:
     decodable: ClassVar[bool] = True  # can keep its budget while decoding (decode=true)
     ragged: ClassVar[bool] = False  # KV heads of a layer may keep different counts (select pads with -1)
     wrappable: ClassVar[bool] = True  # a wrapper (chunkkv, adakv) may score with it, choosing by its own rule
+    reads_question: ClassVar[bool] = False  # scores by the question inside the context: protocol=query_aware only
     # The policy contract (evalkit.kv.contract) counts a policy's protected tokens beyond its budget only up to its
     # stated `min_tokens() - 1` (sinks, windows). False: the budget is not a count of tokens (FullCache keeps them
     # all, DuoAttention's budget is a share of heads) and every protected token counts; evalkit's own policies only.

@@ -33,6 +33,27 @@ def rerotated(keys: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
     return keys * angles.cos().to(keys.dtype) + rotate_half(keys) * angles.sin().to(keys.dtype)
 
 
+def rotary_frequencies(model, name: str) -> Tensor:
+    """The model's rotary frequencies (D/2,); a model whose rotary embedding scales its angles (attention_scaling
+    other than 1) or has none cannot be re-rotated by the angles alone: a ConfigError naming the policy."""
+    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    inv_freq = getattr(rotary, "inv_freq", None)
+    if not isinstance(inv_freq, Tensor) or getattr(rotary, "attention_scaling", 1.0) != 1.0:
+        raise ConfigError(
+            f"{name} re-rotates keys by one rotary embedding with unscaled angles; "
+            f"{type(model).__name__} has none such: choose another policy"
+        )
+    return inv_freq.detach()
+
+
+def rerotated_tokens(view: LayerView, kept: Tensor, inv_freq: Tensor | None, name: str) -> tuple[Tensor, Tensor]:
+    """The kept tokens' keys re-rotated to slots 0 .. k-1 and their values as held (`inv_freq`: read by prepare)."""
+    if inv_freq is None:
+        raise ValueError(f"{name}: the rotary frequencies were not read (prepare() was not called)")
+    keys = gather_tokens(view.keys, kept)
+    return rerotated(keys, gather_tokens(view.positions, kept), inv_freq), gather_tokens(view.values, kept)
+
+
 @dataclass(kw_only=True)
 class KeyRerotation(OnceWrapper):
     """The inner policy's choice; the kept keys re-rotated to slots 0 .. k-1, once, after the prompt."""
@@ -40,20 +61,8 @@ class KeyRerotation(OnceWrapper):
     name: str = "key_rerotation"
 
     def prepare(self, model, probes: Probes) -> dict | None:
-        """Read the model's rotary frequencies; a model whose rotary embedding scales its angles (attention_scaling
-        other than 1) or has none cannot be re-rotated by the angles alone: refused."""
-        rotary = getattr(model.get_decoder(), "rotary_emb", None)
-        inv_freq = getattr(rotary, "inv_freq", None)
-        if not isinstance(inv_freq, Tensor) or getattr(rotary, "attention_scaling", 1.0) != 1.0:
-            raise ConfigError(
-                f"{self.name} re-rotates keys by one rotary embedding with unscaled angles; "
-                f"{type(model).__name__} has none such: choose another policy"
-            )
-        self.inv_freq = inv_freq.detach()  # not a field: not recorded, not compared
+        self.inv_freq = rotary_frequencies(model, self.name)  # not a field: not recorded, not compared
         return self.inner.prepare(model, probes)
 
     def rewrite(self, view: LayerView, kept: Tensor) -> tuple[Tensor, Tensor]:
-        if not hasattr(self, "inv_freq"):
-            raise ValueError(f"{self.name}: the rotary frequencies were not read (prepare() was not called)")
-        keys = gather_tokens(view.keys, kept)
-        return rerotated(keys, gather_tokens(view.positions, kept), self.inv_freq), gather_tokens(view.values, kept)
+        return rerotated_tokens(view, kept, getattr(self, "inv_freq", None), self.name)

@@ -40,6 +40,7 @@ from evalkit.engine import models
 from evalkit.engine.engine import prefill, reconstruction
 from evalkit.kv.cache import compress
 from evalkit.records import SAMPLES, read_rows
+from evalkit.tasks.prompt import Repeat
 
 if importlib.util.find_spec("triton") is not None:  # the Triton kernels, defined while TRITON_INTERPRET=1
     import evalkit.kernels.attention_mass  # noqa: F401
@@ -218,6 +219,7 @@ def importable(monkeypatch, folder: Path, *modules: str) -> None:
 
 
 CTX, QUESTION, STEPS = 96, 7, 6  # small inputs for invariant tests: context, question and decode lengths
+FINCH_QUESTION = 8  # the context's last ids that Finch reads as its question in these tests (no sample gives one)
 
 
 # DuoAttention head scores for the tiny model (3 layers x 2 KV heads), in the paper's full_attention_heads.tsv format:
@@ -274,7 +276,8 @@ def compressed(model, ids, pol):
     the engine prepares it (without probes: duo_attention is given its roles from a pattern file by `policy`)."""
     pol.prepare(model, None)
     full, obs = prefill(model, ids[:, :CTX], [pol])
-    reconstruction(model, full, ids[:, :CTX], None, [pol], obs)  # KVzip's second pass; nothing for the others
+    # the policies' second passes (KVzip's; Finch's reads the context's last FINCH_QUESTION ids as its question)
+    reconstruction(model, full, ids[:, :CTX], Repeat(question=FINCH_QUESTION), [pol], obs)
     return full, compress(full, pol, obs)
 
 

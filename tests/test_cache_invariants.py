@@ -12,8 +12,8 @@ from evalkit.config.choices import options
 from evalkit.engine.engine import greedy, prefill, run_sample
 from evalkit.kv.cache import enforce, held_per_layer, kv_bytes, share
 from evalkit.kv.variant import Variant
-from evalkit.tasks.prompt import Prompt
-from tests.conftest import CTX, QUESTION, STEPS, compressed, policy
+from evalkit.tasks.prompt import Prompt, Repeat
+from tests.conftest import CTX, FINCH_QUESTION, QUESTION, STEPS, compressed, policy
 
 POLICIES = options("policy")
 # compress once (not `decodable`): decode=true is a config error for them (test_policies, test_kvzip, ...)
@@ -31,7 +31,7 @@ CURVE = ("lukv",)
 NO_TOKEN_BUDGET = ("duo_attention", "simlayerkv", "dms")
 # they rewrite what the kept tokens hold (re-rotated keys, merged values, zeroed key channels): their eviction is not a
 # mask over the full attention; each is checked against its own reference in test_rewriting_policies
-REWRITING = ("key_rerotation", "merging", "think")
+REWRITING = ("key_rerotation", "merging", "think", "finch")
 
 
 def run(model, ids, pol=None, steps=STEPS, after=None):
@@ -195,8 +195,11 @@ def test_every_sample_is_compressed_and_runs_are_deterministic(tiny, name):
     pol = policy(name, 0.25)
     pol.prepare(tiny.model, None)  # as the engine does once the model is loaded
     g = torch.Generator().manual_seed(1)
+    question = Repeat(question=FINCH_QUESTION)
     prompts = [
-        Prompt(torch.randint(3, 200, (1, n + QUESTION), generator=g), n, [], "query_agnostic") for n in (64, 80, 96)
+        # Finch reads the context's last FINCH_QUESTION ids as its question (the other policies ignore it)
+        Prompt(torch.randint(3, 200, (1, n + QUESTION), generator=g), n, [], "query_agnostic", question)
+        for n in (64, 80, 96)
     ]
 
     def outcomes():

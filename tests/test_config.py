@@ -32,7 +32,8 @@ from tests.conftest import WEIGHTS_TINY, compose_config
 
 @pytest.mark.parametrize("name", options("policy"))
 def test_every_policy_config_composes_and_instantiates(name):
-    cfg = compose_config(f"policy={name}", "model=tiny-random")
+    question = ["protocol=query_aware"] if name == "finch" else []  # it scores by the question in the context
+    cfg = compose_config(f"policy={name}", "model=tiny-random", *question)
     policy = build(cfg.policy, "policy")
     # one name: file, class `name`, records; a wrapper records the policy it wraps, chunkkv(snapkv)
     assert isinstance(policy, KVPolicy) and policy.name.split("(")[0] == name

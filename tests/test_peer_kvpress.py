@@ -42,6 +42,7 @@ from evalkit.policies.entropy_chunkkv import EntropyGatedChunkKV
 from evalkit.policies.expected_attention import ExpectedAttention
 from evalkit.policies.expected_attention_stats import ExpectedAttentionStats
 from evalkit.policies.fastkvzip import FastKVzip
+from evalkit.policies.finch import Finch
 from evalkit.policies.h2o import H2O
 from evalkit.policies.key_rerotation import KeyRerotation
 from evalkit.policies.keydiff import KeyDiff
@@ -124,10 +125,15 @@ SAME = {
     "key_rerotation_snapkv": lambda k: KeyRerotation(inner=SnapKV(**SNAP), budget=k),
     "merging_snapkv": lambda k: Merging(inner=SnapKV(**SNAP), budget=k),
     "think_snapkv": lambda k: ThinK(inner=SnapKV(**SNAP), budget=k, channels=0.5),
+    # Finch over the whole prompt (normalized scores, kept keys re-rotated), its question the last `finch_question` ids
+    # (the fixture's kvpress side inserted its delimiter before them)
+    "finch": lambda k: Finch(budget=k),
 }
 # ... whose held tensors are also compared, by digest (benchmarks/_digest.py), with ThinK alone (a share `ratio` of
 # the key channels pruned, every token kept)
-REWRITING = ("key_rerotation_snapkv", "merging_snapkv", "think_snapkv", "think")
+REWRITING = ("key_rerotation_snapkv", "merging_snapkv", "think_snapkv", "think", "finch")
+# the prompt's parts the second passes read: KVzip's repeat prompt, and Finch's question (the last ids)
+PARTS = Repeat(**{**FIXTURE["header"]["repeat"], "question": FIXTURE["header"]["finch_question"]})
 DIGEST_RTOL = 1e-4  # float32 tensors summed in float64: equal tensors agree to ~1e-6 (benchmarks/peer_kvpress.py)
 KVZIP = {"kvzip": {}, "kvzip_layerwise": {"layerwise": True}, "kvzip_plus": {"plus": True}}
 # ranked over all layers as KVzip ranks, each also held to kvpress's count (`*`): Fast KVzip (seeded gates), KVgrad
@@ -279,7 +285,7 @@ def kept_by_evalkit(tmp_path_factory):
         pol.prepare(loaded.model, None)
     ids = torch.tensor([FIXTURE["ids"]])
     full, obs = prefill(loaded.model, ids, list(pols.values()))
-    reconstruction(loaded.model, full, ids, Repeat(**FIXTURE["header"]["repeat"]), list(pols.values()), obs)
+    reconstruction(loaded.model, full, ids, PARTS, list(pols.values()), obs)
     return {
         # a ragged layer's padding slots (AdaKV) are at position -1
         key: [[set(h.tolist()) - {-1} for h in held_positions(layer)[0]] for layer in compress(full, pol, obs).layers]
@@ -354,6 +360,7 @@ CONTROLS = [
     ("kvzap~negated", "kvzap", 0.9),  # the surrogates' scores negated
     ("fastkvzip~other", "fastkvzip", 0.9),  # gates drawn from other seeds
     ("kvzip", "kvgrad", 0.9),  # the reconstruction attention alone, no gradient or value weights (about 0.5 and 0.4)
+    ("snapkv", "finch", 0.9),  # a window of the last 32 ids, pooled (about 0.63 and 0.53)
 ]
 
 
@@ -400,7 +407,9 @@ def rewritten_by_evalkit():
         pols[f"snapkv@{ratio}"] = SAME["snapkv"](k)
     for pol in pols.values():
         pol.prepare(loaded.model, None)
-    full, obs = prefill(loaded.model, torch.tensor([FIXTURE["ids"]]), list(pols.values()))
+    ids = torch.tensor([FIXTURE["ids"]])
+    full, obs = prefill(loaded.model, ids, list(pols.values()))
+    reconstruction(loaded.model, full, ids, PARTS, list(pols.values()), obs)  # Finch's pass over its question
     out = {}
     for key, pol in pols.items():
         layers = compress(full, pol, obs).layers

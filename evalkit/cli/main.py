@@ -181,7 +181,7 @@ def main() -> None:
     # What escapes Hydra reaches the exit-code contract below, instead of Hydra's traceback and exit 1 (the gate's FAIL)
     os.environ["HYDRA_FULL_ERROR"] = "1"
     sys.argv[1:] = argv
-    # Sweep jobs in worker processes (joblib) defer Ctrl-C from the moment they import evalkit.interrupt
+    # Sweep jobs in worker processes (joblib) defer Ctrl-C from the moment they import evalkit.run.interrupt
     os.environ[interrupt.DEFER_ENV] = "1"
     try:
         check_choices(argv)

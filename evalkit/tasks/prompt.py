@@ -6,6 +6,7 @@ the baseline and every variant therefore see exactly the ids of the joined promp
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -28,15 +29,18 @@ REPEAT_PART = "\n\nRepeat the part of the previous context exactly, starting wit
 
 @dataclass
 class Repeat:
-    """The ids of KVzip's reconstruction prompt (policies/kvzip.py): the pass over chunk [lo, hi) of the prefilled
-    context reads `first` (or `part` and the previous chunk's last 8 ids), `suffix` (the chat template's end of the
-    user turn and start of the assistant's), then ids[lo:hi]. The default (no text: a prompt made from raw ids)
-    reconstructs every prefilled token with no instruction."""
+    """The prompt's parts a policy's second pass reads (evalkit.attention.observation): the ids of KVzip's
+    reconstruction prompt (policies/kvzip.py), whose pass over chunk [lo, hi) of the prefilled context reads `first`
+    (or `part` and the previous chunk's last 8 ids), `suffix` (the chat template's end of the user turn and start of
+    the assistant's), then ids[lo:hi]; and how many of the context's last ids are the question (Finch's window,
+    policies/finch.py). The default (no text: a prompt made from raw ids) reconstructs every prefilled token with no
+    instruction, and its context holds no question."""
 
     start: int = 0  # ids[:, :start] are the template's opening (system turn, user header): not reconstructed
     first: list[int] = field(default_factory=list)
     part: list[int] = field(default_factory=list)
     suffix: list[int] = field(default_factory=list)
+    question: int = 0  # the context's last `question` ids are the question (query_aware); 0: it holds none
 
 
 @dataclass
@@ -105,7 +109,7 @@ def build_prompt(tokenizer: PreTrainedTokenizerBase, sample: Sample, protocol: s
     evidence = [i for i, (s, e) in enumerate(offsets) if any(s < hi and e > lo for lo, hi in spans)]
 
     start = next((i for i, (s, _) in enumerate(offsets) if s >= ctx_start), n_context)
-    repeat = repeat_prompt(tokenizer, chat, start)
+    repeat = dataclasses.replace(repeat_prompt(tokenizer, chat, start), question=n_context - n_document)
     return Prompt(torch.tensor([ids]), n_context, evidence, protocol, repeat, n_document)
 
 

@@ -1,0 +1,129 @@
+"""Finch: SnapKV's scores with the question as the window, each query's attention weighed by the keys it sees, and the
+kept keys re-rotated to contiguous positions.
+
+Corallo and Papotti 2024, "FINCH: Prompt-guided Key-Value Cache Compression" (TACL), as kvpress's FinchPress applies
+it to a whole prompt (its `chunk_length=None`): the window is the question, the prompt's tokens after the document
+(kvpress finds them by a delimiter token the user inserts; evalkit knows where the question starts). Each question
+query's softmax over the context and the question before it is multiplied by its position (kvpress's normalisation,
+`normalize`: a later query spreads its attention over more keys), averaged over the question's queries and over the
+query heads of a KV group; no pooling. The question's tokens score above every document token (kvpress pads them with
+the layer's highest score plus one), so they are kept first. With `rerotate` (kvpress's default) the kept keys are
+re-rotated to slots 0 .. k-1 as policies/key_rerotation.py does.
+
+It needs a question inside the compressed context: `protocol=query_aware` on a task whose samples have one (with
+query_agnostic the context holds none: the run is refused in one line before the model loads, and a context
+without one (a prompt of raw ids) when its pass runs). The question's queries are computed
+again by this policy's own pass (`QuestionAttention`): the question's ids read over the prefilled document, read in
+place. Every layer must attend to the whole context (sliding-window models are refused). kvpress's chunked setting
+(`chunk_length`, a top-k per chunk of the prompt) is not implemented.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache
+
+from evalkit.attention.observation import Attended, Observation
+from evalkit.attention.sdpa import observe
+from evalkit.errors import ConfigError
+from evalkit.policies import KVPolicy, LayerView, Probes, full_attention_only
+from evalkit.policies.key_rerotation import rerotated_tokens, rotary_frequencies
+from evalkit.policies.kvzip_pass import ReadOnlyLayer
+
+
+@dataclass
+class QuestionScores:
+    """The question's attention recorder: per layer, (B, Hkv, n - q) each document token's score."""
+
+    document: int  # n - q: the tokens before the question
+    normalize: bool
+    got: dict[int, Tensor] = field(default_factory=dict)
+
+    def wants_mass(self, layer_idx: int, layer) -> bool:
+        return False
+
+    def record(self, layer_idx: int, layer, at: Attended) -> None:
+        b, hq, q, _ = at.query.shape
+        hkv, n = at.key.shape[1], at.key.shape[2]
+        keys = at.key.float().repeat_interleave(hq // hkv, dim=1)  # (B, Hq, n, D)
+        logits = (at.query.float() * at.scaling) @ keys.transpose(-1, -2)  # (B, Hq, q, n)
+        # question query i (at position document + i) sees the document and the question's keys up to its own
+        after = (
+            torch.arange(n, device=logits.device)[None, :]
+            > self.document + torch.arange(q, device=logits.device)[:, None]
+        )
+        probs = logits.masked_fill(after, -math.inf).softmax(dim=-1)[..., : self.document]  # (B, Hq, q, n - q)
+        if self.normalize:  # kvpress: each query's weights times its position
+            probs = probs * torch.arange(self.document, n, device=probs.device, dtype=probs.dtype)[:, None]
+        self.got[layer_idx] = probs.mean(dim=2).view(b, hkv, hq // hkv, self.document).mean(dim=2)
+
+
+@dataclass(frozen=True)
+class QuestionAttention(Observation):
+    """Per layer, (B, Hkv, n - q): each document token's attention from the question's q queries (the context's last
+    ids, `Repeat.question`), read again over the prefilled document; `normalize`: each query's weighed by its
+    position."""
+
+    normalize: bool = True
+    pass_name: ClassVar[str] = "question"
+
+    @torch.inference_mode()
+    def second_pass(self, model: torch.nn.Module, full: Cache, context: Tensor, prompt) -> dict[int, Tensor]:
+        n, q = context.shape[1], getattr(prompt, "question", 0)
+        if not 0 < q < n:
+            raise ConfigError(
+                "finch scores the context by its question's attention, and this context holds no question "
+                f"({q} of its {n} tokens): run it with protocol=query_aware on a task whose samples ask one"
+            )
+        recorder = QuestionScores(n - q, self.normalize)
+        cache = Cache(
+            layers=[ReadOnlyLayer(layer.keys[:, :, : n - q], layer.values[:, :, : n - q]) for layer in full.layers]
+        )
+        positions = torch.arange(n - q, n, device=context.device)[None]
+        model(
+            input_ids=context[:, n - q :],
+            position_ids=positions,
+            cache=cache,
+            logits_to_keep=1,
+            **observe(recorder, cache),
+        )
+        return recorder.got
+
+
+@dataclass(kw_only=True)
+class Finch(KVPolicy):
+    """Top-k by the question's position-weighed attention; the question always first; kept keys re-rotated."""
+
+    name: str = "finch"
+    normalize: bool = True
+    rerotate: bool = True
+    decode: bool = False
+
+    chunkable: ClassVar[bool] = False  # its window is the question, which only the whole prompt holds
+    decodable: ClassVar[bool] = False  # and a re-rotated key cannot be re-rotated again
+    reads_question: ClassVar[bool] = True
+
+    def needs(self) -> tuple[QuestionAttention]:
+        return (QuestionAttention(self.normalize),)
+
+    def prepare(self, model, probes: Probes) -> dict | None:
+        full_attention_only(model, self.name, "choose snapkv (query_aware) for a model with sliding-window layers")
+        if self.rerotate:
+            self.inv_freq = rotary_frequencies(model, self.name)  # not a field: not recorded, not compared
+        return None
+
+    def score(self, view: LayerView) -> Tensor:
+        document = view.observed(QuestionAttention(self.normalize))  # (B, Hkv, n - q)
+        b, h, d = document.shape
+        question = document.new_full((b, h, view.keys.shape[2] - d), float(document.max()) + 1)
+        return torch.cat([document, question], dim=-1)
+
+    def rewrite(self, view: LayerView, kept: Tensor) -> tuple[Tensor, Tensor] | None:
+        if not self.rerotate:
+            return None
+        return rerotated_tokens(view, kept, getattr(self, "inv_freq", None), self.name)
