@@ -173,6 +173,13 @@ class KVPolicy:
         (evalkit.kv.contract.check_rewrite); what a layer holds in bytes is measured from the tensors it holds."""
         return None
 
+    def continues_from_held(self) -> bool:
+        """Whether the tokens after the compressed prompt take their RoPE positions from the count held (the largest
+        layer's) rather than from the tokens seen: for a policy whose `rewrite` re-rotates the kept keys to slots
+        0 .. k-1 (key_rerotation, finch), so that the question follows them as kvpress's pipeline continues after
+        those presses. False: every new token takes its true position."""
+        return False
+
     def check_params(self) -> None:
         """Raise ConfigError for a parameter out of its range; the types are checked already (check_fields).
         Policies with parameters extend it."""
@@ -289,6 +296,9 @@ class Wrapper(KVPolicy):
 
     def rewrite(self, view: LayerView, kept: Tensor) -> tuple[Tensor, Tensor] | None:
         return self.inner.rewrite(view, kept)
+
+    def continues_from_held(self) -> bool:
+        return self.inner.continues_from_held()
 
     def check_params(self) -> None:
         check_fields(self.inner, "policy.inner")

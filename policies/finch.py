@@ -8,7 +8,7 @@ query's softmax over the context and the question before it is multiplied by its
 `normalize`: a later query spreads its attention over more keys), averaged over the question's queries and over the
 query heads of a KV group; no pooling. The question's tokens score above every document token (kvpress pads them with
 the layer's highest score plus one), so they are kept first. With `rerotate` (kvpress's default) the kept keys are
-re-rotated to slots 0 .. k-1 as policies/key_rerotation.py does.
+re-rotated to slots 0 .. k-1 as policies/key_rerotation.py does, and the answer continues from k.
 
 It needs a question inside the compressed context: `protocol=query_aware` on a task whose samples have one (with
 query_agnostic the context holds none: the run is refused in one line before the model loads, and a context
@@ -122,6 +122,9 @@ class Finch(KVPolicy):
         b, h, d = document.shape
         question = document.new_full((b, h, view.keys.shape[2] - d), float(document.max()) + 1)
         return torch.cat([document, question], dim=-1)
+
+    def continues_from_held(self) -> bool:
+        return self.rerotate
 
     def rewrite(self, view: LayerView, kept: Tensor) -> tuple[Tensor, Tensor] | None:
         if not self.rerotate:

@@ -4,8 +4,9 @@ The rotary trick of transformers' old SinkCache and of Finch (Corallo and Papott
 Key-Value Cache Compression", TACL), as kvpress's KeyRerotationPress applies it: once the inner policy has chosen
 which tokens a head keeps, the key in slot j (the kept tokens in their order) is rotated by j - p, p its original
 position, so that the kept keys read as if the evicted tokens had never been there: RoPE rotations compose, R(j - p)
-R(p) = R(j). Values are unchanged. The tokens that follow keep their true positions (the cache reports the tokens
-seen, as kvpress's does), so a gap separates the re-rotated prompt from them.
+R(p) = R(j). Values are unchanged. The tokens that follow continue from the count held (`continues_from_held`: the
+question at k, k+1, ...), as kvpress's pipeline continues after KeyRerotationPress; every layer must evict for that
+(sliding-window models are refused).
 
 A key's rotation is what its position was, so the kept keys are re-rotated once, after the prompt: this wrapper
 neither evicts chunk by chunk nor while decoding (a second rotation would start from a slot, not a position).
@@ -20,7 +21,7 @@ from torch import Tensor
 from transformers.models.llama.modeling_llama import rotate_half
 
 from evalkit.errors import ConfigError
-from evalkit.policies import LayerView, OnceWrapper, Probes, gather_tokens
+from evalkit.policies import LayerView, OnceWrapper, Probes, full_attention_only, gather_tokens
 
 
 def rerotated(keys: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
@@ -61,8 +62,14 @@ class KeyRerotation(OnceWrapper):
     name: str = "key_rerotation"
 
     def prepare(self, model, probes: Probes) -> dict | None:
+        full_attention_only(
+            model, self.name, "the question follows the re-rotated keys in every layer; choose the inner policy alone"
+        )
         self.inv_freq = rotary_frequencies(model, self.name)  # not a field: not recorded, not compared
         return self.inner.prepare(model, probes)
+
+    def continues_from_held(self) -> bool:
+        return True
 
     def rewrite(self, view: LayerView, kept: Tensor) -> tuple[Tensor, Tensor]:
         return rerotated_tokens(view, kept, getattr(self, "inv_freq", None), self.name)

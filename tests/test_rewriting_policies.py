@@ -6,22 +6,26 @@ conf/policy (tests/test_cache_invariants.py); kvpress's tensors on the real mode
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 
 import pytest
 import torch
 from torch import Tensor
+from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from evalkit.attention.sdpa import observe
 from evalkit.errors import ConfigError, PolicyError
 from evalkit.kv.cache import deployed_bytes, fp16_bytes, full_attention_layers
 from evalkit.policies import LayerView
+from evalkit.policies.finch import Finch
 from evalkit.policies.key_rerotation import KeyRerotation, rerotated
 from evalkit.policies.merging import Merging, merged_values
 from evalkit.policies.none import FullCache
 from evalkit.policies.snapkv import SnapKV
 from evalkit.policies.think import ThinK, pruned_channels
-from tests.conftest import CTX, compressed, run_cli, tiny_row
+from tests.conftest import CTX, compressed, run_cli, sliding_model, tiny_row
 from tests.test_criticalkv import FirstChannel
 
 
@@ -206,6 +210,9 @@ def test_out_of_range_settings_are_refused():
 
 
 class NoRotary(torch.nn.Module):
+    # every layer attends fully (no layer types listed): only the missing rotary embedding is refused
+    config = types.SimpleNamespace(get_text_config=lambda: types.SimpleNamespace(layer_types=None))
+
     def get_decoder(self):
         return self
 
@@ -213,6 +220,8 @@ class NoRotary(torch.nn.Module):
 def test_key_rerotation_refuses_a_model_without_one_plain_rotary_embedding():
     with pytest.raises(ConfigError, match="re-rotates keys by one rotary embedding"):
         KeyRerotation(inner=SnapKV()).prepare(NoRotary(), None)
+    with pytest.raises(ConfigError, match=r"key_rerotation\(snapkv\) needs every layer to attend to the whole context"):
+        KeyRerotation(inner=SnapKV()).prepare(sliding_model(), None)  # the question would not follow in those layers
 
 
 @pytest.mark.parametrize(
@@ -232,3 +241,28 @@ def test_a_chunked_prefill_is_refused_in_one_line(tmp_path, policy, message):
 def test_the_command_line_runs_each_over_snapkv(tmp_path, variant):
     row = tiny_row(tmp_path, f"variants=[{variant}]")
     assert row["variant"] == variant.replace("/snapkv", "(snapkv)") and row["kv_bytes"] < row["kv_bytes_baseline"]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: KeyRerotation(inner=SnapKV(window=8), budget=0.25), lambda: Finch(budget=0.25)],
+    ids=["key_rerotation", "finch"],
+)
+def test_the_question_follows_the_rerotated_keys_as_a_plain_cache_of_them_would_have_it(tiny, ids, make):
+    """After a re-rotation the question takes positions k, k+1, ... (kvpress's pipeline continues from the compressed
+    length): its logits equal transformers' own forward over a plain DynamicCache holding the same keys and values,
+    given those positions; the question at its true positions (CTX, ...) is the control, and differs."""
+    pol = make()
+    _, cache = compressed(tiny.model, ids, pol)
+    k = cache.layers[0].keys.shape[-2]
+    assert cache.get_seq_length() == k == 24
+    question = ids[:, CTX:]
+    with torch.inference_mode():
+        got = tiny.model(input_ids=question, cache=cache, use_cache=True, **observe(None, cache)).logits[0]
+        for at, same in ((k, True), (CTX, False)):
+            plain = DynamicCache(config=tiny.model.config)
+            for i, layer in enumerate(compressed(tiny.model, ids, make())[1].layers):
+                plain.update(layer.keys, layer.values, i)
+            positions = torch.arange(at, at + question.shape[1])[None]
+            want = tiny.model(input_ids=question, cache=plain, position_ids=positions).logits[0]
+            assert torch.allclose(got, want, rtol=0, atol=1e-5) == same

@@ -133,8 +133,12 @@ class BatchedLayer(DynamicLayer):
 
 def batchable(cache: Cache) -> bool:
     """Whether a cache can decode in a batch: no sliding-window layer (its mask over a question of several tokens
-    depends on the window, which the per-row causal mask does not apply); those decode alone."""
-    return not any(getattr(layer, "is_sliding", False) for layer in cache.layers)
+    depends on the window, which the per-row causal mask does not apply), and its next token at the position the
+    batch's others take (a re-rotating policy restarts the positions at the count held); those decode alone."""
+    return not any(
+        getattr(layer, "is_sliding", False) or getattr(layer, "next_position", None) is not None
+        for layer in cache.layers
+    )
 
 
 @torch.inference_mode()

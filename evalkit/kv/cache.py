@@ -3,7 +3,9 @@
 Invariant (docs/invariants.md, invariant 2; docs/architecture.md, section 4): a compacted layer reports the tokens
 *seen* from `get_seq_length()`, so transformers gives every new token its true absolute (RoPE) position, while
 `get_mask_sizes()` reports the tokens *held*, with an offset that keeps the causal mask right for several new tokens
-at once.
+at once. The one exception a policy declares: after it re-rotates its kept keys to slots 0 .. k-1
+(`KVPolicy.continues_from_held`), the next token's position restarts at the count held (`next_position`), as kvpress's
+pipeline continues after such presses; `positions` still name each held token by its true position.
 
 Ragged layers (head-adaptive policies: AdaKV, DuoAttention) let each KV head hold its own number of tokens. They are
 stored padded to the longest head: a padding slot has position -1 and is marked invalid in `valid` (B, Hkv, T),
@@ -46,6 +48,9 @@ class EvictingLayer(DynamicLayer):
         self.state = dict(state or {})  # per-token observations (B, Hkv, T_held), gathered along with the keys
         self.observations = observations or {}  # per-layer observations, from the prefill
         self.seen = seen
+        # where the next token's RoPE position is counted from, when a policy re-rotated the kept keys to slots
+        # 0 .. k-1 (KVPolicy.continues_from_held): the count held then, plus the tokens since; None: the tokens seen
+        self.next_position: int | None = None
         self.valid: Tensor | None = None  # (B, Hkv, T_held) False on padding slots; None: every slot is a token
         self.allowed: Tensor | None = None  # (B, Hkv) tokens the policy contract allowed at the last eviction
         self.device = keys.device
@@ -66,15 +71,18 @@ class EvictingLayer(DynamicLayer):
         if self.valid is not None:
             self.valid = torch.cat([self.valid, self.valid.new_ones(b, h, q)], dim=-1)
         self.seen += q
+        if self.next_position is not None:
+            self.next_position += q
 
     def get_seq_length(self) -> int:
-        return self.seen
+        """The position the next token takes: the tokens seen, or after a re-rotation the count it restarted from."""
+        return self.seen if self.next_position is None else self.next_position
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         held = self.held
-        # Held keys get mask indices seen-held .. seen-1: all before the new queries, which stay causal among
-        # themselves. With offset 0 a multi-token query would see its own future.
-        return held + query_length, self.seen - held
+        # Held keys get mask indices p-held .. p-1 (p: the next token's position): all before the new queries, which
+        # stay causal among themselves. With offset 0 a multi-token query would see its own future.
+        return held + query_length, self.get_seq_length() - held
 
     @property
     def held(self) -> int:
@@ -173,6 +181,12 @@ def enforce(cache: Cache, policy: KVPolicy) -> None:
         if not across:  # one held to each layer's budget; one ranking across layers, to the sum
             contract.check_layer(policy, layer.tokens(), layer.allowed, targets[layer_idx], layer_idx)
     contract.check_held(policy, {i: (cache.layers[i].tokens(), cache.layers[i].allowed) for i in evictable}, seen)
+    with contract.calling(policy, "continues_from_held"):
+        restart = bool(policy.continues_from_held())
+    if restart:  # kept keys re-rotated to slots 0 .. k-1: the next token follows them, as kvpress's pipeline has it
+        start = max(cache.layers[i].held for i in evictable)  # one position for every layer, none behind its keys
+        for i in evictable:
+            cache.layers[i].next_position = start
 
 
 def select(policy: KVPolicy, views: dict[int, LayerView], targets: dict[int, int], across: bool) -> dict[int, Tensor]:

@@ -86,7 +86,7 @@ class QuantizedLayer(EvictingLayer):
         spec.validate(d)
         super().__init__(layer.keys[:, :, :0], layer.values[:, :, :0], layer.seen, observations=layer.observations)
         self.spec, self.head_dim, self.dtype = spec, d, layer.keys.dtype  # attention computes in the model's dtype
-        self.positions, self.allowed = layer.positions, layer.allowed
+        self.positions, self.allowed, self.next_position = layer.positions, layer.allowed, layer.next_position
         self.k_packed = layer.keys.new_zeros(b, h, d, 0, dtype=torch.uint8)  # (B, Hkv, D, Tq*bits/8)
         self.k_scale = layer.keys.new_zeros(b, h, d, 0, dtype=torch.float16)  # (B, Hkv, D, Tq/group)
         self.k_min = self.k_scale.clone()
@@ -213,6 +213,7 @@ class Fp8Layer(EvictingLayer):
     def __init__(self, layer: EvictingLayer, spec: QuantSpec):
         super().__init__(layer.keys[:, :, :0], layer.values[:, :, :0], layer.seen, observations=layer.observations)
         self.spec, self.dtype, self.positions, self.allowed = spec, layer.keys.dtype, layer.positions, layer.allowed
+        self.next_position = layer.next_position
         (self.k8, self.k_scale), (self.v8, self.v_scale) = to_fp8(layer.keys), to_fp8(layer.values)
         self.k_all = self.v_all = None
         self.attention_path = "dequantized-cache" if spec.cached(layer.keys) else "packed-reference"
