@@ -40,7 +40,8 @@ DMS_THRESHOLD = {0.5: -5.0, 0.75: -4.0}  # DMSPress's threshold on KVzap's score
 # recovered from the held values, which they leave as they were
 CHANNELS = ("think", "think_snapkv")  # keys matched on the channels they hold, not the zeroed ones
 REROTATED = ("key_rerotation_snapkv", "finch")  # positions recorded from rerotate_keys
-REWRITES = ("key_rerotation_snapkv", "merging_snapkv", "think", "think_snapkv", "finch")  # held tensors digested
+# their held tensors are digested
+REWRITES = ("key_rerotation_snapkv", "merging_snapkv", "think", "think_snapkv", "finch", "cam_knorm")
 # Finch's window is the question, which it finds after a delimiter token the user inserts (its hook removes it from
 # the embeddings): the prompt's last FINCH_QUESTION ids play the question, the delimiter an id the prompt lacks
 FINCH_QUESTION = 40
@@ -63,7 +64,9 @@ def recording_rerotation() -> None:
 # requires a ScorerPress). DecodingPress keeps DECODE_TARGET tokens (the prefill untouched);
 # CompressionRatioDecodingPress a share of every token seen, after the prefill compressed to the same share
 DECODE_CONTEXT, DECODE_STEPS, DECODE_INTERVAL, DECODE_TARGET = 760, 48, 8, 764
-DECODING = ("decoding_knorm", "ratio_decoding_knorm", "decoding_tova")
+DECODING = ("decoding_knorm", "ratio_decoding_knorm", "decoding_tova", "cam_knorm")
+CAM_SEED = 0  # torch's global generator seeded so before CAMPress's decode (its Bernoulli merges draw from it)
+SEEDING = [True]  # whether each layer's forward reseeds the generator (seed_each_layer): off for CaM's one stream
 SKETCH_SEED = 0  # evalkit's leverage and compactor draw layer i's sketch from seed + i (their default seed: 0)
 
 
@@ -78,7 +81,8 @@ def seed_each_layer(model) -> None:
     forward hook that follows): a random sketch is then the one evalkit draws for that layer."""
 
     def seed(module, args) -> None:
-        torch.manual_seed(SKETCH_SEED + module.layer_idx)
+        if SEEDING[0]:
+            torch.manual_seed(SKETCH_SEED + module.layer_idx)
 
     for layer in model.model.layers:
         layer.self_attn.register_forward_pre_hook(seed)
@@ -250,6 +254,13 @@ def presses(
             kvpress.DecodingPress(kvpress.TOVAPress(), compression_interval=DECODE_INTERVAL, target_size=DECODE_TARGET),
             "sdpa",
         ),
+        # CaM over KNorm: the same decode and target, evicted values merged by chance into the kept tokens after them
+        "cam_knorm": (
+            kvpress.CAMPress(
+                base_press=kvpress.KnormPress(), compression_interval=DECODE_INTERVAL, target_size=DECODE_TARGET
+            ),
+            "sdpa",
+        ),
         "ratio_decoding_knorm": (
             kvpress.PrefillDecodingPress(
                 prefilling_press=kvpress.KnormPress(compression_ratio=ratio),
@@ -382,7 +393,11 @@ def main() -> None:
                     layer.self_attn.masked_key_indices = None
                 ROTATED.clear()
                 if name in DECODING:  # held keys matched against the context's and those the fed tokens added
+                    # CaM's draws, one stream from CAM_SEED (the layers' sketch seeding off); the others draw nothing
+                    torch.manual_seed(CAM_SEED)
+                    SEEDING[0] = name != "cam_knorm"
                     layers, added = decoded(model, ids, press)
+                    SEEDING[0] = True
                     plain = prefill(model, ids[:, :DECODE_CONTEXT])
                     pool = [(torch.cat([k, a], dim=1), v) for (k, v), a in zip(plain, added, strict=True)]
                 elif name == "finch":  # the delimiter before the question; the cache holds the ids without it

@@ -60,6 +60,9 @@ count as an integer budget. Pairs compared (kvpress press <-> evalkit policy):
                                              <-> finch (its question the last 40 ids; re-rotated keys by digest)
     ThinKPress(ratio); ComposedPress([SnapKVPress, ThinKPress(0.5)])
                                              <-> think(none) (channels = ratio); think(snapkv) (channels 0.5)
+    CAMPress(KnormPress), every 8 forwards to 764 tokens
+                                             <-> cam~decode (inner knorm, budget 764, decode_interval 8, seed None:
+                                                 torch's generator seeded alike; the merged values by digest)
     DecodingPress(KnormPress), every 8 forwards to 764 tokens
                                              <-> knorm~decode (budget 764, decode=true, decode_interval=8)
     PrefillDecodingPress(KnormPress(r), CompressionRatioDecodingPress(KnormPress(), r, every 8))
@@ -108,6 +111,7 @@ from evalkit.kv.cache import compress, held_positions
 from evalkit.policies import KVPolicy
 from evalkit.policies.adakv import AdaKV
 from evalkit.policies.block import Block
+from evalkit.policies.cam import CaM
 from evalkit.policies.cap import CAPKV
 from evalkit.policies.chunk import Chunk
 from evalkit.policies.compactor import Compactor
@@ -200,6 +204,7 @@ PAIRS = {
     "decoding_knorm": "knorm~decode",
     "ratio_decoding_knorm": "knorm~ratio_decode",
     "decoding_tova": "tova~decode",
+    "cam_knorm": "cam~decode",
     "key_rerotation_snapkv": "key_rerotation(snapkv)",
     "merging_snapkv": "merging(snapkv)",
     "think": "think(none)",
@@ -208,13 +213,14 @@ PAIRS = {
 }
 # pairs that rewrite what they keep: their held keys and values are compared by digest (benchmarks/_digest.py), and
 # their key channels zeroed in every held token
-REWRITES = ("key_rerotation_snapkv", "merging_snapkv", "think", "think_snapkv", "finch")
+REWRITES = ("key_rerotation_snapkv", "merging_snapkv", "think", "think_snapkv", "finch", "cam_knorm")
 # Finch's question: the prompt's last FINCH_QUESTION ids (the kvpress side inserts its delimiter before them)
 FINCH_QUESTION = 40
 # compressing while decoding, as the kvpress side runs it: DECODE_CONTEXT ids prefilled, DECODE_STEPS fed one at a time,
 # an eviction every DECODE_INTERVAL forwards, to DECODE_TARGET tokens or to the share of every token seen
 DECODE_CONTEXT, DECODE_STEPS, DECODE_INTERVAL, DECODE_TARGET = 760, 48, 8, 764
-DECODED = ("knorm~decode", "knorm~ratio_decode", "tova~decode")
+DECODED = ("knorm~decode", "knorm~ratio_decode", "tova~decode", "cam~decode")
+CAM_SEED = 0  # torch's global generator seeded so before the decode, as the kvpress side seeds it for CAMPress
 DIGEST_RTOL = 1e-4  # float32 sums of a few hundred thousand terms, in two summation orders
 
 
@@ -359,6 +365,8 @@ def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) ->
         "knorm~decode": KNorm(budget=DECODE_TARGET, decode=True, decode_interval=DECODE_INTERVAL),
         "knorm~ratio_decode": KNorm(budget=1 - ratio, decode=True, decode_interval=DECODE_INTERVAL),
         "tova~decode": TOVA(budget=DECODE_TARGET, decode=True, decode_interval=DECODE_INTERVAL),
+        # CaM over KNorm, its draws from torch's global generator as CAMPress's (seed=None)
+        "cam~decode": CaM(inner=KNorm(), budget=DECODE_TARGET, decode=True, decode_interval=DECODE_INTERVAL, seed=None),
         "kvcompose*": KVComposeAt(budget=k, ratio=ratio),
         "dms(kvzap)": DMS(inner=KVzap(weights_path=str(KVZAP)), threshold=DMS_THRESHOLD[ratio], window=128),
         "key_rerotation(snapkv)": KeyRerotation(inner=SnapKV(**snap), budget=k),
@@ -413,10 +421,7 @@ def evalkit_kept(model, prompt: dict, pols: dict[str, KVPolicy]) -> tuple[dict, 
     out, digests, channels = {}, {}, {}
     rewriting = {PAIRS[press] for press in REWRITES}
     for name, pol in pols.items():
-        if name in DECODED:
-            out[name] = decoded_kept(model, ids, pol)
-            continue
-        cache = compress(full, pol, obs)
+        cache = decoded(model, ids, pol) if name in DECODED else compress(full, pol, obs)
         # a ragged layer's padding slots are at position -1
         out[name] = [[sorted(p for p in h.tolist() if p >= 0) for h in held_positions(lay)[0]] for lay in cache.layers]
         if name in rewriting:
@@ -427,13 +432,15 @@ def evalkit_kept(model, prompt: dict, pols: dict[str, KVPolicy]) -> tuple[dict, 
 
 
 @torch.inference_mode()
-def decoded_kept(model, ids: torch.Tensor, pol: KVPolicy) -> list[list[list[int]]]:
-    """Per layer and KV head, the positions `pol` holds after the first DECODE_CONTEXT ids are prefilled and
-    compressed and the next DECODE_STEPS are fed one at a time, evicting after every `decode_interval`-th forward."""
+def decoded(model, ids: torch.Tensor, pol: KVPolicy):
+    """The cache `pol` holds after the first DECODE_CONTEXT ids are prefilled and compressed and the next DECODE_STEPS
+    are fed one at a time, evicting after every `decode_interval`-th forward (torch's generator seeded first, as the
+    kvpress side seeds it: CaM's draws)."""
     full, obs = prefill(model, ids[:, :DECODE_CONTEXT], [pol])
     cache = compress(full, pol, obs)
+    torch.manual_seed(CAM_SEED)
     teacher_forced(model, cache, ids[:, DECODE_CONTEXT : DECODE_CONTEXT + DECODE_STEPS + 1], evictor(cache, pol))
-    return [[sorted(p for p in h.tolist() if p >= 0) for h in held_positions(lay)[0]] for lay in cache.layers]
+    return cache
 
 
 def compare(ours: list[list[list[int]]], theirs: list[list[list[int]]]) -> tuple[float, float, int, int]:
@@ -577,6 +584,14 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
                 "normalize": True,
                 "rerotate": True,
                 "question": "the last finch_question ids",
+            },
+            "cam_knorm": {
+                "policy": "cam",
+                "inner": "knorm",
+                "budget": DECODE_TARGET,
+                "decode_interval": DECODE_INTERVAL,
+                "seed": None,
+                "draws": f"torch.manual_seed({CAM_SEED}) before the decode, on both sides",
             },
             "merging_snapkv": {
                 "policy": "merging",

@@ -73,6 +73,7 @@ def run(model: str, length: int, mode: str, out: Path) -> dict:
 
 
 def slope(xs: list[float], ys: list[float]) -> float:
+    """The log-log least-squares slope; nan for a mode measured at one length (its row then prints "nan")."""
     return float(np.polyfit(np.log(xs), np.log(ys), 1)[0]) if len(xs) > 1 else math.nan
 
 
@@ -108,6 +109,8 @@ def main() -> None:
                 f"{f['mode'] / f['floor']:.2f}x | {f['decode']:.2f} | {f['rss']:.0f} | {f['peak_kv']:.1f} | "
                 f"{f['prefill_peak_kv']:.1f} |"
             )
+    if max(len(by_length) for by_length in got.values()) < 2:
+        return  # one length: no slope to fit
     print()
     print("| mode | slope of mode s | slope of the floor | slope of peak KV |")
     print("|---|---:|---:|---:|")

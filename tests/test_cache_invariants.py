@@ -31,7 +31,7 @@ CURVE = ("lukv",)
 NO_TOKEN_BUDGET = ("duo_attention", "simlayerkv", "dms")
 # they rewrite what the kept tokens hold (re-rotated keys, merged values, zeroed key channels): their eviction is not a
 # mask over the full attention; each is checked against its own reference in test_rewriting_policies
-REWRITING = ("key_rerotation", "merging", "think", "finch")
+REWRITING = ("key_rerotation", "merging", "think", "finch", "cam")
 
 
 def run(model, ids, pol=None, steps=STEPS, after=None):

@@ -31,6 +31,7 @@ from evalkit.kv.cache import compress, held_positions, select
 from evalkit.policies import LayerView
 from evalkit.policies.adakv import AdaKV
 from evalkit.policies.block import Block
+from evalkit.policies.cam import CaM
 from evalkit.policies.cap import CAPKV
 from evalkit.policies.chunk import Chunk
 from evalkit.policies.compactor import Compactor
@@ -395,6 +396,12 @@ def test_dms_keeps_kvpress_count_per_head_and_its_window(kept_by_evalkit, ratio)
     assert sum(other) / len(other) < 0.99, f"dms, no window: mean Jaccard {sum(other) / len(other):.4f}"
 
 
+def held_digests(layers) -> list:
+    """Per layer, the digests of the held keys and values in position order (benchmarks/_digest.py)."""
+    order = [held_positions(lay)[0].argsort(dim=-1).tolist() for lay in layers]
+    return [digest(lay.keys[0], lay.values[0], o) for lay, o in zip(layers, order, strict=True)]
+
+
 @pytest.fixture(scope="module")
 def rewritten_by_evalkit():
     """Per `press@ratio` of REWRITING, and SnapKV's as the control: the digests of evalkit's held keys and values per
@@ -413,9 +420,7 @@ def rewritten_by_evalkit():
     out = {}
     for key, pol in pols.items():
         layers = compress(full, pol, obs).layers
-        order = [held_positions(layer)[0].argsort(dim=-1).tolist() for layer in layers]
-        sums = [digest(layer.keys[0], layer.values[0], o) for layer, o in zip(layers, order, strict=True)]
-        out[key] = (sums, [pruned(layer.keys[0]) for layer in layers])
+        out[key] = (held_digests(layers), [pruned(layer.keys[0]) for layer in layers])
     return out
 
 
@@ -445,7 +450,12 @@ DECODING = {
     "ratio_decoding_knorm": lambda ratio: KNorm(budget=1 - ratio, decode=True, decode_interval=DECODE_INTERVAL),
     # TOVA scores with the newest query, which changes at every step: 90/90 heads when the fixture was written
     "decoding_tova": lambda ratio: TOVA(budget=DECODE_TARGET, decode=True, decode_interval=DECODE_INTERVAL),
+    # CaM over KNorm to 764, its Bernoulli draws from torch's global generator seeded as the kvpress side seeded it
+    "cam_knorm": lambda ratio: CaM(
+        inner=KNorm(), budget=DECODE_TARGET, decode=True, decode_interval=DECODE_INTERVAL, seed=None
+    ),
 }
+CAM_SEED = 0
 
 
 @pytest.fixture(scope="module")
@@ -460,8 +470,16 @@ def decoded_by_evalkit():
             pol = make(float(ratio))
             full, obs = prefill(loaded.model, ids[:, :DECODE_CONTEXT], [pol])
             cache = compress(full, pol, obs)
+            torch.manual_seed(CAM_SEED)
             teacher_forced(loaded.model, cache, ids[:, DECODE_CONTEXT:], evictor(cache, pol))
             out[f"{press}@{ratio}"] = [[set(h.tolist()) for h in held_positions(lay)[0]] for lay in cache.layers]
+            if press == "cam_knorm":  # its merged values, by digest; and with other draws (the generator seeded
+                # otherwise), the control
+                out[f"{press}@{ratio}~digests"] = held_digests(cache.layers)
+                cache = compress(full, pol, obs)
+                torch.manual_seed(CAM_SEED + 1)
+                teacher_forced(loaded.model, cache, ids[:, DECODE_CONTEXT:], evictor(cache, pol))
+                out[f"{press}@{ratio}~other"] = held_digests(cache.layers)
     full, _ = prefill(loaded.model, ids[:, : DECODE_CONTEXT + DECODE_STEPS])
     return out, full.layers[0].keys[0].norm(dim=-1)
 
@@ -482,3 +500,14 @@ def test_compressing_while_decoding_keeps_what_kvpress_keeps(decoded_by_evalkit,
     assert sum(j == 1.0 for j in jaccard) >= 85
     for h, (a, b) in enumerate(zip(ours[0], theirs[0], strict=True)):
         assert sorted(round(float(norms[h, p]), 4) for p in a) == sorted(round(float(norms[h, p]), 4) for p in b)
+
+
+@pytest.mark.parametrize("ratio", ["0.5", "0.75"])
+def test_cam_merges_into_the_values_kvpress_merges_into(decoded_by_evalkit, ratio):
+    """CaM's merged values after the decode: every layer and head's digests within float32 rounding of CAMPress's
+    (the same Bernoulli draws: the same generator state, chances and shapes). The same decode with the generator seeded
+    otherwise (other draws) is the control."""
+    kept, _ = decoded_by_evalkit
+    key = f"cam_knorm@{ratio}"
+    assert digest_gap(kept[f"{key}~digests"], FIXTURE["digests"][key]) <= DIGEST_RTOL
+    assert digest_gap(kept[f"{key}~other"], FIXTURE["digests"][key]) > 100 * DIGEST_RTOL
