@@ -198,6 +198,8 @@ def presses(
         # KVCompose, structured, at its defaults (max over the repeat's queries, mean over groups and heads, the
         # layer's mean added): it reads the context again in eager attention and gathers each layer's rows
         "kvcompose": (kvpress.KVComposePress(compression_ratio=ratio), "sdpa"),
+        # its unstructured setting: every KV head its own count (kvpress masks the evicted keys)
+        "kvcompose_unstructured": (kvpress.KVComposePress(compression_ratio=ratio, structured=False), "sdpa"),
         # attention-free scorers at their defaults: LagKV (4 sinks, partitions of 128), CurDKV (4 sinks, key x value
         # leverage over windows of 16, no random projection); Compactor's non-causal chunked attention (chunks of 256)
         # SnapKV under a ratio per layer (layer_ratios: linear in depth, `ratio` on average)

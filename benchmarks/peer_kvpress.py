@@ -201,6 +201,7 @@ PAIRS = {
     "fastkvzip": "fastkvzip",
     "kvgrad": "kvgrad",
     "kvcompose": "kvcompose",
+    "kvcompose_unstructured": "kvcompose(unstructured)",
     "decoding_knorm": "knorm~decode",
     "ratio_decoding_knorm": "knorm~ratio_decode",
     "decoding_tova": "tova~decode",
@@ -253,6 +254,7 @@ STARRED = (
     "kvzip_plus",
     "per_layer_snapkv",
     "fastkvzip",
+    "kvcompose_unstructured",
     "kvgrad",
     "kvcompose",
 )
@@ -368,6 +370,8 @@ def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) ->
         # CaM over KNorm, its draws from torch's global generator as CAMPress's (seed=None)
         "cam~decode": CaM(inner=KNorm(), budget=DECODE_TARGET, decode=True, decode_interval=DECODE_INTERVAL, seed=None),
         "kvcompose*": KVComposeAt(budget=k, ratio=ratio),
+        "kvcompose(unstructured)": KVCompose(budget=k, structured=False),
+        "kvcompose(unstructured)*": KVComposeAt(budget=k, ratio=ratio, structured=False),
         "dms(kvzap)": DMS(inner=KVzap(weights_path=str(KVZAP)), threshold=DMS_THRESHOLD[ratio], window=128),
         "key_rerotation(snapkv)": KeyRerotation(inner=SnapKV(**snap), budget=k),
         "merging(snapkv)": Merging(inner=SnapKV(**snap), budget=k),  # threshold 0, every evicted token: kvpress's

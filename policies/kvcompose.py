@@ -13,8 +13,9 @@ heads keep different tokens, every head of a layer the same number, so the cache
 
 The second read is this policy's observation (`RepeatAttention`): one forward of the context over the full cache,
 read in place, its attention recorded as it goes; kvpress runs it in eager attention and lets the cache grow by the
-repeat. Every layer must attend to the whole context (sliding-window models are refused). kvpress's unstructured
-setting (each head its own count) is not implemented.
+repeat. Every layer must attend to the whole context (sliding-window models are refused). With `structured: false`
+(kvpress's unstructured setting) each head's own ranked scores compete over all layers and heads, and each head keeps
+its own count of its best: a layer's heads then differ (a ragged layer, padded; kvpress masks the evicted keys).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from transformers.cache_utils import Cache
 from evalkit.attention.observation import Attended, Observation
 from evalkit.attention.sdpa import observe
 from evalkit.errors import ConfigError
-from evalkit.policies import KVPolicy, LayerView, Probes, full_attention_only
+from evalkit.policies import KVPolicy, LayerView, Probes, full_attention_only, padded_indices
 from evalkit.policies.kvzip_pass import ReadOnlyLayer
 
 AGGREGATES = ("max", "mean")
@@ -99,9 +100,14 @@ class KVCompose(KVPolicy):
     add_v_norm: bool = False
     add_mean_across_heads: bool = True
     keep_token_lower_bound: int = 0
+    structured: bool = True  # False: every KV head of every layer its own count (kvpress's unstructured setting)
     decode: bool = False
     chunkable: ClassVar[bool] = False  # its scores need the whole context read again
     decodable: ClassVar[bool] = False
+
+    @property
+    def ragged(self) -> bool:  # type: ignore[override]
+        return not self.structured  # unstructured: heads of a layer keep different counts
 
     def needs(self) -> tuple[RepeatAttention]:
         return (RepeatAttention(self.agg_task),)
@@ -135,6 +141,8 @@ class KVCompose(KVPolicy):
             c[:, : self.keep_token_lower_bound] += FIRST
         first = min(composite)
         composite[first] = torch.stack(list(composite.values())).amax(dim=0)  # the first layer: the highest of any
+        if not self.structured:
+            return self.unstructured(scores, ranks, targets)
         flat = torch.cat(list(composite.values()), dim=1)  # (B, layers x T)
         ranked = flat.topk(min(self.total(targets), flat.shape[1]), dim=1).indices
         t = flat.shape[1] // len(composite)  # every layer holds the prompt's T tokens: rank r of layer j is j x T + r
@@ -142,6 +150,27 @@ class KVCompose(KVPolicy):
         counts = counts.clamp(min=max(1, self.keep_token_lower_bound))  # no layer left empty
         kept = zip(views, counts.tolist(), strict=True)
         return {i: scores[i].topk(k, dim=-1).indices.sort(dim=-1).values for i, k in kept}
+
+    def unstructured(
+        self, scores: dict[int, Tensor], ranks: dict[int, Tensor], targets: dict[int, int]
+    ) -> dict[int, Tensor]:
+        """kvpress's unstructured setting: every head's own ranked scores (its first `keep_token_lower_bound` ranks
+        first) compete over all layers and heads for the budget's tokens (each layer's share x its heads); each head
+        keeps its own best, its count of them (heads of a layer differ: padded with -1)."""
+        b, hkv, t = next(iter(ranks.values())).shape
+        per_head = torch.cat([r.reshape(b, hkv * t) for r in ranks.values()], dim=1)  # (B, layers x Hkv x T)
+        per_head = per_head.view(b, -1, t)
+        per_head[..., : self.keep_token_lower_bound] += FIRST
+        per_head = per_head.view(b, -1)
+        ranked = per_head.topk(min(self.total(targets) * hkv, per_head.shape[1]), dim=1).indices
+        counts = torch.bincount(ranked[0] // t, minlength=len(ranks) * hkv).view(len(ranks), hkv)
+        out = {}
+        for (i, s), count in zip(scores.items(), counts, strict=True):
+            order = s.argsort(dim=-1, descending=True)  # (B, Hkv, T) best first
+            kept = torch.arange(t, device=s.device) < count.to(s.device)[:, None]  # (Hkv, T) the first count ranks
+            mask = torch.zeros_like(s, dtype=torch.bool).scatter(-1, order, kept.expand_as(order))
+            out[i] = padded_indices(mask)
+        return out
 
     def check_params(self) -> None:
         for key in ("agg_task", "agg_group", "agg_head"):

@@ -54,6 +54,19 @@ def test_layers_share_the_budget_by_composite_rank_and_each_head_keeps_its_own_b
     assert KVCompose(budget=2).score(views[1]).tolist() == [[[13.5, 0.0, 4.0, 0.0], [4.5, 0.0, 12.0, 0.0]]]
 
 
+def test_unstructured_every_head_of_every_layer_takes_its_own_count_by_hand():
+    """Unstructured: each head's own sorted scores compete over both layers for 2 per layer x 2 heads = 8 ranks of
+    the 16. Layer 0's heads score (4 3 2 1.1) and (1 1.5 0.5 5), sorted (4 3 2 1.1) and (5 1.5 1 0.5); layer 1's
+    (9 0 0 0) and (0 0 8 0). The best 8: 9, 8, 5, 4, 3, 2, 1.5, 1.1: layer 0's first head 4 (all), its second 2 (5
+    and 1.5: tokens 3 and 1), layer 1's heads 1 each."""
+    pol = KVCompose(budget=2, add_mean_across_heads=False, structured=False)
+    views = {0: view_with(0, [[4, 3, 2, 1.1], [1, 1.5, 0.5, 5]]), 1: view_with(1, [[9, 0, 0, 0], [0, 0, 8, 0]])}
+    kept = pol.select_layers(views, {0: 2, 1: 2})
+    assert kept[0].tolist() == [[[0, 1, 2, 3], [1, 3, -1, -1]]]  # heads of a layer differ: padded with -1
+    assert kept[1].tolist() == [[[0], [2]]]
+    assert pol.ragged and not KVCompose(budget=2).ragged
+
+
 def test_what_it_cannot_run_is_refused():
     with pytest.raises(ConfigError, match="kvcompose needs every layer to attend to the whole context"):
         KVCompose(budget=0.25).prepare(sliding_model(), None)
@@ -64,6 +77,8 @@ def test_what_it_cannot_run_is_refused():
 def test_the_command_line_runs_it_and_refuses_decoding_in_one_line(tmp_path):
     row = tiny_row(tmp_path / "ok", "policy=kvcompose", "policy.budget=0.5")
     assert row["variant"] == "kvcompose@0.5" and row["kv_bytes"] < row["kv_bytes_baseline"]
+    row = tiny_row(tmp_path / "un", "policy=kvcompose", "policy.budget=0.5", "policy.structured=false")
+    assert row["kv_bytes_deployed"] < row["kv_bytes_baseline"]  # ragged heads: the tokens held, not the padding
     result = run_cli("model=tiny-random", "policy=kvcompose", "policy.decode=true", f"hydra.run.dir={tmp_path / 'no'}")
     assert result.returncode == 2, result.stderr
     assert "kvcompose compresses once, after the prompt: set policy.decode=false" in result.stderr

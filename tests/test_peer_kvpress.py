@@ -138,8 +138,9 @@ PARTS = Repeat(**{**FIXTURE["header"]["repeat"], "question": FIXTURE["header"]["
 DIGEST_RTOL = 1e-4  # float32 tensors summed in float64: equal tensors agree to ~1e-6 (benchmarks/peer_kvpress.py)
 KVZIP = {"kvzip": {}, "kvzip_layerwise": {"layerwise": True}, "kvzip_plus": {"plus": True}}
 # ranked over all layers as KVzip ranks, each also held to kvpress's count (`*`): Fast KVzip (seeded gates), KVgrad
-# (its pass and gradients run here too, chunks of 512: two for the fixture's prompt), KVCompose (its repeat pass)
-RANKED_TOGETHER = ("fastkvzip", "kvgrad", "kvcompose")
+# (its pass and gradients run here too, chunks of 512: two for the fixture's prompt), KVCompose (its repeat pass;
+# structured, and unstructured: every head its own count)
+RANKED_TOGETHER = ("fastkvzip", "kvgrad", "kvcompose", "kvcompose_unstructured")
 
 
 @dataclass(kw_only=True)
@@ -276,6 +277,9 @@ def kept_by_evalkit(tmp_path_factory):
         pols[f"kvgrad*@{ratio}"] = KVgradAtCount(budget=k, ratio=float(ratio))
         pols[f"kvcompose@{ratio}"] = KVCompose(budget=k)  # kvpress's defaults, structured
         pols[f"kvcompose*@{ratio}"] = KVComposeAtCount(budget=k, ratio=float(ratio))
+        # unstructured: every head of every layer its own count (kvpress's structured=False)
+        pols[f"kvcompose_unstructured@{ratio}"] = KVCompose(budget=k, structured=False)
+        pols[f"kvcompose_unstructured*@{ratio}"] = KVComposeAtCount(budget=k, ratio=float(ratio), structured=False)
     for ratio, threshold in DMS_THRESHOLD.items():
         pols[f"dms_kvzap@{ratio}"] = DMS(inner=KVzap(weights_path=str(KVZAP)), threshold=threshold, window=128)
         pols[f"dms_kvzap~window0@{ratio}"] = DMS(inner=KVzap(weights_path=str(KVZAP)), threshold=threshold, window=0)
