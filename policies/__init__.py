@@ -273,6 +273,10 @@ class Wrapper(KVPolicy):
     def budget_counts_tokens(self) -> bool:  # type: ignore[override]
         return self.inner.budget_counts_tokens
 
+    @property
+    def reads_question(self) -> bool:  # type: ignore[override]
+        return self.inner.reads_question
+
     def observation_window(self) -> int:
         return self.inner.observation_window()
 

@@ -115,8 +115,6 @@ class CaM(Wrapper):
         return scores.topk(k, dim=-1).indices.sort(dim=-1).values[:, None].expand(-1, view.keys.shape[1], -1)
 
     def rewrite(self, view: LayerView, kept: Tensor) -> tuple[Tensor, Tensor]:
-        if not torch.equal(kept, kept[:, :1].expand_as(kept)):
-            raise ValueError(f"{self.name}: its KV heads keep different tokens; CaM merges for one set in every head")
         generator = None
         if self.seed is not None:  # one stream per sample, layer and eviction
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + view.layer_idx * 10_007 + view.seen)

@@ -20,7 +20,6 @@ place. Every layer must attend to the whole context (sliding-window models are r
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -33,7 +32,7 @@ from evalkit.attention.sdpa import observe
 from evalkit.errors import ConfigError
 from evalkit.policies import KVPolicy, LayerView, Probes, full_attention_only
 from evalkit.policies.key_rerotation import rerotated_tokens, rotary_frequencies
-from evalkit.policies.kvzip_pass import ReadOnlyLayer
+from evalkit.policies.kvzip_pass import READ_CHUNK, ReadOnlyLayer, pass_probs
 
 
 @dataclass
@@ -49,18 +48,16 @@ class QuestionScores:
 
     def record(self, layer_idx: int, layer, at: Attended) -> None:
         b, hq, q, _ = at.query.shape
-        hkv, n = at.key.shape[1], at.key.shape[2]
+        hkv = at.key.shape[1]
         keys = at.key.float().repeat_interleave(hq // hkv, dim=1)  # (B, Hq, n, D)
-        logits = (at.query.float() * at.scaling) @ keys.transpose(-1, -2)  # (B, Hq, q, n)
-        # question query i (at position document + i) sees the document and the question's keys up to its own
-        after = (
-            torch.arange(n, device=logits.device)[None, :]
-            > self.document + torch.arange(q, device=logits.device)[:, None]
-        )
-        probs = logits.masked_fill(after, -math.inf).softmax(dim=-1)[..., : self.document]  # (B, Hq, q, n - q)
-        if self.normalize:  # kvpress: each query's weights times its position
-            probs = probs * torch.arange(self.document, n, device=probs.device, dtype=probs.dtype)[:, None]
-        self.got[layer_idx] = probs.mean(dim=2).view(b, hkv, hq // hkv, self.document).mean(dim=2)
+        total = torch.zeros(b, hq, self.document, device=at.query.device)
+        for start in range(0, q, READ_CHUNK):  # question query i, at position document + i, sees keys up to its own
+            end = min(start + READ_CHUNK, q)
+            probs = pass_probs(at, keys, start, end)[..., : self.document]  # (B, Hq, c, n - q)
+            if self.normalize:  # kvpress: each query's weights times its position
+                probs = probs * torch.arange(self.document + start, self.document + end, device=probs.device)[:, None]
+            total = total + probs.sum(dim=2)
+        self.got[layer_idx] = (total / q).view(b, hkv, hq // hkv, self.document).mean(dim=2)
 
 
 @dataclass(frozen=True)

@@ -32,10 +32,9 @@ from evalkit.attention.observation import Attended, Observation
 from evalkit.attention.sdpa import observe
 from evalkit.errors import ConfigError
 from evalkit.policies import KVPolicy, LayerView, Probes, full_attention_only, padded_indices
-from evalkit.policies.kvzip_pass import ReadOnlyLayer
+from evalkit.policies.kvzip_pass import READ_CHUNK, ReadOnlyLayer, pass_probs
 
 AGGREGATES = ("max", "mean")
-CHUNK = 256  # repeated queries whose attention is computed at once, per query head
 FIRST = 1e9  # added to the ranks kept whatever they score (keep_token_lower_bound), as kvpress adds it
 
 
@@ -55,14 +54,8 @@ class Aggregating:
         b, hq, m, _ = at.query.shape
         keys = at.key.float().repeat_interleave(hq // at.key.shape[1], dim=1)  # (B, Hq, n + m, D)
         total = torch.full((b, hq, self.n), -math.inf if self.agg == "max" else 0.0, device=at.query.device)
-        for start in range(0, m, CHUNK):
-            end = min(start + CHUNK, m)
-            logits = (at.query[:, :, start:end].float() * at.scaling) @ keys.transpose(-1, -2)  # (B, Hq, c, n + m)
-            own = (
-                torch.arange(m, device=logits.device)[None, :] > torch.arange(start, end, device=logits.device)[:, None]
-            )
-            logits[..., self.n :] = logits[..., self.n :].masked_fill(own, -math.inf)
-            probs = logits.softmax(dim=-1)[..., : self.n]
+        for start in range(0, m, READ_CHUNK):
+            probs = pass_probs(at, keys, start, min(start + READ_CHUNK, m))[..., : self.n]
             total = torch.maximum(total, probs.amax(dim=2)) if self.agg == "max" else total + probs.sum(dim=2)
         self.got[layer_idx] = total if self.agg == "max" else total / m
 
@@ -135,40 +128,36 @@ class KVCompose(KVPolicy):
 
     def select_layers(self, views: dict[int, LayerView], targets: dict[int, int]) -> dict[int, Tensor]:
         scores = {i: self.score(view) for i, view in views.items()}
-        ranks = {i: s.sort(dim=-1, descending=True).values for i, s in scores.items()}  # each head's, best first
-        composite = {i: aggregate(r, self.agg_head, dim=1) for i, r in ranks.items()}  # (B, T) per layer
+        ranked = {i: s.sort(dim=-1, descending=True) for i, s in scores.items()}  # each head's, best first
+        if not self.structured:
+            return self.unstructured(ranked, targets)
+        composite = {i: aggregate(r.values, self.agg_head, dim=1) for i, r in ranked.items()}  # (B, T) per layer
         for c in composite.values():
             c[:, : self.keep_token_lower_bound] += FIRST
         first = min(composite)
         composite[first] = torch.stack(list(composite.values())).amax(dim=0)  # the first layer: the highest of any
-        if not self.structured:
-            return self.unstructured(scores, ranks, targets)
         flat = torch.cat(list(composite.values()), dim=1)  # (B, layers x T)
-        ranked = flat.topk(min(self.total(targets), flat.shape[1]), dim=1).indices
+        best = flat.topk(min(self.total(targets), flat.shape[1]), dim=1).indices
         t = flat.shape[1] // len(composite)  # every layer holds the prompt's T tokens: rank r of layer j is j x T + r
-        counts = torch.bincount(ranked[0] // t, minlength=len(composite))
+        counts = torch.bincount(best[0] // t, minlength=len(composite))
         counts = counts.clamp(min=max(1, self.keep_token_lower_bound))  # no layer left empty
         kept = zip(views, counts.tolist(), strict=True)
         return {i: scores[i].topk(k, dim=-1).indices.sort(dim=-1).values for i, k in kept}
 
-    def unstructured(
-        self, scores: dict[int, Tensor], ranks: dict[int, Tensor], targets: dict[int, int]
-    ) -> dict[int, Tensor]:
+    def unstructured(self, ranked: dict[int, torch.return_types.sort], targets: dict[int, int]) -> dict[int, Tensor]:
         """kvpress's unstructured setting: every head's own ranked scores (its first `keep_token_lower_bound` ranks
         first) compete over all layers and heads for the budget's tokens (each layer's share x its heads); each head
         keeps its own best, its count of them (heads of a layer differ: padded with -1)."""
-        b, hkv, t = next(iter(ranks.values())).shape
-        per_head = torch.cat([r.reshape(b, hkv * t) for r in ranks.values()], dim=1)  # (B, layers x Hkv x T)
-        per_head = per_head.view(b, -1, t)
+        per_head = torch.stack([r.values for r in ranked.values()], dim=1)  # (B, layers, Hkv, T)
+        b, layers, hkv, t = per_head.shape
         per_head[..., : self.keep_token_lower_bound] += FIRST
-        per_head = per_head.view(b, -1)
-        ranked = per_head.topk(min(self.total(targets) * hkv, per_head.shape[1]), dim=1).indices
-        counts = torch.bincount(ranked[0] // t, minlength=len(ranks) * hkv).view(len(ranks), hkv)
+        per_head = per_head.reshape(b, -1)
+        best = per_head.topk(min(self.total(targets) * hkv, per_head.shape[1]), dim=1).indices
+        counts = torch.bincount(best[0] // t, minlength=layers * hkv).view(layers, hkv)
         out = {}
-        for (i, s), count in zip(scores.items(), counts, strict=True):
-            order = s.argsort(dim=-1, descending=True)  # (B, Hkv, T) best first
-            kept = torch.arange(t, device=s.device) < count.to(s.device)[:, None]  # (Hkv, T) the first count ranks
-            mask = torch.zeros_like(s, dtype=torch.bool).scatter(-1, order, kept.expand_as(order))
+        for (i, r), count in zip(ranked.items(), counts, strict=True):
+            first = torch.arange(t, device=count.device) < count[:, None]  # (Hkv, T): each head's first `count` ranks
+            mask = torch.zeros_like(r.indices, dtype=torch.bool).scatter(-1, r.indices, first.expand_as(r.indices))
             out[i] = padded_indices(mask)
         return out
 

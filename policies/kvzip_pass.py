@@ -17,6 +17,7 @@ chunk: a query chunk's scores (bounded by evalkit.attention.fused.CHUNK_ELEMENTS
 
 from __future__ import annotations
 
+import math
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -26,8 +27,8 @@ from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
 from evalkit.attention.fused import query_chunk
-from evalkit.attention.observation import Observation, attention_inputs
-from evalkit.attention.sdpa import observe, require_named
+from evalkit.attention.observation import Attended, Observation, attention_inputs
+from evalkit.attention.sdpa import causal_tail_mask, observe, require_named
 
 PREVIOUS_IDS = 8  # the ids of the previous chunk that a later chunk's repeat prompt quotes (kvpress: prev_postfix_size)
 
@@ -308,6 +309,18 @@ class ReadOnlyLayer(DynamicLayer):
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+
+READ_CHUNK = 256  # queries of a pass over a ReadOnlyLayer whose attention is computed at once, per query head
+
+
+def pass_probs(at: Attended, keys: Tensor, start: int, end: int) -> Tensor:
+    """(B, Hq, end - start, Tk) float32: the softmax of a pass's queries start .. end - 1 over every key, its queries
+    being the last of the keys (a pass over a ReadOnlyLayer): each sees the cache and the pass's own keys up to its
+    own (causal_tail_mask). `keys`: `at.key` repeated over each KV group's query heads, in float32."""
+    logits = (at.query[:, :, start:end].float() * at.scaling) @ keys.transpose(-1, -2)
+    hidden = ~causal_tail_mask(at.query.shape[2], keys.shape[-2], keys.device)[..., start:end, :]
+    return logits.masked_fill(hidden, -math.inf).softmax(dim=-1)
 
 
 def value_norms(module: torch.nn.Module, values: Tensor) -> Tensor:

@@ -93,6 +93,8 @@ def test_the_command_line_runs_it_query_aware_and_refuses_query_agnostic_in_one_
         "evalkit: error: finch scores the context by its question's attention, and protocol=query_agnostic compresses "
         "the context without the question: use protocol=query_aware"
     ], result.stderr
+    wrapped = run_cli("model=tiny-random", "policy=chunkkv", "policy.inner=finch", f"hydra.run.dir={tmp_path / 'w'}")
+    assert wrapped.returncode == 2 and "chunkkv(finch) scores the context by its question's" in wrapped.stderr
     decode = ("policy.decode=true", "protocol=query_aware")
     result = run_cli("model=tiny-random", "policy=finch", *decode, f"hydra.run.dir={tmp_path / 'de'}")
     assert result.returncode == 2, result.stderr

@@ -302,7 +302,7 @@ def validate(cfg: DictConfig, model: ModelSpec, task: Task, policies: list[KVPol
             f"task={task.name} teacher-forces a continuation that is never compressed: use protocol=query_agnostic"
         )
     for policy in policies:
-        if any(p.reads_question for p in inner_policies(policy)) and cfg.protocol != "query_aware":
+        if policy.reads_question and cfg.protocol != "query_aware":  # a wrapper's: its inner policy's
             raise ConfigError(
                 f"{policy.name} scores the context by its question's attention, and protocol={cfg.protocol} compresses "
                 "the context without the question: use protocol=query_aware"
@@ -328,14 +328,6 @@ def validate(cfg: DictConfig, model: ModelSpec, task: Task, policies: list[KVPol
     for policy in policies:
         with contract.calling(policy, "validate"):
             policy.validate(min(task.lengths()))
-
-
-def inner_policies(policy: KVPolicy) -> list[KVPolicy]:
-    """The policy and those it wraps (a wrapper's `inner`, and theirs)."""
-    out = [policy]
-    while isinstance(getattr(out[-1], "inner", None), KVPolicy):
-        out.append(out[-1].inner)
-    return out
 
 
 def _first(err: BaseException) -> str:

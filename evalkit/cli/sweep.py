@@ -32,18 +32,16 @@ class MergeJobs(Callback):
 
     def _merge(self, config: DictConfig) -> None:
         global exit_code
-        from evalkit.config.gatefile import resolved
-        from evalkit.gate.thresholds import thresholds
+        from evalkit.cli.spec import gate_spec
 
         sweep = Path(config.hydra.sweep.dir)
-        where = repr(config.gate.name)
         try:
-            limits = thresholds(resolved(config.gate, where), where) if config.gate.name != "none" else None
+            limits = gate_spec(config.gate)  # None for gate=none
         except ConfigError as err:
             exit_code = error(err)
             return
         if limits is not None:
-            exit_code = self._judge(sweep, limits, OmegaConf.select(config, "logger.name") == "wandb")
+            exit_code = self._judge(sweep, limits.thresholds, OmegaConf.select(config, "logger.name") == "wandb")
         self._report(sweep)
 
     @staticmethod
