@@ -39,12 +39,21 @@ DMS_THRESHOLD = {0.5: -5.0, 0.75: -4.0}  # DMSPress's threshold on KVzap's score
 # Presses whose held keys are not rows of the full cache (re-rotated, channels zeroed): their kept positions are
 # recovered from the held values, which they leave as they were
 CHANNELS = ("think", "think_snapkv")  # keys matched on the channels they hold, not the zeroed ones
-REROTATED = ("key_rerotation_snapkv", "finch")  # positions recorded from rerotate_keys
+REROTATED = ("key_rerotation_snapkv", "finch", "finch_chunk")  # positions recorded from rerotate_keys
 # their held tensors are digested
-REWRITES = ("key_rerotation_snapkv", "merging_snapkv", "think", "think_snapkv", "finch", "cam_knorm")
+REWRITES = (
+    "key_rerotation_snapkv",
+    "merging_snapkv",
+    "think",
+    "think_snapkv",
+    "finch",
+    "finch_chunk",
+    "cam_knorm",
+)
 # Finch's window is the question, which it finds after a delimiter token the user inserts (its hook removes it from
 # the embeddings): the prompt's last FINCH_QUESTION ids play the question, the delimiter an id the prompt lacks
 FINCH_QUESTION = 40
+FINCH_CHUNK = 413  # chunks of 826 ids: 2 of 413; of 1821: 4 and 169, whose share still holds the question at a quarter
 ROTATED: list[torch.Tensor] = []  # per layer, in forward order: the (Hkv, k) indices KeyRerotationPress re-rotated
 
 
@@ -239,6 +248,8 @@ def presses(
         # Finch over the whole prompt (its defaults: normalized scores, kept keys re-rotated), its question the
         # prompt's last FINCH_QUESTION ids (main inserts the delimiter before them)
         "finch": (kvpress.FinchPress(compression_ratio=ratio), "sdpa"),
+        # ... and by chunks of FINCH_CHUNK tokens, each its own top-k (both prompts' last chunks hold the question)
+        "finch_chunk": (kvpress.FinchPress(compression_ratio=ratio, chunk_length=FINCH_CHUNK), "sdpa"),
         "merging_snapkv": (kvpress.MergingPress(snapkv(ratio)), "sdpa"),
         "think": (kvpress.ThinKPress(key_channel_compression_ratio=ratio, window_size=WINDOW), "sdpa"),
         "think_snapkv": (
@@ -402,7 +413,7 @@ def main() -> None:
                     SEEDING[0] = True
                     plain = prefill(model, ids[:, :DECODE_CONTEXT])
                     pool = [(torch.cat([k, a], dim=1), v) for (k, v), a in zip(plain, added, strict=True)]
-                elif name == "finch":  # the delimiter before the question; the cache holds the ids without it
+                elif name in ("finch", "finch_chunk"):  # the delimiter before the question; the cache holds none
                     press.delimiter_token_id = next(i for i in range(cfg.vocab_size - 1, 0, -1) if i not in ids[0])
                     delimited = torch.cat(
                         [
@@ -480,6 +491,12 @@ def main() -> None:
                 "normalize_scores": True,
                 "rerotate_keys": True,
                 "chunk_length": None,
+            },
+            "finch_chunk": {
+                "question": FINCH_QUESTION,
+                "normalize_scores": True,
+                "rerotate_keys": True,
+                "chunk_length": FINCH_CHUNK,
             },
             "expected_attention": {
                 "n_future_positions": 512,

@@ -1,8 +1,9 @@
 """Seconds per sample against NVIDIA kvpress: evalkit's baseline plus one policy (one run) against kvpress's two
-pipeline passes (the full cache, then the press), on the same needle samples and the same model (SmolLM2).
+pipeline passes (the full cache, then the press), on the same needle samples and the same model (SmolLM2, or
+Gemma-3-270M with --model gemma3-270m).
 
     .venv/bin/python benchmarks/kvpress_time.py --kvpress-python /tmp/kvpress-venv/bin/python \
-        [--policy snapkv|h2o|kvzip] [--lengths 2048] [--samples 3] [--threads 1] [--clock cpu]
+        [--model smollm2-135m] [--policy snapkv|h2o|kvzip] [--lengths 2048] [--samples 3] [--threads 1] [--clock cpu]
 
 kvpress (0.5.5, its own venv, see benchmarks/peer_kvpress.py) runs through benchmarks/_kvpress_time_side.py on the
 samples' context, question and answer prefix: its pipeline applies the chat template and decodes greedily, as
@@ -74,6 +75,7 @@ def run_kvpress(args, model_dir: Path, samples) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kvpress-python", default=os.environ.get("KVPRESS_PYTHON", "/tmp/kvpress-venv/bin/python"))
+    ap.add_argument("--model", choices=["smollm2-135m", "gemma3-270m"], default="smollm2-135m")
     ap.add_argument("--policy", choices=list(PRESS), default="snapkv")
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048])
     ap.add_argument("--samples", type=int, default=3, help="needle samples per length (depths spread over 0..1)")
@@ -83,7 +85,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     tick = time.process_time if args.clock == "cpu" else time.perf_counter
-    cfg = model_spec(OmegaConf.load(ROOT / "conf" / "model" / "smollm2-135m.yaml"))
+    cfg = model_spec(OmegaConf.load(ROOT / "conf" / "model" / f"{args.model}.yaml"))
     loaded = models.load(cfg, "cpu")
     depths = [i / max(1, args.samples - 1) for i in range(args.samples)]
     samples = [

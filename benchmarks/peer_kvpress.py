@@ -58,6 +58,8 @@ count as an integer budget. Pairs compared (kvpress press <-> evalkit policy):
     MergingPress(SnapKVPress)                <-> merging(snapkv) (and the merged values, by digest)
     FinchPress (defaults), its delimiter before the last 40 ids
                                              <-> finch (its question the last 40 ids; re-rotated keys by digest)
+    FinchPress(chunk_length 413)             <-> finch* (chunk_length 413, at kvpress's count: the sum over the
+                                                 chunks of int(len x (1 - r)))
     ThinKPress(ratio); ComposedPress([SnapKVPress, ThinKPress(0.5)])
                                              <-> think(none) (channels = ratio); think(snapkv) (channels 0.5)
     CAMPress(KnormPress), every 8 forwards to 764 tokens
@@ -211,12 +213,22 @@ PAIRS = {
     "think": "think(none)",
     "think_snapkv": "think(snapkv)",
     "finch": "finch",
+    "finch_chunk": "finch*",
 }
 # pairs that rewrite what they keep: their held keys and values are compared by digest (benchmarks/_digest.py), and
 # their key channels zeroed in every held token
-REWRITES = ("key_rerotation_snapkv", "merging_snapkv", "think", "think_snapkv", "finch", "cam_knorm")
+REWRITES = (
+    "key_rerotation_snapkv",
+    "merging_snapkv",
+    "think",
+    "think_snapkv",
+    "finch",
+    "finch_chunk",
+    "cam_knorm",
+)
 # Finch's question: the prompt's last FINCH_QUESTION ids (the kvpress side inserts its delimiter before them)
 FINCH_QUESTION = 40
+FINCH_CHUNK = 413  # Finch's chunk_length in the finch_chunk pair (the kvpress side's)
 # compressing while decoding, as the kvpress side runs it: DECODE_CONTEXT ids prefilled, DECODE_STEPS fed one at a time,
 # an eviction every DECODE_INTERVAL forwards, to DECODE_TARGET tokens or to the share of every token seen
 DECODE_CONTEXT, DECODE_STEPS, DECODE_INTERVAL, DECODE_TARGET = 760, 48, 8, 764
@@ -313,6 +325,11 @@ def n_kept(n_tokens: int, ratio: float) -> int:
     return max(1, int(n_tokens * (1 - ratio)))
 
 
+def chunked_count(n_tokens: int, ratio: float, chunk: int) -> int:
+    """What kvpress keeps of a prompt compressed chunk by chunk: int(len x (1 - ratio)) of each chunk (at least 1)."""
+    return sum(max(1, int(min(chunk, n_tokens - s) * (1 - ratio))) for s in range(0, n_tokens, chunk))
+
+
 def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) -> dict[str, KVPolicy]:
     k = n_kept(n_tokens, ratio)
     kept = [1 - r for r in layer_ratios(ratio)]  # per_layer's fractions kept
@@ -379,6 +396,8 @@ def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) ->
         "think(none)": ThinK(inner=FullCache(), channels=ratio, window=WINDOW),
         "think(snapkv)": ThinK(inner=SnapKV(**snap), budget=k, channels=0.5, window=WINDOW),
         "finch": Finch(budget=k),  # kvpress's defaults: normalized scores, kept keys re-rotated
+        # kvpress keeps int(len x (1 - ratio)) of each chunk: held to that sum, each chunk's share is kvpress's count
+        "finch*": Finch(budget=chunked_count(n_tokens, ratio, FINCH_CHUNK), chunk_length=FINCH_CHUNK),
         "per_layer(snapkv)*": PerLayerAt(inner=SnapKV(**snap), budget=1 - ratio, layer_budgets=kept),
     }
     for pol in pols.values():
@@ -587,6 +606,13 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
                 "policy": "finch",
                 "normalize": True,
                 "rerotate": True,
+                "question": "the last finch_question ids",
+            },
+            "finch_chunk": {
+                "policy": "finch",
+                "normalize": True,
+                "rerotate": True,
+                "chunk_length": FINCH_CHUNK,
                 "question": "the last finch_question ids",
             },
             "cam_knorm": {

@@ -2,7 +2,7 @@
 kept keys re-rotated to contiguous positions.
 
 Corallo and Papotti 2024, "FINCH: Prompt-guided Key-Value Cache Compression" (TACL), as kvpress's FinchPress applies
-it to a whole prompt (its `chunk_length=None`): the window is the question, the prompt's tokens after the document
+it: the window is the question, the prompt's tokens after the document
 (kvpress finds them by a delimiter token the user inserts; evalkit knows where the question starts). Each question
 query's softmax over the context and the question before it is multiplied by its position (kvpress's normalisation,
 `normalize`: a later query spreads its attention over more keys), averaged over the question's queries and over the
@@ -14,8 +14,13 @@ It needs a question inside the compressed context: `protocol=query_aware` on a t
 query_agnostic the context holds none: the run is refused in one line before the model loads, and a context
 without one (a prompt of raw ids) when its pass runs). The question's queries are computed
 again by this policy's own pass (`QuestionAttention`): the question's ids read over the prefilled document, read in
-place. Every layer must attend to the whole context (sliding-window models are refused). kvpress's chunked setting
-(`chunk_length`, a top-k per chunk of the prompt) is not implemented.
+place. Every layer must attend to the whole context (sliding-window models are refused).
+
+`chunk_length` (kvpress's setting of the same name; null, its default: one top-k over the prompt): the same scores,
+kept by a top-k within each chunk of `chunk_length` tokens of the prompt, each chunk keeping its share of the k tokens
+in proportion to its length (policies/chunk.py's `shares`: floor(k x len / T), the leftover to the largest
+remainders, so that the shares add up to k; kvpress keeps floor(len x (1 - ratio)) a chunk, the same counts whenever
+they add up to k). Unlike `chunk` over another policy, the scores are the whole prompt's, not each chunk's own.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from transformers.cache_utils import Cache
 from evalkit.attention.observation import Attended, Observation
 from evalkit.attention.sdpa import observe
 from evalkit.errors import ConfigError
-from evalkit.policies import KVPolicy, LayerView, Probes, full_attention_only
+from evalkit.policies import KVPolicy, LayerView, Probes, checked_scores, full_attention_only
+from evalkit.policies.chunk import shares
 from evalkit.policies.key_rerotation import rerotated_tokens, rotary_frequencies
 from evalkit.policies.kvzip_pass import READ_CHUNK, ReadOnlyLayer, pass_probs
 
@@ -99,6 +105,7 @@ class Finch(KVPolicy):
     name: str = "finch"
     normalize: bool = True
     rerotate: bool = True
+    chunk_length: int | None = None
     decode: bool = False
 
     chunkable: ClassVar[bool] = False  # its window is the question, which only the whole prompt holds
@@ -119,6 +126,28 @@ class Finch(KVPolicy):
         b, h, d = document.shape
         question = document.new_full((b, h, view.keys.shape[2] - d), float(document.max()) + 1)
         return torch.cat([document, question], dim=-1)
+
+    def select(self, view: LayerView, k: int) -> Tensor:
+        if self.chunk_length is None:
+            return super().select(view, k)
+        scores = checked_scores(self, self.score(view), view)
+        t = scores.shape[-1]
+        starts = range(0, t, self.chunk_length)
+        lengths = [min(self.chunk_length, t - s) for s in starts]
+        kept = [
+            start + scores[..., start : start + n].topk(k_c, dim=-1, sorted=False).indices
+            for start, n, k_c in zip(starts, lengths, shares(k, lengths), strict=True)
+            if k_c
+        ]
+        return torch.cat(kept, dim=-1).sort(dim=-1).values
+
+    def check_params(self) -> None:
+        super().check_params()
+        if self.chunk_length is not None and self.chunk_length < 1:
+            raise ConfigError(
+                f"policy.chunk_length={self.chunk_length}: give a chunk of tokens such as 256, or null for one top-k "
+                "over the whole prompt"
+            )
 
     def continues_from_held(self) -> bool:
         return self.rerotate

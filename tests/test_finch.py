@@ -56,6 +56,32 @@ def test_the_kept_tokens_are_the_question_and_the_best_of_eager_attention(tiny, 
         torch.testing.assert_close(layer_obs[pol.needs()[0]][0].double(), want[i], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize(("chunk_length", "per_chunk"), [(32, [16, 16, 16]), (40, [20, 20, 8])])
+def test_chunk_length_keeps_each_chunks_share_by_the_whole_prompts_scores(tiny, eager, ids, chunk_length, per_chunk):
+    """kvpress's chunk_length: half of 96 is 48 per head, shared over chunks of 32 (16 each) or of 40, 40 and 16
+    (48 x 40 / 96 = 20, 20 and 8); within a chunk the best of the whole prompt's scores (eager attention written out,
+    the question's 8 tokens above every document token), so the last chunk keeps the question first. Control: the
+    chunked sets are not the one top-k's."""
+    k = 48
+    want = scores_by_hand(eager, ids[:, :CTX], True)
+    _, cache = compressed(tiny.model, ids, Finch(budget=0.5, rerotate=False, chunk_length=chunk_length))
+    _, whole = compressed(tiny.model, ids, Finch(budget=0.5, rerotate=False))
+    assert sum(per_chunk) == k
+    differs = False
+    for i in full_attention_layers(cache):
+        for h in range(want[i].shape[0]):
+            scores = torch.cat([want[i][h], torch.full((Q,), float(want[i][h].max()) + 1, dtype=torch.float64)])
+            best = []
+            for n, start in zip(per_chunk, range(0, CTX, chunk_length), strict=True):
+                best += (start + scores[start : start + chunk_length].topk(n).indices).tolist()
+            assert cache.layers[i].positions[0, h].tolist() == sorted(best)
+            assert set(range(CTX - Q, CTX)) <= set(best)  # the question, in the last chunk, kept first
+            differs |= not torch.equal(cache.layers[i].positions[0, h], whole.layers[i].positions[0, h])
+    assert differs
+    with pytest.raises(ConfigError, match=r"policy.chunk_length=0: give a chunk of tokens such as 256, or null"):
+        Finch(budget=0.25, chunk_length=0).validate(CTX)
+
+
 def test_the_kept_keys_are_rerotated_to_their_slots_and_the_values_kept_as_they_were(tiny, ids):
     """The same tokens with and without re-rotation; each kept key, rotated back from its position and forward to its
     slot by transformers' RoPE, is what the cache holds; the values are the full cache's."""

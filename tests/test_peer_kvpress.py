@@ -132,7 +132,18 @@ SAME = {
 }
 # ... whose held tensors are also compared, by digest (benchmarks/_digest.py), with ThinK alone (a share `ratio` of
 # the key channels pruned, every token kept)
-REWRITING = ("key_rerotation_snapkv", "merging_snapkv", "think_snapkv", "think", "finch")
+REWRITING = ("key_rerotation_snapkv", "merging_snapkv", "think_snapkv", "think", "finch", "finch_chunk")
+# Finch by chunks of the prompt (kvpress's chunk_length; the fixture's prompt is two chunks), each chunk keeping
+# kvpress's int(len x (1 - ratio)): evalkit's budget is their sum, which its proportional shares split the same way
+FINCH_CHUNK = FIXTURE["header"]["settings"]["finch_chunk"]["chunk_length"]
+
+
+def finch_chunked(ratio: str) -> Finch:
+    n = len(FIXTURE["ids"])
+    count = sum(int(min(FINCH_CHUNK, n - s) * (1 - float(ratio))) for s in range(0, n, FINCH_CHUNK))
+    return Finch(budget=count, chunk_length=FINCH_CHUNK)
+
+
 # the prompt's parts the second passes read: KVzip's repeat prompt, and Finch's question (the last ids)
 PARTS = Repeat(**{**FIXTURE["header"]["repeat"], "question": FIXTURE["header"]["finch_question"]})
 DIGEST_RTOL = 1e-4  # float32 tensors summed in float64: equal tensors agree to ~1e-6 (benchmarks/peer_kvpress.py)
@@ -280,6 +291,7 @@ def kept_by_evalkit(tmp_path_factory):
         # unstructured: every head of every layer its own count (kvpress's structured=False)
         pols[f"kvcompose_unstructured@{ratio}"] = KVCompose(budget=k, structured=False)
         pols[f"kvcompose_unstructured*@{ratio}"] = KVComposeAtCount(budget=k, ratio=float(ratio), structured=False)
+        pols[f"finch_chunk@{ratio}"] = finch_chunked(ratio)
     for ratio, threshold in DMS_THRESHOLD.items():
         pols[f"dms_kvzap@{ratio}"] = DMS(inner=KVzap(weights_path=str(KVZAP)), threshold=threshold, window=128)
         pols[f"dms_kvzap~window0@{ratio}"] = DMS(inner=KVzap(weights_path=str(KVZAP)), threshold=threshold, window=0)
@@ -311,7 +323,8 @@ def jaccards(ours, theirs) -> list[float]:
     "key",
     [
         f"{p}@{r}"
-        for p in [*SAME, "compactor", "lukv_expected_attention", "simlayerkv", "dms_kvzap", *RANKED_TOGETHER]
+        for p in [*SAME, "finch_chunk", "compactor", "lukv_expected_attention", "simlayerkv", "dms_kvzap"]
+        + list(RANKED_TOGETHER)
         for r in ("0.5", "0.75")
     ],
 )
@@ -366,6 +379,7 @@ CONTROLS = [
     ("fastkvzip~other", "fastkvzip", 0.9),  # gates drawn from other seeds
     ("kvzip", "kvgrad", 0.9),  # the reconstruction attention alone, no gradient or value weights (about 0.5 and 0.4)
     ("snapkv", "finch", 0.9),  # a window of the last 32 ids, pooled (about 0.63 and 0.53)
+    ("finch", "finch_chunk", 0.9),  # one top-k over the prompt, not one per chunk (about 0.64 and 0.49)
 ]
 
 
@@ -415,6 +429,7 @@ def rewritten_by_evalkit():
     for ratio, k in FIXTURE["header"]["n_kept"].items():
         pols |= {f"{press}@{ratio}": SAME[press](k) for press in REWRITING if press in SAME}
         pols[f"think@{ratio}"] = ThinK(inner=FullCache(), channels=float(ratio), window=32)
+        pols[f"finch_chunk@{ratio}"] = finch_chunked(ratio)
         pols[f"snapkv@{ratio}"] = SAME["snapkv"](k)
     for pol in pols.values():
         pol.prepare(loaded.model, None)
