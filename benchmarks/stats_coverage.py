@@ -39,6 +39,7 @@ from evalkit.gate.checks import evaluate, kl_cap
 from evalkit.gate.contexts import group
 from evalkit.gate.power import betting_contexts, betting_power_counts, draw_contexts
 from evalkit.gate.thresholds import Thresholds
+from evalkit.records import Row, flip
 from evalkit.stats import betting, binary_bounds
 
 T = Thresholds()
@@ -292,7 +293,7 @@ DOC_ICC = (0.1, 0.3, 0.5)
 PROTOCOLS = ("query_agnostic", "query_aware")
 
 
-def document_rows(lost: np.ndarray, gained: np.ndarray, m: int, protocol: str) -> list[dict]:
+def document_rows(lost: np.ndarray, gained: np.ndarray, m: int, protocol: str) -> list[Row]:
     """A variant's paired rows as a run writes them: per document its lost and gained questions of m, every
     question naming its document; under query_aware each question also compresses its own context."""
     rows = []
@@ -300,11 +301,14 @@ def document_rows(lost: np.ndarray, gained: np.ndarray, m: int, protocol: str) -
         outcomes = [(1.0, 0.0)] * int(b) + [(0.0, 1.0)] * int(c) + [(1.0, 1.0)] * (m - int(b) - int(c))
         for q, (base, pol) in enumerate(outcomes):
             context = f"{d:08x}{q:08x}" if protocol == "query_aware" else f"{d:016x}"
-            rows.append({"score": pol, "baseline_score": base, "document_id": f"{d:016x}", "context_id": context})
+            ids = {"document_id": f"{d:016x}", "context_id": context}
+            rows.append(
+                Row("sim", "sim", protocol, f"{d}-{q}", {}, "v", pol, base, flip(pol, base), fields=ids)
+            )  # fmt: skip
     return rows
 
 
-def judged(rows: list[dict], t) -> tuple[bool, bool]:
+def judged(rows: list[Row], t) -> tuple[bool, bool]:
     """(PASS, FAIL) of one variant by the gate's own judging code: its rows grouped (evalkit.gate.contexts.group),
     then the checks by betting (evalkit.gate.checks.evaluate)."""
     e = evaluate("v", group(rows, t.graded_flip_delta, kl_cap(t)), t, decide.floor(t))

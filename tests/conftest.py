@@ -38,8 +38,9 @@ from evalkit.cli.config import build
 from evalkit.cli.spec import model_spec
 from evalkit.engine import models
 from evalkit.engine.engine import prefill, reconstruction
+from evalkit.gate.judge import Verdict, judge
 from evalkit.kv.cache import compress
-from evalkit.records import SAMPLES, read_rows
+from evalkit.records import SAMPLES, Row, read_rows
 from evalkit.tasks.prompt import Repeat
 
 if importlib.util.find_spec("triton") is not None:  # the Triton kernels, defined while TRITON_INTERPRET=1
@@ -385,10 +386,14 @@ def scored(score: float) -> dict:
     return {"prediction": prediction, "answers": answers, "scorer": scorer}
 
 
+HAND_BUILT = {"run_id": "r1", "task": "needle", "protocol": "query_agnostic", "flip": None}  # what names a row
+
+
 def as_written(rows: list[dict]) -> list[dict]:
-    """Hand-built rows completed with what every row of evalkit's engine carries and the gate re-derives: a
-    prediction that scores the row's score, the tokens held (the bytes over the baseline's, of context_tokens, in one
-    layer), bytes as deployed, a context (one per sample). Fields a row already has are kept."""
+    """Hand-built rows completed with what every row of evalkit's engine carries and the gate re-derives: what names
+    the row (HAND_BUILT: run r1, task needle, query_agnostic, no flip), a prediction that scores the row's score, the
+    tokens held (the bytes over the baseline's, of context_tokens, in one layer), bytes as deployed, a context (one per
+    sample). Fields a row already has are kept."""
     out = []
     for r in rows:
         tokens = round(r.get("context_tokens", 100) * r["kv_bytes"] / r["kv_bytes_baseline"])
@@ -399,8 +404,18 @@ def as_written(rows: list[dict]) -> list[dict]:
             "kv_bytes_baseline_deployed": r["kv_bytes_baseline"],
             "context_id": f"c-{r['sample_id']}",
         }
-        out.append({**engine, **scored(r["score"]), **r})
+        out.append({**HAND_BUILT, **engine, **scored(r["score"]), **r})
     return out
+
+
+def as_rows(rows: list[dict]) -> list[Row]:
+    """Hand-built rows (as_written's) as the gate reads them: records.Row."""
+    return [Row.from_dict({**HAND_BUILT, **r}) for r in rows]
+
+
+def judge_rows(rows: list[dict], *args, **kwargs) -> Verdict:
+    """The gate's judge of hand-built rows, read as the gate reads them (as_rows)."""
+    return judge(as_rows(rows), *args, **kwargs)
 
 
 def drew(info: dict, rows: list[dict]) -> dict:

@@ -15,12 +15,11 @@ from pathlib import Path
 import pytest
 
 from evalkit.cli.gate import main
-from evalkit.gate.judge import judge
 from evalkit.gate.thresholds import Thresholds
 from evalkit.records import read_rows
 from evalkit.tasks import Sample
 from evalkit.tasks.prompt import build_prompt
-from tests.conftest import compose_config
+from tests.conftest import compose_config, judge_rows
 from tests.test_evidence import copy, edit_rows
 from tests.test_gate import rows
 
@@ -183,21 +182,21 @@ def test_a_heavy_tail_at_the_limit_does_not_pass():
     # capped mean was 9 x 1 + 291 x 0.0103 = 12 over 300 = 0.04 nats: PASS. Capped at 3 nats nothing is cut.
     at_limit = heavy(300, 0.03, 3.0, 0.1)
     assert sum(at_limit) / 300 == pytest.approx(0.1)
-    v = judge(kl_rows(at_limit), [], Thresholds())
+    v = judge_rows(kl_rows(at_limit), [], Thresholds())
     assert v.status != "PASS", v.reasons
     # twice the limit (6% at 3 nats): capped at 1 nat its mean was 0.068 and PASSed; not now (the betting test's
     # FAIL is weak on so skewed a tail: INCONCLUSIVE), while twice the limit on every row is shown broken
-    assert judge(kl_rows(heavy(300, 0.06, 3.0, 0.2)), [], Thresholds()).status == "INCONCLUSIVE"
-    twice = judge(kl_rows([0.2] * 300), [], Thresholds())
+    assert judge_rows(kl_rows(heavy(300, 0.06, 3.0, 0.2)), [], Thresholds()).status == "INCONCLUSIVE"
+    twice = judge_rows(kl_rows([0.2] * 300), [], Thresholds())
     assert twice.status == "FAIL" and "mean KL at least" in "\n".join(twice.reasons)
     # 1% of rows at 10 nats and the rest at 0: the mean KL is 0.1, the limit, but capped at 3 nats it is 0.03, far
     # below it (a PASS by the capped mean alone): only its rows above the cap keep it from a PASS
     tail = [10.0] * 10 + [0.0] * 990
     assert sum(tail) / 1000 == pytest.approx(0.1)
-    v = judge(kl_rows(tail), [], Thresholds())
+    v = judge_rows(kl_rows(tail), [], Thresholds())
     assert v.status != "PASS" and "10 rows above it (1.0%)" in "\n".join(v.reasons), v.reasons
     # the control: a faithful variant (every row at 0.01 nats) PASSes at the same count
-    assert judge(kl_rows([0.01] * 300), [], Thresholds()).status == "PASS"
+    assert judge_rows(kl_rows([0.01] * 300), [], Thresholds()).status == "PASS"
 
 
 def test_rows_above_the_cap_are_counted_and_reported(capsys, tmp_path):

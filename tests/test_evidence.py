@@ -50,7 +50,7 @@ def copy(runs: dict[str, Path], name: str, tmp_path: Path) -> Path:
 
 def edit_rows(folder: Path, change) -> None:
     """Rewrite samples.jsonl with change(row) applied to every row (it edits the row in place)."""
-    rows = read_rows(folder / "samples.jsonl")
+    rows = [dict(r) for r in read_rows(folder / "samples.jsonl")]  # as the file holds them, to edit
     for r in rows:
         change(r)
     (folder / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -83,7 +83,7 @@ def test_the_lossless_run_passes_and_the_lossy_one_fails(runs, capsys, tmp_path)
 
 
 def test_every_row_names_its_context_and_what_its_budget_allowed(runs):
-    rows = read_rows(runs["seed0"] / "samples.jsonl")
+    rows = [dict(r) for r in read_rows(runs["seed0"] / "samples.jsonl")]  # as the file holds them, to edit
     by_sample = {}
     for r in rows:
         by_sample.setdefault(r["sample_id"], set()).add(r["context_id"])
@@ -143,7 +143,7 @@ def test_a_variant_row_claiming_a_low_baseline_score_is_refused(runs, capsys, tm
 
 def test_a_flip_that_the_scores_do_not_make_is_refused(runs, capsys, tmp_path):
     d = copy(runs, "seed0", tmp_path)
-    rows = read_rows(d / "samples.jsonl")
+    rows = [dict(r) for r in read_rows(d / "samples.jsonl")]  # as the file holds them, to edit
     line = next(i for i, r in enumerate(rows, 1) if r["variant"] != "baseline" and r["score"] < 1)
     rows[line - 1]["flip"] = "gained"
     (d / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -169,7 +169,7 @@ def test_impossible_numbers_are_refused(runs, capsys, tmp_path, field, value, me
     """Before: kv_bytes=-5 PASSed at ratio -0.00004; zero baseline bytes was a ZeroDivisionError (exit 3); NaN or
     inf scores ended in exit 3 (quantiles out of range); deployed bytes were believed whatever the tokens held."""
     d = copy(runs, "lossless", tmp_path)
-    rows = read_rows(d / "samples.jsonl")
+    rows = [dict(r) for r in read_rows(d / "samples.jsonl")]  # as the file holds them, to edit
     rows[1][field] = value  # line 2: the first none@1.0 row
     (d / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cannot_judge(capsys, d, f"{d / 'samples.jsonl'}:2:", message)
@@ -249,7 +249,7 @@ def test_an_edited_score_stops_the_run_that_would_extend_it(runs, tmp_path):
     from evalkit.errors import ConfigError
 
     d = copy(runs, "seed0", tmp_path)
-    rows = read_rows(d / "samples.jsonl")
+    rows = [dict(r) for r in read_rows(d / "samples.jsonl")]  # as the file holds them, to edit
     rows[3]["baseline_score"] = 0.5  # line 4, a variant row
     (d / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(ConfigError, match=rf"{d / 'samples.jsonl'}:4: baseline_score=0.5 but the baseline row"):
@@ -265,7 +265,7 @@ def test_one_row_without_its_kl_is_refused_not_the_kl_check_dropped(runs, capsys
     first variant row's KL then removed: before, deleted, the KL check was dropped for the whole variant (the FAIL
     became a PASS); set to null, the summary's mean crashed (exit 3)."""
     d = copy(runs, "lossless", tmp_path)
-    rows = read_rows(d / "samples.jsonl")
+    rows = [dict(r) for r in read_rows(d / "samples.jsonl")]  # as the file holds them, to edit
     for r in rows:
         if r["variant"] != "baseline":
             r["kl_mean"] = 5.0
@@ -280,7 +280,7 @@ def test_one_row_without_its_kl_is_refused_not_the_kl_check_dropped(runs, capsys
 def test_a_teacher_forced_score_that_is_not_its_agreement_is_refused(runs, capsys, tmp_path):
     """A fidelity row's score is its top-1 agreement with the baseline's logits: every lossy row raised to 1."""
     d = copy(runs, "seed0", tmp_path)
-    rows = read_rows(d / "samples.jsonl")
+    rows = [dict(r) for r in read_rows(d / "samples.jsonl")]  # as the file holds them, to edit
     for r in rows:
         r["score"] = 1.0
     (d / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -8,12 +8,11 @@ import pytest
 from scipy.stats import binomtest
 
 from evalkit.cli.gate import load_thresholds, main
-from evalkit.gate.judge import judge
 from evalkit.gate.thresholds import Thresholds
 from evalkit.records.schema import flip_cause
 from evalkit.records.summary import paired, summarize
 from evalkit.stats import mcnemar_exact
-from tests.conftest import as_written, drew, run_cli
+from tests.conftest import as_rows, as_written, drew, judge_rows, run_cli
 
 
 def rows(base: list[float], pol: list[float], variant="snapkv@0.25", cell=None, kv=(25, 100), retained=None):
@@ -66,7 +65,7 @@ def test_flips_are_classified_evicted_or_ignored():
     assert flip_cause({"flip": "lost", "evidence_retained_per_layer": [0.0, 0.2, 0.1]}) == "evicted"
     assert flip_cause({"flip": "lost", "evidence_retained_per_layer": [1.0, 0.9, 0.7]}) == "ignored"
     assert flip_cause({"flip": None, "evidence_retained_per_layer": [0.0]}) is None
-    s = summarize(rows([1, 1, 1], [0, 0, 1], retained=lambda i: [0.0] if i == 0 else [1.0]))
+    s = summarize(as_rows(rows([1, 1, 1], [0, 0, 1], retained=lambda i: [0.0] if i == 0 else [1.0])))
     assert s["snapkv@0.25"]["flip_causes"] == {"evicted": 1, "ignored": 1}
 
 
@@ -74,13 +73,13 @@ N = 74  # samples: the fewest a PASS with no loss needs by betting at the defaul
 
 
 def test_gate_passes_a_faithful_variant():
-    v = judge(rows([1] * N, [1] * N), [], Thresholds())
+    v = judge_rows(rows([1] * N, [1] * N), [], Thresholds())
     assert v.passed and v.reasons == [] and v.status == "PASS"
 
 
 def test_gate_fails_with_every_reason_in_words():
     cell = lambda i: {"depth": 0.5 if i % 2 else 1.0}  # noqa: E731
-    v = judge(rows([1] * N, [0 if i % 2 else 1 for i in range(N)], cell=cell), [], Thresholds())
+    v = judge_rows(rows([1] * N, [0 if i % 2 else 1 for i in range(N)], cell=cell), [], Thresholds())
     assert v.status == "FAIL"
     text = "\n".join(v.reasons)
     assert "lower bound" in text and "shown over the 0.05 margin" in text and "flipped from right to wrong" in text
@@ -107,7 +106,7 @@ def test_gate_fails_with_every_reason_in_words():
     ids=["no-compression", "mixed-models", "mixed-protocols", "over-bound"],
 )
 def test_gate_fails_closed(records, infos, message):
-    v = judge(records, infos, Thresholds())
+    v = judge_rows(records, infos, Thresholds())
     assert not v.passed and v.status == "FAIL"
     assert any(message in r for r in v.reasons), v.reasons
 
@@ -123,7 +122,7 @@ def test_gate_fails_closed(records, infos, message):
     ids=["no-baseline", "empty", "no-policy", "weak-baseline"],
 )
 def test_gate_cannot_judge_degenerate_records(records, message):
-    v = judge(records, [], Thresholds())
+    v = judge_rows(records, [], Thresholds())
     assert not v.passed and v.status == "CANNOT JUDGE"
     assert any(message in r for r in v.reasons), v.reasons
 
@@ -176,7 +175,7 @@ def test_gate_after_a_run_sets_the_exit_code(tmp_path):
 
 def test_capacity_counts_sequences_that_fit_after_the_weights():
     t = Thresholds(capacity={"gpu_gib": 1, "context": 1000})
-    v = judge(rows([1] * N, [1] * N, kv=(25, 100)), [{"model": {"weights_bytes": 2**29}}], t)
+    v = judge_rows(rows([1] * N, [1] * N, kv=(25, 100)), [{"model": {"weights_bytes": 2**29}}], t)
     assert v.capacity["baseline"]["kv_bytes_per_token"] == 1.0
     assert v.capacity["baseline"]["sequences"] == 2**29 // 1000
     assert v.capacity["snapkv@0.25"]["sequences"] == 2**29 // 250  # a quarter of the bytes: four times the sequences

@@ -16,7 +16,7 @@ from evalkit.cli import sweep
 from evalkit.cli.gate import main
 from evalkit.errors import ConfigError
 from evalkit.gate import gating
-from evalkit.records import read_rows
+from evalkit.records import cut_torn, read_rows
 from evalkit.report import build as report_module
 from evalkit.report.__main__ import main as report_main
 from tests.conftest import as_written, compose_config, drew, run_cli
@@ -151,8 +151,8 @@ def test_rows_of_another_run_than_their_run_json(tmp_path, capsys):
 
 
 def test_two_configurations_in_one_file(tmp_path, capsys):
-    # rows without run ids, snapkv@0.25 recorded with two observation windows
-    rows = [{k: v for k, v in r.items() if k != "run_id"} for r in healthy()]
+    # snapkv@0.25 recorded with two observation windows (a run.json that names no run: the rows' run is not checked)
+    rows = healthy()
     for r in rows[1:N:2]:  # the policy rows of samples s0..s11
         r["policy"] = {**r["policy"], "window": 8}
     d = folder(tmp_path, rows, info={"protocol": "query_agnostic"})
@@ -276,7 +276,8 @@ def test_read_rows_names_the_bad_line_and_keeps_cutting_a_torn_one(tmp_path):
     path.write_text(whole + '{"sample_id": "s1", "varia')
     assert [r["variant"] for r in read_rows(path)] == ["baseline", "snapkv@0.25"]  # dropped, the file kept
     assert path.read_text().endswith("varia")
-    assert len(read_rows(path, repair=True)) == 2 and path.read_text() == whole  # cut where the whole rows end
+    cut_torn(path)
+    assert len(read_rows(path)) == 2 and path.read_text() == whole  # cut where the whole rows end
     for line, message in [
         ("null", "line 3 is null, not an object"),
         ("{}", "line 3 is an empty object"),
@@ -284,8 +285,9 @@ def test_read_rows_names_the_bad_line_and_keeps_cutting_a_torn_one(tmp_path):
         ('{"variant": "baseline"}', "line 3 has no sample_id"),
     ]:
         path.write_text(whole + line + "\n")
-        with pytest.raises(ConfigError, match=f"{path}:3: {message}"):
-            read_rows(path, repair=True)
+        for read in (read_rows, cut_torn):
+            with pytest.raises(ConfigError, match=f"{path}:3: {message}"):
+                read(path)
 
 
 def test_resume_over_a_bad_row_is_one_line_exit_2(tmp_path):

@@ -12,8 +12,8 @@ import math
 import pytest
 
 from evalkit.cli.gate import main
-from evalkit.gate.judge import judge
 from evalkit.gate.thresholds import Thresholds
+from tests.conftest import judge_rows
 from tests.test_gate import rows
 
 THETAS = (1, 0.8, 0.6, 0.4)  # evalkit.stats.betting's bets, weighted 1/4 each
@@ -44,7 +44,7 @@ def test_six_lost_none_gained_of_59_is_inconclusive_not_fail():
     # the drop is 6/59 = 0.10, but 59 contexts do not show it above the 0.05 margin: by hand the betting wealth of
     # "above 0.05" is below 40 (Holm's first step over the drop's and the flip rate's claims), so no FAIL
     assert above_wealth(6, 59, 0.05) < 40
-    v = judge(rows([1] * 59, [0] * 6 + [1] * 53), [], Thresholds())
+    v = judge_rows(rows([1] * 59, [0] * 6 + [1] * 53), [], Thresholds())
     assert v.status == "INCONCLUSIVE", v.reasons
     drop = v.variants["snapkv@0.25"]["gate"]["checks"]["drop"]
     assert drop["p_broken"] == pytest.approx(1 / above_wealth(6, 59, 0.05), rel=1e-9)
@@ -53,7 +53,7 @@ def test_six_lost_none_gained_of_59_is_inconclusive_not_fail():
     # a clear regression is shown: 15 lost of 59 reach a wealth over 40 (a FAIL claims that one check is broken: the
     # claims of the drop and the flip rate are corrected together, Holm over 2)
     assert above_wealth(15, 59, 0.05) > 40
-    assert judge(rows([1] * 59, [0] * 15 + [1] * 44), [], Thresholds()).status == "FAIL"
+    assert judge_rows(rows([1] * 59, [0] * 15 + [1] * 44), [], Thresholds()).status == "FAIL"
 
 
 def test_thirty_samples_with_five_gains_are_not_a_pass_at_the_default_min_samples():
@@ -61,7 +61,7 @@ def test_thirty_samples_with_five_gains_are_not_a_pass_at_the_default_min_sample
     # needs by betting: 74 (mixture_wealth(73) < 20 <= mixture_wealth(74))
     assert mixture_wealth(73, 0.05) < 20 <= mixture_wealth(74, 0.05)
     assert 0.95**59 < 0.05 < 0.95**58
-    v = judge(rows([0] * 5 + [1] * 25, [1] * 30), [], Thresholds())
+    v = judge_rows(rows([0] * 5 + [1] * 25, [1] * 30), [], Thresholds())
     assert v.status == "INCONCLUSIVE"
     assert "30 samples, fewer than gate.min_samples=74" in "\n".join(v.reasons)
     # with min_samples=30 (and no flip limit, which 30 lossless contexts cannot show) the drop decides: 25 unchanged
@@ -69,7 +69,7 @@ def test_thirty_samples_with_five_gains_are_not_a_pass_at_the_default_min_sample
     gained = sum(0.25 * (1 + th * 0.05 / 0.95) ** 25 * (1 + th * 1.05 / 0.95) ** 5 for th in THETAS)
     assert gained > 20
     t = Thresholds(min_samples=30, max_flip_rate=None)
-    assert judge(rows([0] * 5 + [1] * 25, [1] * 30), [], t).status == "PASS"
+    assert judge_rows(rows([0] * 5 + [1] * 25, [1] * 30), [], t).status == "PASS"
 
 
 def pass_chance(n: int, loss: float) -> float:
@@ -104,12 +104,12 @@ def test_the_clustered_case_does_not_pass():
     big = rows([1] * 300, [1] * 300)
     for r in big:
         r["sample_id"], r["context_id"] = f"q{r['sample_id']}", "doc-big"
-    v = judge(docs + big, [], Thresholds())
+    v = judge_rows(docs + big, [], Thresholds())
     assert v.status != "PASS", v.reasons
     assert "6 lost and 0 gained of 320 questions on 21 contexts" in "\n".join(v.reasons)
     # the contrast: the same rows without context ids count as 320 contexts, as the old gate counted them
     flat = [{k: x for k, x in r.items() if k != "context_id"} for r in docs + big]
-    assert judge(flat, [], Thresholds()).status == "PASS"
+    assert judge_rows(flat, [], Thresholds()).status == "PASS"
 
 
 def test_a_graded_uniform_drop_of_004_passes_with_enough_samples():
@@ -117,8 +117,8 @@ def test_a_graded_uniform_drop_of_004_passes_with_enough_samples():
     # sign bound says 1.0 (every sample fell); no score falls by more than graded_flip_delta = 0.1, so no flip. The
     # betting test gains 0.01 per context: by hand its wealth is 11.4 after 300 contexts (< 20) and 28 after 400.
     assert mixture_wealth(300, 0.01) < 20 < mixture_wealth(400, 0.01)
-    assert judge(rows([0.9] * 300, [0.86] * 300), [], Thresholds()).status == "INCONCLUSIVE"
-    v = judge(rows([0.9] * 400, [0.86] * 400), [], Thresholds())
+    assert judge_rows(rows([0.9] * 300, [0.86] * 300), [], Thresholds()).status == "INCONCLUSIVE"
+    v = judge_rows(rows([0.9] * 400, [0.86] * 400), [], Thresholds())
     assert v.status == "PASS", v.reasons
 
 
@@ -129,10 +129,10 @@ def test_more_losses_never_make_a_pass_easier_nor_more_gains_a_fail():
     # every look is the betting test: its PASS outcomes are a down-set in lost and an up-set in gained (each loss
     # multiplies the wealth by less than each unchanged context, each gain by more), and its FAIL outcomes the reverse
     t = Thresholds(min_samples=1, min_cell_accuracy=None)
-    status = [judge(rows([1] * 100, [0] * lost + [1] * (100 - lost)), [], t).status for lost in range(0, 16, 3)]
+    status = [judge_rows(rows([1] * 100, [0] * lost + [1] * (100 - lost)), [], t).status for lost in range(0, 16, 3)]
     order = {"PASS": 0, "INCONCLUSIVE": 1, "FAIL": 2}
     assert [order[x] for x in status] == sorted(order[x] for x in status) and {"PASS", "FAIL"} <= set(status)
-    assert judge(rows([1] * 59 + [0], [0] * 6 + [1] * 53 + [1]), [], Thresholds()).status == "INCONCLUSIVE"
+    assert judge_rows(rows([1] * 59 + [0], [0] * 6 + [1] * 53 + [1]), [], Thresholds()).status == "INCONCLUSIVE"
 
 
 # --- graded scores, KL, cells ---
@@ -141,14 +141,14 @@ def test_more_losses_never_make_a_pass_easier_nor_more_gains_a_fail():
 def test_graded_flips_need_a_change_larger_than_the_delta():
     # 100 graded samples; 20 fall by 0.3, the rest are unchanged: 20% "decreased by more than 0.1", over the 10% limit
     base = [0.8] * 100
-    v = judge(rows(base, [0.5] * 20 + [0.8] * 80), [], Thresholds())
+    v = judge_rows(rows(base, [0.5] * 20 + [0.8] * 80), [], Thresholds())
     text = "\n".join(v.reasons)
     assert "decreased by more than 0.1" in text and "flipped" not in text
     # a change of 0.05 on every sample is no flip at all at delta 0.1, and 100 flips at delta 0.01
     small = rows(base, [0.75] * 100)
-    assert "decreased by more than" not in "\n".join(judge(small, [], Thresholds()).reasons)
+    assert "decreased by more than" not in "\n".join(judge_rows(small, [], Thresholds()).reasons)
     assert "100 of 100 samples decreased by more than 0.01" in "\n".join(
-        judge(small, [], Thresholds(graded_flip_delta=0.01)).reasons
+        judge_rows(small, [], Thresholds(graded_flip_delta=0.01)).reasons
     )
 
 
@@ -162,11 +162,11 @@ def test_mean_kl_is_shown_below_the_limit_not_estimated():
     # (0.1 - 0.01) / 3 = 0.03 per context on the bet: by hand the wealth reaches 20 at 125 contexts, not at 124
     n = next(n for n in range(1, 1000) if mixture_wealth(n, 0.03, margin=1 / 30) >= 20)
     assert n == 125
-    assert judge(_kl_rows(n, 0.01), [], Thresholds()).status == "PASS"
-    assert judge(_kl_rows(n - 1, 0.01), [], Thresholds()).status == "INCONCLUSIVE"
-    at_limit = judge(_kl_rows(n, 0.1), [], Thresholds())
+    assert judge_rows(_kl_rows(n, 0.01), [], Thresholds()).status == "PASS"
+    assert judge_rows(_kl_rows(n - 1, 0.01), [], Thresholds()).status == "INCONCLUSIVE"
+    at_limit = judge_rows(_kl_rows(n, 0.1), [], Thresholds())
     assert at_limit.status == "INCONCLUSIVE" and "the mean KL may be as large as" in "\n".join(at_limit.reasons)
-    over = judge(_kl_rows(60, 0.5), [], Thresholds())
+    over = judge_rows(_kl_rows(60, 0.5), [], Thresholds())
     assert over.status == "FAIL" and "mean KL at least" in "\n".join(over.reasons)
 
 
@@ -175,9 +175,9 @@ def test_a_constant_graded_cell_gets_no_p_of_zero():
     # per context, 0.2 / 0.5 of the stake: by hand its wealth is 14.5 after 10 contexts (p = 1/14.5 = 0.069, not
     # shown) and 840 after 20 (p = 0.0012)
     wealth = lambda n: sum(0.25 * (1 + th * 0.2 / 0.5) ** n for th in THETAS)  # noqa: E731
-    ten = judge(rows([0.9] * 10, [0.3] * 10), [], Thresholds()).cells[0]
+    ten = judge_rows(rows([0.9] * 10, [0.3] * 10), [], Thresholds()).cells[0]
     assert ten["p"] == pytest.approx(1 / wealth(10), rel=1e-9) and ten["status"] == "no failure shown"
-    twenty = judge(rows([0.9] * 20, [0.3] * 20), [], Thresholds()).cells[0]
+    twenty = judge_rows(rows([0.9] * 20, [0.3] * 20), [], Thresholds()).cells[0]
     assert twenty["p"] == pytest.approx(1 / wealth(20), rel=1e-9) and twenty["status"] == "shown to fail"
 
 
@@ -186,10 +186,10 @@ def test_a_pass_whose_cells_were_not_judged_says_so():
     # (0.25 (2^9 + 1.8^9 + 1.6^9 + 1.4^9) = 199.95 < 200)
     assert sum(0.25 * (1 + th) ** 9 for th in THETAS) < 200 <= sum(0.25 * (1 + th) ** 10 for th in THETAS)
     cells = lambda i: {"depth": i % 10}  # noqa: E731
-    v = judge(rows([1] * 80, [1] * 80, cell=cells), [], Thresholds())
+    v = judge_rows(rows([1] * 80, [1] * 80, cell=cells), [], Thresholds())
     assert v.status == "PASS"
     assert any("no cell judged by min_cell_accuracy=0.5" in x for x in v.not_judged), v.not_judged
-    v10 = judge(rows([1] * 100, [1] * 100, cell=cells), [], Thresholds())
+    v10 = judge_rows(rows([1] * 100, [1] * 100, cell=cells), [], Thresholds())
     assert v10.status == "PASS" and not any("no cell judged" in x for x in v10.not_judged)
 
 
@@ -200,7 +200,7 @@ def test_one_p_value_per_variant_the_largest_of_its_checks_corrected_across_vari
     # variant a: 0 lost of 120; variant b: 0 lost of 120 but mean KL at 0.09 (just below the 0.1 limit, weakly shown)
     a = [r for r in _kl_rows(120, 0.0)]
     b = [{**r, "variant": "knorm@0.25"} for r in _kl_rows(120, 0.09) if r["variant"] != "baseline"]
-    v = judge(a + b, [], Thresholds())
+    v = judge_rows(a + b, [], Thresholds())
     g = {name: v.variants[name]["gate"] for name in ("snapkv@0.25", "knorm@0.25")}
     for s in g.values():
         assert s["p_pass"] == pytest.approx(max(c["p_holds"] for c in s["checks"].values()))

@@ -14,14 +14,13 @@ from pathlib import Path
 
 from evalkit.cli.gate import main
 from evalkit.gate import looks
-from evalkit.gate.judge import judge
 from evalkit.gate.looks import LOOKS_FILE
 from evalkit.gate.reading import read_runs
 from evalkit.gate.thresholds import Thresholds
 from evalkit.lock import RunLock
 from evalkit.plan.measured import measured_variants
 from evalkit.report.__main__ import main as report_main
-from tests.conftest import ROOT, drew, run_cli
+from tests.conftest import ROOT, drew, judge_rows, run_cli
 from tests.test_gate import rows, run_info
 
 THETAS = (1, 0.8, 0.6, 0.4)  # evalkit.stats.betting's bets, weighted 1/4 each
@@ -218,7 +217,7 @@ def test_the_cell_check_holds_at_a_later_look(tmp_path, capsys):
     capsys.readouterr()
     base, pol, cell = _cell_case(800)
     _write(run, base, pol, cell)
-    fresh = judge(rows(base, pol, cell=cell), [], Thresholds())
+    fresh = judge_rows(rows(base, pol, cell=cell), [], Thresholds())
     assert fresh.status == "FAIL"
     assert main([str(run)]) == 1
     assert "evalkit gate: FAIL (look 2 of this run)" in capsys.readouterr().out

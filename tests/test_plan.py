@@ -348,13 +348,14 @@ def test_tiny_run_records_match_the_plan(tiny_runs):
     """The tiny Llama's config (3 layers, 2 KV heads x 16): 2 x 3 x 2 x 16 x 2 = 384 B a token; a real run's baseline
     records that many deployed bytes per context token (summary kv_bytes_per_token), and its weights_bytes (float32)
     are 4 x the parameters the plan computes from the same config."""
+    from evalkit.records import read_rows
     from evalkit.records.summary import summarize
 
     folder = tiny_runs["tiny-random"]
     model = OmegaConf.load(ROOT / "conf" / "model" / "tiny-random.yaml")
     a = arch_from_config(read_source(model_spec(model)).raw, "tiny")
     assert kv_bytes_per_token(a) == 2 * 3 * 2 * 16 * 2 == 384
-    assert summarize(_rows(folder))["baseline"]["kv_bytes_per_token"] == 384
+    assert summarize(read_rows(folder / "samples.jsonl"))["baseline"]["kv_bytes_per_token"] == 384
     info = json.loads((folder / "run.json").read_text())
     assert info["model"]["weights_bytes"] == 4 * count_params(a)[0]
 

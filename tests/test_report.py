@@ -6,7 +6,7 @@ import json
 import re
 
 from evalkit.report.build import pareto, report
-from tests.conftest import drew
+from tests.conftest import as_rows, drew
 from tests.test_gate import rows, run_info
 
 
@@ -109,7 +109,7 @@ def test_merging_runs_of_two_models_keeps_their_variants_apart(tmp_path):
         (
             tmp_path / name,
             {"model": {"name": name}},
-            [r for r in recs if r["variant"] in ("baseline", "streaming_llm@0.25")],
+            as_rows([r for r in recs if r["variant"] in ("baseline", "streaming_llm@0.25")]),
         )
         for name in ("model-a", "model-b")
     ]
@@ -118,5 +118,6 @@ def test_merging_runs_of_two_models_keeps_their_variants_apart(tmp_path):
     assert labels == {f"{m}/{v}" for m in ("model-a", "model-b") for v in ("baseline", "streaming_llm@0.25")}
     assert len(merged) == 2 * sum(r["variant"] in ("baseline", "streaming_llm@0.25") for r in recs)
     # the same model twice: the repeated baseline is kept once, and nothing is prefixed
+    recs = as_rows(recs)
     same = merge([(tmp_path / "x", {"model": {"name": "m"}}, recs), (tmp_path / "y", {"model": {"name": "m"}}, recs)])
     assert same == recs

@@ -21,7 +21,7 @@ from evalkit.records.summary import summarize
 from evalkit.report.__main__ import main as report_main
 from evalkit.report.data import VerdictView
 from evalkit.report.page import DODGE, tradeoff_figure
-from tests.conftest import ROOT
+from tests.conftest import ROOT, as_rows
 from tests.test_gate import rows
 from tests.test_report import needle_rows, write_run
 
@@ -232,7 +232,7 @@ def test_variants_at_one_point_get_their_own_markers_and_the_front_is_pareto(tmp
     accuracy, so the front runs from snapkv (0.5, 1.0) to the pair (0.75, 0.667)."""
     recs = needle_rows()
     recs += [{**r, "variant": "h2o@0.25"} for r in recs if r["variant"] == "streaming_llm@0.25"]
-    summary = summarize(recs)
+    summary = summarize(as_rows(recs))
     view = VerdictView("FAIL", [], {"max_drop": 0.05}, "test")
     fig = tradeoff_figure(summary, view)
     markers = {t.name: t for t in fig.data if t.mode == "markers"}

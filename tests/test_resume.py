@@ -113,7 +113,7 @@ def test_a_consistent_forgery_is_caught_by_rescoring_on_resume(tmp_path):
     out = tmp_path / "run"
     run(job_spec(compose_config(*args, "task.samples_per_cell=1"), out))
     path = out / "samples.jsonl"
-    rows = read_rows(path)
+    rows = [dict(r) for r in read_rows(path)]  # as the file holds them, to edit
     assert all(r["score"] == 0.0 for r in rows)  # the random model finds no needle
     for r in rows[:2]:  # lines 1 and 2: sample L128-d0.0-0, its baseline and its policy row
         r["score"] = r["baseline_score"] = 1.0

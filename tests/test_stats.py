@@ -15,10 +15,9 @@ from scipy.stats import bootstrap
 from evalkit.cli.gate import main
 from evalkit.errors import ConfigError
 from evalkit.gate.decide import min_samples
-from evalkit.gate.judge import judge
 from evalkit.gate.thresholds import Thresholds, thresholds
 from evalkit.stats import BCa, adjust, binary_bounds, paired_drop, tango_z
-from tests.conftest import drew
+from tests.conftest import drew, judge_rows
 from tests.test_gate import rows, run_info
 from tests.test_stats_coverage import bench_module
 
@@ -142,7 +141,7 @@ def lossless_bound(n: int, alpha: float = 0.05) -> float:
 
 def test_zero_lost_of_20_is_inconclusive_with_the_samples_that_settle_it():
     cells = lambda i: {"position": i % 10}  # noqa: E731  ten cells of two samples, as middoc with samples_per_cell=2
-    v = judge(rows([1] * 20, [1] * 20, cell=cells), _task_run(2), Thresholds())
+    v = judge_rows(rows([1] * 20, [1] * 20, cell=cells), _task_run(2), Thresholds())
     assert v.status == "INCONCLUSIVE"
     assert f"the drop may be as large as {lossless_bound(20):.3f}" in "\n".join(v.reasons)
     # every look is the anytime-valid test, which needs 74 lossless samples; the reasons state the cost against a
@@ -163,9 +162,9 @@ def test_zero_lost_of_20_is_inconclusive_with_the_samples_that_settle_it():
 
 def test_zero_lost_of_74_passes_and_a_clear_regression_fails():
     n = lossless_betting_count()
-    assert judge(rows([1] * n, [1] * n), [], Thresholds()).status == "PASS"
-    assert judge(rows([1] * (n - 1), [1] * (n - 1)), [], Thresholds()).status == "INCONCLUSIVE"
-    worse = judge(rows([1] * 40, [0] * 12 + [1] * 28), [], Thresholds())  # 12 of 40 lost
+    assert judge_rows(rows([1] * n, [1] * n), [], Thresholds()).status == "PASS"
+    assert judge_rows(rows([1] * (n - 1), [1] * (n - 1)), [], Thresholds()).status == "INCONCLUSIVE"
+    worse = judge_rows(rows([1] * 40, [0] * 12 + [1] * 28), [], Thresholds())  # 12 of 40 lost
     assert worse.status == "FAIL"
     assert "shown over the 0.05 margin" in "\n".join(worse.reasons)
 
@@ -198,7 +197,7 @@ def test_holm_changes_a_borderline_cell_fail():
 
     records = rows([1] * 120, [policy_score(i) for i in range(120)], cell=lambda i: {"cell": i // 12})
     status = {
-        m: {c["cell"]: c["status"] for c in judge(records, [], Thresholds(multiplicity=m)).cells}
+        m: {c["cell"]: c["status"] for c in judge_rows(records, [], Thresholds(multiplicity=m)).cells}
         for m in ("holm", "none")
     }
     assert status["holm"]["cell=0"] == "shown to fail" and status["holm"]["cell=1"] == "no failure shown"
@@ -213,10 +212,10 @@ def test_several_variants_are_corrected_together():
     assert lossless_betting_count(0.025) > n
     one = rows([1] * n, [1] * n)
     two = one + [r for r in rows([1] * n, [1] * n, variant="knorm@0.25") if r["variant"] != "baseline"]
-    assert judge(one, [], Thresholds()).status == "PASS"
-    v = judge(two, [], Thresholds())
+    assert judge_rows(one, [], Thresholds()).status == "PASS"
+    v = judge_rows(two, [], Thresholds())
     assert v.status == "INCONCLUSIVE" and "Holm's correction over 2 variants" in "\n".join(v.reasons)
-    assert judge(two, [], Thresholds(multiplicity="none")).status == "PASS"
+    assert judge_rows(two, [], Thresholds(multiplicity="none")).status == "PASS"
 
 
 def test_plan_prints_the_samples_a_pass_needs(capsys, tmp_path):

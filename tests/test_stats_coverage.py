@@ -14,6 +14,7 @@ import pytest
 from evalkit.gate.decide import variant_decisions
 from evalkit.gate.power import draw_contexts
 from evalkit.gate.thresholds import Thresholds
+from tests.conftest import as_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,7 +62,9 @@ def test_the_simulation_judges_as_the_gate_does(m, icc, loss, step, k):
     runs = bench.Runs(s, step * (lost - gained) / m, lost / m if step > 0.1 else np.zeros(lost.shape))
     simulated = runs.passes(np.full(8, k))
     gate = [
-        variant_decisions({"snapkv@0.25": _rows(lost[i], gained[i], m, step)}, Thresholds())["snapkv@0.25"].status
+        variant_decisions({"snapkv@0.25": as_rows(_rows(lost[i], gained[i], m, step))}, Thresholds())[
+            "snapkv@0.25"
+        ].status
         == "PASS"
         for i in range(8)
     ]
@@ -80,7 +83,7 @@ def test_the_document_section_judges_as_the_gate_does(protocol):
         rows = bench.document_rows(lost[i], gained[i], 5, protocol)
         assert len({r["document_id"] for r in rows}) == 90
         assert len({r["context_id"] for r in rows}) == (450 if protocol == "query_aware" else 90)
-        full = [{**r, "sample_id": str(j), "variant": "snapkv@0.25", "cell": {}} for j, r in enumerate(rows)]
+        full = [r.replace(sample_id=str(j), variant="snapkv@0.25") for j, r in enumerate(rows)]
         decided = variant_decisions({"snapkv@0.25": full}, Thresholds())["snapkv@0.25"].status == "PASS"
         assert bench.judged(rows, Thresholds())[0] == decided
         out.append(decided)

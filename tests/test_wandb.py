@@ -16,7 +16,7 @@ import pytest
 from evalkit.cli.gate import main as gate_main
 from evalkit.gate.tracked import label_of
 from evalkit.records.summary import summarize
-from tests.conftest import run_cli
+from tests.conftest import as_rows, run_cli
 from tests.test_gate import run_info
 from tests.test_report import needle_rows, write_run
 
@@ -140,8 +140,8 @@ def test_declared_bytes_are_named_declared():
     recs = needle_rows()
     for r in recs:
         r["kv_bytes_source"] = "declared: q8_0, 1.0625 bytes per value (evalkit.plan)"
-    own = [r for r in recs if r["variant"] == "snapkv@0.5"]
-    fields = variant_summary(summarize(recs)["snapkv@0.5"], own)
+    own = as_rows([r for r in recs if r["variant"] == "snapkv@0.5"])
+    fields = variant_summary(summarize(as_rows(recs))["snapkv@0.5"], own)
     assert fields["kv_bytes_are"] == "declared" and fields["kv_ratio_declared"] == pytest.approx(0.5)
     assert "kv_ratio_measured" not in fields
 

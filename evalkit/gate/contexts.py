@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from evalkit.records import Row
 from evalkit.records.summary import cell_key
 
 GRADED_FLIP_DELTA = 0.1  # the default gate.graded_flip_delta: a graded score must fall by more than this to count
@@ -66,17 +67,17 @@ class Contexts:
         return int(np.sum(self.lost > 0)), int(np.sum(self.gained > 0))
 
 
-def document_of(row: dict, index: int) -> str:
+def document_of(row: Row, index: int) -> str:
     """The document a row's question was asked on: its `document_id`, else its `context_id` (the same digest under
     query_agnostic, so rows of a run resumed after evalkit began to record documents group alike), else a key of
     its own."""
     for key in ("document_id", "context_id"):
         if row.get(key) is not None:
             return str(row[key])
-    return f"row #{index} (sample {row.get('sample_id')})"
+    return f"row #{index} (sample {row.sample_id})"
 
 
-def group(rows: list[dict], flip_delta: float = GRADED_FLIP_DELTA, kl_cap: float | None = None) -> Contexts:
+def group(rows: list[Row], flip_delta: float = GRADED_FLIP_DELTA, kl_cap: float | None = None) -> Contexts:
     """A variant's rows (each with score and baseline_score, paired) as documents, in order of first appearance.
 
     A flip is a score that falls (lost) or rises (gained) by more than `flip_delta`: for 0/1 scores, right to wrong
@@ -84,8 +85,8 @@ def group(rows: list[dict], flip_delta: float = GRADED_FLIP_DELTA, kl_cap: float
     order: dict[str, list[int]] = {}
     for i, r in enumerate(rows):
         order.setdefault(document_of(r, i), []).append(i)
-    base = np.array([float(r["baseline_score"]) for r in rows])
-    pol = np.array([float(r["score"]) for r in rows])
+    base = np.array([float(r.baseline_score) for r in rows])
+    pol = np.array([float(r.score) for r in rows])
     diff = base - pol
     kl = above = None
     if kl_cap is not None and rows and all(_finite(r.get("kl_mean")) for r in rows):
@@ -110,11 +111,11 @@ def group(rows: list[dict], flip_delta: float = GRADED_FLIP_DELTA, kl_cap: float
     )
 
 
-def by_cell(rows: list[dict]) -> dict[str, list[dict]]:
+def by_cell(rows: list[Row]) -> dict[str, list[Row]]:
     """A variant's rows per cell (evalkit.gate.summary.cell_key), cells sorted."""
-    cells: dict[str, list[dict]] = {}
+    cells: dict[str, list[Row]] = {}
     for r in rows:
-        cells.setdefault(cell_key(r["cell"]), []).append(r)
+        cells.setdefault(cell_key(r.cell), []).append(r)
     return dict(sorted(cells.items()))
 
 

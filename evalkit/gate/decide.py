@@ -21,6 +21,7 @@ import numpy as np
 from evalkit.gate.checks import Evidence, evaluate, kl_cap, kl_words
 from evalkit.gate.contexts import Contexts, by_cell, group
 from evalkit.gate.power import betting_cell_samples, contexts_needed, judged_once_lossless, lossless_contexts
+from evalkit.records import Row
 from evalkit.stats import adjust, betting, binary_bounds
 
 
@@ -47,7 +48,7 @@ def floor(t) -> int:
     return t.min_samples if t.min_samples is not None else min_samples(t)
 
 
-def evidence_of(by_variant: dict[str, list[dict]], t) -> dict[str, Evidence]:
+def evidence_of(by_variant: dict[str, list[Row]], t) -> dict[str, Evidence]:
     out = {}
     for name in sorted(by_variant):
         ctx = group(by_variant[name], t.graded_flip_delta, kl_cap(t))
@@ -69,7 +70,7 @@ def critical_levels(pvalues: list[float], alpha: float, method: str) -> list[flo
     return out
 
 
-def variant_decisions(by_variant: dict[str, list[dict]], t, look: int = 1) -> dict[str, Decision]:
+def variant_decisions(by_variant: dict[str, list[Row]], t, look: int = 1) -> dict[str, Decision]:
     """PASS, FAIL or INCONCLUSIVE for every variant, corrected across variants (`look`: this judgement's number,
     recorded and shown; the statistics do not depend on it)."""
     alpha = 1 - t.confidence
@@ -191,7 +192,7 @@ class CellResult:
     p: float = math.nan
 
 
-def cell_decisions(by_variant: dict[str, list[dict]], t) -> list[CellResult]:
+def cell_decisions(by_variant: dict[str, list[Row]], t) -> list[CellResult]:
     """Per variant and cell: is the policy's accuracy shown below `min_cell_accuracy` where the baseline reaches it?
     The betting test at every look, Holm or Bonferroni across all cells judged; a cell too small to ever be shown
     failing at the error rate it is given is `not judged`."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 from evalkit import scoring
+from evalkit.records import Row
 from evalkit.records.checks import EDITED, shared_endpoints
 
 RUN_NEEDS = (
@@ -42,14 +43,14 @@ RUN_NEEDS = (
 )
 
 
-def undocumented(rows: list[dict], where: str) -> list[str]:
+def undocumented(rows: list[Row], where: str) -> list[str]:
     """protocol=query_aware rows without a document_id: each question compressed its document with it, so their
     contexts differ per question and the gate cannot tell which questions share a document (the unit)."""
-    bare = [r for r in rows if r.get("protocol") == "query_aware" and r.get("document_id") is None]
+    bare = [r for r in rows if r.protocol == "query_aware" and r.get("document_id") is None]
     if not bare:
         return []
     return [
-        f"{where}: {len(bare)} protocol=query_aware rows without document_id (sample {bare[0]['sample_id']!r} "
+        f"{where}: {len(bare)} protocol=query_aware rows without document_id (sample {bare[0].sample_id!r} "
         "first): the gate cannot tell which questions were asked on one document, its unit; rerun the run with "
         "this evalkit, which records each row's document"
     ]
@@ -84,13 +85,13 @@ def judged_fields(rows: list[dict], lines: list[int], path: str, info: dict) -> 
     fields on an hf run's rows, a KL on every row of a variant once any has one. Each names file:line."""
     want, engine = scoring.expected(task_config(info)), backend_of(info)
     forced = scoring.teacher_forced(task_config(info))
-    with_kl = {r["variant"] for r in rows if r.get("kl_mean") is not None}
+    with_kl = {r.variant for r in rows if r.get("kl_mean") is not None}
     out = []
     for r, n in zip(rows, lines, strict=True):
         why = (
             _engine(r, engine)
             or (_forced(r) if forced else _rescored(r, want))
-            or _kl(r, forced or r["variant"] in with_kl)
+            or _kl(r, forced or r.variant in with_kl)
         )
         if why:
             out.append(f"{path}:{n}: {why}")
@@ -100,7 +101,7 @@ def judged_fields(rows: list[dict], lines: list[int], path: str, info: dict) -> 
 LISTED = 3  # rows named per file; the rest are counted
 
 
-def _engine(r: dict, engine: str) -> str | None:
+def _engine(r: Row, engine: str) -> str | None:
     if r.get("backend") is not None and r["backend"] != engine:
         return f"has backend={r['backend']!r} but its run.json ran backend {engine!r}; {EDITED}"
     missing = [k for k in HF_FIELDS if r.get(k) is None] if engine == "hf" else []
@@ -109,24 +110,22 @@ def _engine(r: dict, engine: str) -> str | None:
     return None
 
 
-def _rescored(r: dict, want: str | None) -> str | None:
+def _rescored(r: Row, want: str | None) -> str | None:
     why = scoring.problem(r, want)
     return f"{why}; {EDITED}" if why else None
 
 
-def _forced(r: dict) -> str | None:
+def _forced(r: Row) -> str | None:
     """A teacher-forced row's score is its top-1 agreement with the baseline's logits (the baseline's own: 1)."""
     agreement = r.get("top1_agreement")
     if agreement is None:
         return f"has no top1_agreement: a teacher-forced row's score is its top-1 agreement; {MISSING}"
-    if r["score"] != agreement:
-        return (
-            f"score={r['score']!r} but its top1_agreement is {agreement!r} (a teacher-forced row scores it); {EDITED}"
-        )
+    if r.score != agreement:
+        return f"score={r.score!r} but its top1_agreement is {agreement!r} (a teacher-forced row scores it); {EDITED}"
     return None
 
 
-def _kl(r: dict, needed: bool) -> str | None:
+def _kl(r: Row, needed: bool) -> str | None:
     if needed and r.get("kl_mean") is None:
         return (
             "has no kl_mean, which the other rows of its variant (or of a teacher-forced task) carry: the KL check "

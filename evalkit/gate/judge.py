@@ -24,7 +24,7 @@ from evalkit.gate.evidence import backend_of
 from evalkit.gate.reading import check_rows
 from evalkit.gate.summary import chunked_vs_oneshot, is_baseline, label_order
 from evalkit.gate.thresholds import Thresholds
-from evalkit.records import BASELINE
+from evalkit.records import BASELINE, Row
 from evalkit.records.summary import summarize
 
 
@@ -51,7 +51,7 @@ class Verdict:
         return self.status == "PASS"
 
 
-def _compression_asked(row: dict) -> bool:
+def _compression_asked(row: Row) -> bool:
     policy = row.get("policy") or {}
     return bool(row.get("quant")) or (
         policy.get("name") not in (None, "none", BASELINE) and policy.get("budget") != 1.0
@@ -83,7 +83,7 @@ def baseline_problems(summary: dict[str, Any], t: Thresholds) -> tuple[list[str]
 
 
 def judge(
-    rows: list[dict],
+    rows: list[Row],
     infos: list[dict],
     t: Thresholds,
     problems: list[str] | None = None,
@@ -109,9 +109,9 @@ def judge(
     if cannot or weak:
         chunked = chunked_vs_oneshot(rows) if rows else []
         return Verdict("CANNOT JUDGE", [*cannot, *weak, *reasons], summary, capacity=cap, chunked=chunked, digest=key)
-    by_variant: dict[str, list[dict]] = {}
+    by_variant: dict[str, list[Row]] = {}
     for r in rows:
-        by_variant.setdefault(r["variant"], []).append(r)
+        by_variant.setdefault(r.variant, []).append(r)
     policies = {name: by_variant[name] for name in summary if not is_baseline(name)}
     history = looks.history(recorded, key)
     decisions = variant_decisions(policies, t, history.number)
@@ -164,7 +164,7 @@ def declared_variants(policies: dict[str, list[dict]], infos: list[dict]) -> lis
     return sorted(
         name
         for name, rs in policies.items()
-        if any(str(r.get("run_id")) in runs or str(r.get("kv_bytes_source", "")).startswith("declared") for r in rs)
+        if any(str(r.run_id) in runs or str(r.get("kv_bytes_source", "")).startswith("declared") for r in rs)
     )
 
 
@@ -192,7 +192,7 @@ def cell_reasons(name: str, cells: list, t: Thresholds) -> list[str]:
     ]
 
 
-def record_reasons(name: str, rows: list[dict], s: dict[str, Any], t: Thresholds) -> list[str]:
+def record_reasons(name: str, rows: list[Row], s: dict[str, Any], t: Thresholds) -> list[str]:
     """What the variant's records show broken whatever the statistics: a chunked prefill over its bound, compression
     asked but not in the bytes."""
     reasons = []

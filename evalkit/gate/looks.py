@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from evalkit.records import to_json
+from evalkit.records import Row, to_json
 
 LOOKS_FILE = "looks.jsonl"
 LEGACY = "looks"  # the list an older run.json held
@@ -49,11 +49,11 @@ class History:
     repeat: bool = False  # the same rows and thresholds as every folder's last look: that look again
 
 
-def digest(rows: list[dict], t) -> str:
+def digest(rows: list[Row], t) -> str:
     """What a look judged: its rows, every field, and the thresholds (judging the same rows again is the same look;
     verdict.json carries it, so a report shows a verdict only for the rows it judged)."""
     h = hashlib.sha256()
-    for line in sorted(json.dumps(r, sort_keys=True, default=str) for r in rows):
+    for line in sorted(json.dumps(dict(r), sort_keys=True, default=str) for r in rows):
         h.update(line.encode())
         h.update(b"\n")
     h.update(json.dumps(asdict(t), sort_keys=True, default=str).encode())

@@ -13,15 +13,15 @@ from evalkit import scoring
 from evalkit.errors import ConfigError
 from evalkit.gate.evidence import judged_fields, run_problems, task_config, undocumented
 from evalkit.gate.summary import is_baseline, merge
-from evalkit.records import RUN, SAMPLES, experiment_config, scan_rows, torn_line
-from evalkit.records.checks import ROW_FIELDS, contradictions, row_problem
+from evalkit.records import RUN, SAMPLES, Row, experiment_config, read_back, torn_line
+from evalkit.records.checks import contradictions
 
 
 @dataclass
 class Records:
     """The rows of one or more runs merged into one table (merge), and why they cannot be judged, if they cannot."""
 
-    rows: list[dict]  # the rows that could be read, each (sample, variant) once
+    rows: list[Row]  # the rows that could be read, each (sample, variant) once
     infos: list[dict]  # the run.json of every run that has a readable one
     problems: list[str] = field(default_factory=list)  # each names the file (and line) and the fix
     partial: list[str] = field(default_factory=list)  # runs whose rows hold fewer samples than their run.json
@@ -91,11 +91,12 @@ def read_info(path: Path) -> tuple[dict, str | None]:
     return info, None
 
 
-def read_records(path: Path) -> tuple[list[dict], list[int], list[str]]:
+def read_records(path: Path) -> tuple[list[Row], list[int], list[str]]:
     """The rows of a samples.jsonl that the gate can read, the line of each, and a problem for every line it cannot
-    (torn included; a row whose scores or bytes are not finite numbers in range, evalkit.records.checks.row_problem)."""
+    (torn included; a row whose scores or bytes are not finite numbers in range, or that is not a Row:
+    evalkit.records.read_back)."""
     try:
-        rows, bad, torn, _, lines = scan_rows(path, ROW_FIELDS, row_problem)
+        rows, bad, torn, lines = read_back(path)
     except ConfigError as err:
         return [], [], [str(err)]
     if len(bad) > LISTED:
@@ -103,11 +104,11 @@ def read_records(path: Path) -> tuple[list[dict], list[int], list[str]]:
     return rows, lines, bad + ([torn_line(path, torn)] if torn is not None else [])
 
 
-def _once(rows: list[dict]) -> list[dict]:
+def _once(rows: list[Row]) -> list[Row]:
     """The first row of every (sample, variant)."""
-    first: dict[tuple, dict] = {}
+    first: dict[tuple, Row] = {}
     for r in rows:
-        first.setdefault((r["sample_id"], r["variant"]), r)
+        first.setdefault((r.sample_id, r.variant), r)
     return list(first.values())
 
 
@@ -120,7 +121,7 @@ def _some(values, k: int = 3) -> str:
     return ", ".join(values[:k]) + (f" and {len(values) - k} more" if len(values) > k else "")
 
 
-def check_rows(rows: list[dict], where: str, run_id: str | None = None) -> list[str]:
+def check_rows(rows: list[Row], where: str, run_id: str | None = None) -> list[str]:
     """Why the rows of one records file (one run) cannot be judged: none, repeated (sample, variant) rows, rows of
     several runs or configurations, no baseline or no policy rows, a variant not run on the baseline's samples."""
     if not rows:
@@ -128,11 +129,11 @@ def check_rows(rows: list[dict], where: str, run_id: str | None = None) -> list[
     return _repeated(rows, where) + _several_runs(rows, where, run_id) + _coverage(rows, where)
 
 
-def _repeated(rows: list[dict], where: str) -> list[str]:
+def _repeated(rows: list[Row], where: str) -> list[str]:
     first: dict[tuple, int] = {}
     repeats = []
     for i, r in enumerate(rows, start=1):
-        key = (r["sample_id"], r["variant"])
+        key = (r.sample_id, r.variant)
         if key in first:
             repeats.append((key, first[key], i))
         else:
@@ -148,8 +149,8 @@ def _repeated(rows: list[dict], where: str) -> list[str]:
     ]
 
 
-def _several_runs(rows: list[dict], where: str, run_id: str | None) -> list[str]:
-    ids = {str(r["run_id"]) for r in rows if r.get("run_id") is not None}
+def _several_runs(rows: list[Row], where: str, run_id: str | None) -> list[str]:
+    ids = {r.run_id for r in rows}
     if len(ids) > 1:
         return [
             f"{where}: rows of {len(ids)} runs in one file (run ids {_some(ids)}): several runs wrote the same "
@@ -163,7 +164,7 @@ def _several_runs(rows: list[dict], where: str, run_id: str | None) -> list[str]
         )
     settings: dict[str, set[str]] = defaultdict(set)
     for r in rows:
-        settings[r["variant"]].add(
+        settings[r.variant].add(
             json.dumps([r.get(k) for k in ("task", "protocol", "policy", "quant", "prefill")], sort_keys=True)
         )
     mixed = sorted(v for v, s in settings.items() if len(s) > 1)
@@ -175,10 +176,10 @@ def _several_runs(rows: list[dict], where: str, run_id: str | None) -> list[str]
     return out
 
 
-def _coverage(rows: list[dict], where: str) -> list[str]:
+def _coverage(rows: list[Row], where: str) -> list[str]:
     samples: dict[str, set] = defaultdict(set)
     for r in rows:
-        samples[r["variant"]].add(r["sample_id"])
+        samples[r.variant].add(r.sample_id)
     base = set().union(*(ids for v, ids in samples.items() if is_baseline(v)))
     policies = sorted(v for v in samples if not is_baseline(v))
     if not policies:
@@ -206,7 +207,7 @@ def _coverage(rows: list[dict], where: str) -> list[str]:
     return out
 
 
-def _samples(rows: list[dict], info: dict, where: str, partial: list[str]) -> list[str]:
+def _samples(rows: list[Row], info: dict, where: str, partial: list[str]) -> list[str]:
     """The run's rows against the samples its run.json lists (data.samples): rows of a sample it never drew cannot
     be judged; samples without rows (a run killed, cells never run) make the run unfinished, said in `partial`.
     lm-eval's runs (task external) list no samples: lm-eval draws its documents."""
@@ -218,7 +219,7 @@ def _samples(rows: list[dict], info: dict, where: str, partial: list[str]) -> li
             f"{where}: lacks data.samples, the samples the run drew: without it an unfinished run looks finished; "
             "judge the run.json its run wrote, or rerun it"
         ]
-    have = {str(r["sample_id"]) for r in rows if is_baseline(r["variant"])}
+    have = {str(r.sample_id) for r in rows if is_baseline(r.variant)}
     extra, missing = have - set(listed), set(listed) - have
     if extra:
         return [
@@ -226,7 +227,7 @@ def _samples(rows: list[dict], info: dict, where: str, partial: list[str]) -> li
             "run were added; give each run its own folder, or rerun it"
         ]
     if missing:
-        cells = {json.dumps(r["cell"], sort_keys=True) for r in rows}
+        cells = {json.dumps(r.cell, sort_keys=True) for r in rows}
         partial.append(
             f"{where}: the run is unfinished: {len(have)} of the {len(listed)} samples it drew have rows "
             f"({len(missing)} missing, e.g. {_some(missing)}; {_n(len(cells), 'cell')} with rows): finish it with "
@@ -235,7 +236,7 @@ def _samples(rows: list[dict], info: dict, where: str, partial: list[str]) -> li
     return []
 
 
-def _same_experiment(runs: list[tuple[Path, dict, list[dict]]]) -> list[str]:
+def _same_experiment(runs: list[tuple[Path, dict, list[Row]]]) -> list[str]:
     """Folders of one experiment (the same config less its sample count, the same model) whose rows disagree on a
     sample: which of them counts would decide the verdict, so neither is judged. Folders that agree on every sample
     they share are one measurement (merge keeps each sample once)."""
@@ -244,7 +245,7 @@ def _same_experiment(runs: list[tuple[Path, dict, list[dict]]]) -> list[str]:
         if isinstance(info.get("config"), dict):
             key = json.dumps([experiment_config(info["config"]), (info.get("model") or {}).get("fingerprint")],
                              sort_keys=True, default=str)  # fmt: skip
-            groups[key].append((folder, {(str(r["sample_id"]), r["variant"]): _answer(r) for r in rows}))
+            groups[key].append((folder, {(str(r.sample_id), r.variant): _answer(r) for r in rows}))
     out = []
     for members in groups.values():
         for i, (a, rows_a) in enumerate(members):
@@ -260,5 +261,5 @@ def _same_experiment(runs: list[tuple[Path, dict, list[dict]]]) -> list[str]:
     return out
 
 
-def _answer(row: dict) -> str:
-    return json.dumps([row.get("score"), row.get("prediction")], default=str)
+def _answer(row: Row) -> str:
+    return json.dumps([row.score, row.get("prediction")], default=str)

@@ -10,7 +10,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from evalkit.records import BASELINE, sample_identity, sample_key
+from evalkit.records import BASELINE, Row, sample_identity, sample_key
 from evalkit.records.summary import mean, paired, peak_prefill
 
 
@@ -78,7 +78,7 @@ def label_fields(label: str) -> dict[str, Any]:
     return {"variant": label.name, "run": label.group._asdict()}
 
 
-def merge(runs: list[tuple[Path, dict, list[dict]]]) -> list[dict]:
+def merge(runs: list[tuple[Path, dict, list[Row]]]) -> list[Row]:
     """One table from the rows of several runs (folder, run.json, rows), e.g. the jobs of a Hydra multirun.
 
     Samples are identified across runs by their sample key (evalkit.records.sample_key: the run's task config less
@@ -96,23 +96,23 @@ def merge(runs: list[tuple[Path, dict, list[dict]]]) -> list[dict]:
     def model(info: dict) -> str:
         return (info.get("model") or {}).get("name") or str((info.get("config") or {}).get("model", {}).get("name"))
 
-    def group(info: dict, row: dict) -> Group:
+    def group(info: dict, row: Row) -> Group:
         config = info.get("config") or {}
         task, backend = (v.get("name") if isinstance(v, dict) else v for v in map(config.get, ("task", "backend")))
         # rows name the engine where one other than evalkit's own (hf) ran them
-        return Group(str(row.get("task") or task), model(info), str(row.get("backend") or backend or "hf"))
+        return Group(str(row.task or task), model(info), str(row.get("backend") or backend or "hf"))
 
     if len(runs) == 1:
         _, info, rows = runs[0]
-        return [{**r, "variant": Label(r["variant"], group=group(info, r))} for r in rows]
+        return [r.replace(variant=Label(r.variant, group=group(info, r))) for r in rows]
     models = {model(info) for _, info, _ in runs}
-    tasks = {r.get("task") for _, _, rows in runs for r in rows}
+    tasks = {r.task for _, _, rows in runs for r in rows}
     common = Path(os.path.commonpath([folder for folder, _, _ in runs]))
     labelled = []  # (label, settings, sample key, row, folder)
     for folder, info, rows in sorted(runs, key=lambda run: str(run[0])):
         prefix = "/".join(
             [
-                *([str(rows[0].get("task"))] if len(tasks) > 1 and rows else []),
+                *([str(rows[0].task)] if len(tasks) > 1 and rows else []),
                 *([model(info)] if len(models) > 1 else []),
             ]
         )
@@ -121,44 +121,44 @@ def merge(runs: list[tuple[Path, dict, list[dict]]]) -> list[dict]:
             g = group(info, r)
             measured = [r.get(k) for k in ("policy", "quant", "prefill", "protocol")] + [g.backend]
             settings = json.dumps(measured, sort_keys=True)
-            label = Label(r["variant"], prefix, group=g)
-            labelled.append((label, settings, sample_key(identity, info, r["sample_id"]), r, where))
+            label = Label(r.variant, prefix, group=g)
+            labelled.append((label, settings, sample_key(identity, info, r.sample_id), r, where))
     split = _split_labels(labelled)
     keys_of_id: dict[str, set[str]] = defaultdict(set)
     for _, _, key, r, _ in labelled:
-        keys_of_id[str(r["sample_id"])].add(key)
+        keys_of_id[str(r.sample_id)].add(key)
     out, seen = [], set()
     for label, _, key, r, folder in labelled:
         label = Label(label.name, label.prefix, folder, label.group) if label in split else label
         if (label, key) in seen:
             continue
         seen.add((label, key))
-        sid = r["sample_id"]
+        sid = r.sample_id
         if len(keys_of_id[str(sid)]) > 1:
             sid = f"{sid}#{hashlib.sha256(key.encode()).hexdigest()[:8]}"
-        out.append({**r, "variant": label, "sample_id": sid})
+        out.append(r.replace(variant=label, sample_id=sid))
     return out
 
 
-def _split_labels(labelled: list[tuple[Label, str, str, dict, str]]) -> set[str]:
+def _split_labels(labelled: list[tuple[Label, str, str, Row, str]]) -> set[str]:
     """Labels whose rows are not one measurement: recorded with different settings in different runs, or with
     different answers for the same sample in different runs."""
     settings: dict[str, set[str]] = defaultdict(set)
     answers: dict[tuple[str, str], set[str]] = defaultdict(set)
     for label, setting, key, r, _ in labelled:
         settings[label].add(setting)
-        answers[label, key].add(json.dumps([r.get("score"), r.get("prediction")], default=str))
+        answers[label, key].add(json.dumps([r.score, r.get("prediction")], default=str))
     return {label for label, s in settings.items() if len(s) > 1} | {
         label for (label, _), a in answers.items() if len(a) > 1
     }
 
 
-def chunked_vs_oneshot(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def chunked_vs_oneshot(rows: list[Row]) -> list[dict[str, Any]]:
     """Each chunked variant (`h2o@1024:chunk512`) beside the same policy prefilled in one shot (`h2o@1024`), paired
     on the samples both ran: accuracies, chunked minus one-shot with its 95% CI, and the peak KV bytes of each."""
-    by_label: dict[str, dict[str, dict]] = defaultdict(dict)
+    by_label: dict[str, dict[str, Row]] = defaultdict(dict)
     for r in rows:
-        by_label[r["variant"]][r["sample_id"]] = r
+        by_label[r.variant][r.sample_id] = r
     out = []
     for label in sorted(by_label, key=label_order):
         chunked = by_label[label]
@@ -171,13 +171,13 @@ def chunked_vs_oneshot(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ids = [i for i in chunked if i in base]
         if not ids:
             continue
-        stats = paired([base[i]["score"] for i in ids], [chunked[i]["score"] for i in ids])
+        stats = paired([base[i].score for i in ids], [chunked[i].score for i in ids])
         out.append(
             {
                 "variant": name,
                 "chunk": chunk,
                 "n": len(ids),
-                "baseline": mean([base[i]["baseline_score"] for i in ids]),
+                "baseline": mean([base[i].baseline_score for i in ids]),
                 "oneshot": stats["baseline"],
                 "chunked": stats["policy"],
                 "difference": 0.0 - stats["drop"],  # 0.0 - x: never a negative zero

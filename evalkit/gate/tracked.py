@@ -47,7 +47,7 @@ def log_verdict(infos: list[dict[str, Any]], doc: dict[str, Any]) -> list[Path]:
             project=PROJECT, group=str((info.get("config") or {}).get("task", {}).get("name")), dir=str(folder)
         )
         try:
-            variants = sorted({r["variant"] for r in read_rows(folder / SAMPLES)})
+            variants = sorted({r.variant for r in read_rows(folder / SAMPLES)})
         except ConfigError:
             continue  # rows that cannot be read: the verdict says so, and there is no variant to log it to
         for variant in variants:

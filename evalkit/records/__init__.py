@@ -14,12 +14,13 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from evalkit.errors import ConfigError
-from evalkit.records.schema import BASELINE, Job, Result, Row, RunInfo, flip, pair
+from evalkit.records.checks import ROW_FIELDS, row_problem
+from evalkit.records.schema import BASELINE, Job, Result, Row, RunInfo, flip, pair, row_error
 
 # the schema, read from here as from its own module
 __all__ = ["BASELINE", "Job", "Result", "Row", "RunInfo", "flip", "pair"]
@@ -92,22 +93,45 @@ def _json_kind(value: Any) -> str:
     return kinds.get(type(value), type(value).__name__)
 
 
+def read_back(path: Path) -> tuple[list[Row], list[str], int | None, list[int]]:
+    """What the gate and a resumed run read: every line of a samples.jsonl that is a row the gate can judge (the
+    fields it reads, scores and bytes finite numbers in range: records.checks.row_problem) and a Row (row_error), as
+    a Row; a problem naming file:line and the fix for every other whole line. Returns (rows, problems, torn,
+    lines) as scan_rows does."""
+    rows, problems, torn, _, lines = scan_rows(path, ROW_FIELDS, lambda r: row_problem(r) or row_error(r))
+    return [Row.from_dict(r) for r in rows], problems, torn, lines
+
+
 def torn_line(path: Path, n: int) -> str:
     return f"{path}:{n}: line {n} is torn (a write was killed); finish the run with resume=true"
 
 
-def read_rows(path: Path, repair: bool = False) -> list[dict[str, Any]]:
-    """Rows of a samples.jsonl. A torn final line (a killed write) is dropped, and cut from the file if `repair`.
-    A whole line that is not a JSON object with sample_id and variant is a ConfigError naming `file:line`."""
+def cut_torn(path: Path) -> None:
+    """Before a run continues its samples.jsonl: a torn final line (a killed write) cut off; a whole line that is not a
+    JSON object with sample_id and variant a ConfigError naming `file:line` (what the rest of each row must be is
+    checked once the run knows its samples: evalkit.run.resume.check_written)."""
     if not path.exists():
-        return []
-    rows, problems, torn, end, _ = scan_rows(path)
-    if problems:
-        raise ConfigError(problems[0] + (f" ({len(problems) - 1} more bad lines)" if len(problems) > 1 else ""))
-    if repair and torn is not None:
+        return
+    _, problems, torn, end, _ = scan_rows(path)
+    _refuse(problems)
+    if torn is not None:
         with path.open("r+b") as f:
             f.truncate(end)
-    return rows
+
+
+def read_rows(path: Path) -> list[Row]:
+    """Rows of a samples.jsonl, each a Row; a torn final line (a killed write) is left out. A whole line that is not a
+    JSON object that makes a Row (records.schema.row_error) is a ConfigError naming `file:line`."""
+    if not path.exists():
+        return []
+    rows, problems, _, _, _ = scan_rows(path, check=row_error)
+    _refuse(problems)
+    return [Row.from_dict(r) for r in rows]
+
+
+def _refuse(problems: list[str]) -> None:
+    if problems:
+        raise ConfigError(problems[0] + (f" ({len(problems) - 1} more bad lines)" if len(problems) > 1 else ""))
 
 
 def write_failed(path: Path, err: OSError) -> ConfigError:
@@ -127,15 +151,15 @@ class RecordWriter:
         except OSError as err:
             raise write_failed(path, err) from None
 
-    def write(self, *rows: Row | dict[str, Any]) -> None:
-        """Append `rows` (a sample's baseline and variants; a Row, or a mapping as read back) in one write and one
-        fsync: a process killed meanwhile (a sweep's worker that its launcher stops) leaves all of them or none,
-        never a sample's baseline alone."""
+    def write(self, *rows: Mapping[str, Any]) -> None:
+        """Append `rows` (a sample's baseline and variants: Rows, which read as the mappings the file holds) in one
+        write and one fsync: a process killed meanwhile (a sweep's worker that its launcher stops) leaves all of them
+        or none, never a sample's baseline alone."""
         if not rows:
             return
         start = self._file.tell()
         try:
-            lines = (to_json(row.to_dict() if isinstance(row, Row) else row) + "\n" for row in rows)
+            lines = (to_json(dict(row)) + "\n" for row in rows)
             self._file.write("".join(lines).encode())
             self._file.flush()
             os.fsync(self._file.fileno())

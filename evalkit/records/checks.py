@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from evalkit.records.schema import BASELINE, flip, is_number
+from evalkit.records.schema import BASELINE, Row, flip, is_number
 
 # What every row has, and the gate reads
 ROW_FIELDS = (
@@ -93,16 +93,16 @@ def _shape(row: dict) -> str | None:
     return None
 
 
-def contradictions(rows: list[dict], lines: list[int], path: str) -> list[str]:
+def contradictions(rows: list[Row], lines: list[int], path: str) -> list[str]:
     """Each variant row against the baseline row of its sample in the same file, and against its own fields."""
-    base = {r["sample_id"]: (r, n) for r, n in zip(rows, lines, strict=True) if r["variant"] == BASELINE}
+    base = {r.sample_id: (r, n) for r, n in zip(rows, lines, strict=True) if r.variant == BASELINE}
     documents: dict[str, tuple[Any, int]] = {}  # context_id -> (its first row's document_id, that row's line)
     out = []
     for r, n in zip(rows, lines, strict=True):
-        if r["variant"] == BASELINE:
+        if r.variant == BASELINE:
             why = _budget(r)
-        elif r["sample_id"] in base:
-            b, bn = base[r["sample_id"]]
+        elif r.sample_id in base:
+            b, bn = base[r.sample_id]
             why = _against_baseline(r, b, bn) or _budget(r) or _bytes(r, b)
         else:
             continue  # no baseline row: check_rows says so
@@ -112,13 +112,13 @@ def contradictions(rows: list[dict], lines: list[int], path: str) -> list[str]:
     return out
 
 
-def _document(r: dict, documents: dict[str, tuple[Any, int]], line: int) -> str | None:
+def _document(r: Row, documents: dict[str, tuple[Any, int]], line: int) -> str | None:
     """A row's document_id where it can be re-derived: the prefilled context outside query_aware, and the document of
     every other row prefilled from the same context."""
     cid, doc = r.get("context_id"), r.get("document_id")
     if cid is None or doc is None:
         return None
-    if r.get("protocol") != "query_aware" and doc != cid:
+    if r.protocol != "query_aware" and doc != cid:
         return (
             f"document_id={doc!r}, but under protocol={r.get('protocol')} the prefilled context is the document "
             f"(context_id={cid!r})"
@@ -129,9 +129,9 @@ def _document(r: dict, documents: dict[str, tuple[Any, int]], line: int) -> str 
     return None
 
 
-def _against_baseline(r: dict, b: dict, line: int) -> str | None:
+def _against_baseline(r: Row, b: Row, line: int) -> str | None:
     checks = [
-        ("baseline_score", b["score"], "the baseline row's score"),
+        ("baseline_score", b.score, "the baseline row's score"),
         ("kv_bytes_baseline", b["kv_bytes"], "the baseline row's kv_bytes"),
     ]
     if "kv_bytes_baseline_deployed" in r and "kv_bytes_deployed" in b:
@@ -142,14 +142,14 @@ def _against_baseline(r: dict, b: dict, line: int) -> str | None:
     for key, want, what in checks:
         if r.get(key) != want:
             return f"{key}={r.get(key)!r} but {what} (line {line}) is {want!r}"
-    if r.get("flip") is not None or "kl_mean" not in r:  # teacher-forced fidelity rows record no flip
-        derived = flip(r["score"], b["score"])
-        if r.get("flip") != derived:
+    if r.flip is not None or "kl_mean" not in r:  # teacher-forced fidelity rows record no flip
+        derived = flip(r.score, b.score)
+        if r.flip != derived:
             return f"flip={r.get('flip')!r}, but score {r['score']} against the baseline's {b['score']} is {derived!r}"
     return None
 
 
-def _budget(r: dict) -> str | None:
+def _budget(r: Row) -> str | None:
     """Tokens held within what the policy contract allowed, summed over the layers."""
     held, allowed = r.get("tokens_held_per_layer"), r.get("tokens_allowed_per_layer")
     if not isinstance(held, list) or not isinstance(allowed, list):
@@ -164,7 +164,7 @@ def _budget(r: dict) -> str | None:
     return None
 
 
-def _bytes(r: dict, b: dict) -> str | None:
+def _bytes(r: Row, b: Row) -> str | None:
     """Deployed bytes that match the tokens held: dense, the baseline's bytes per token and layer times the tokens
     held; quantized, at most that."""
     held, full = r.get("tokens_held_per_layer"), b.get("tokens_held_per_layer")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,14 +68,21 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-@dataclass(frozen=True)
-class Row:
+NAMED = ("run_id", "task", "protocol", "sample_id", "cell", "variant", "score", "baseline_score", "flip")
+
+
+@dataclass(frozen=True, eq=False)
+class Row(Mapping[str, Any]):
     """One variant on one sample, as samples.jsonl holds it: what names it (run, task, sample, variant), its score
-    paired with the baseline's on the same sample, and `fields`, what the sample and the engine recorded beside."""
+    paired with the baseline's on the same sample, and `fields`, what the sample and the engine recorded beside.
+
+    Every reader of samples.jsonl gets Rows (evalkit.records.read_rows, the gate's reading): the named fields as
+    typed attributes, validated here; and, as a read-only mapping, the row as the file holds it, `row["kl_mean"]`,
+    `row.get("policy")`, the named fields included (two rows are equal when their contents are)."""
 
     run_id: str
     task: str
-    protocol: str
+    protocol: str | None
     sample_id: str | int
     cell: dict[str, Any]
     variant: str
@@ -88,6 +96,8 @@ class Row:
             name
             for name, ok in (
                 ("run_id", isinstance(self.run_id, str)),
+                ("task", isinstance(self.task, str)),
+                ("protocol", self.protocol is None or isinstance(self.protocol, str)),
                 ("sample_id", isinstance(self.sample_id, (str, int)) and not isinstance(self.sample_id, bool)),
                 ("cell", isinstance(self.cell, dict)),
                 ("variant", isinstance(self.variant, str) and bool(self.variant)),
@@ -100,10 +110,43 @@ class Row:
         if wrong:
             raise ValueError(f"a row of {self.variant!r} on sample {self.sample_id!r} has a bad {', '.join(wrong)}")
 
+    @classmethod
+    def from_dict(cls, row: Mapping[str, Any]) -> Row:
+        """A row as read back (a JSON object of samples.jsonl): its named fields typed and validated (a ValueError
+        that names them; a missing one is a KeyError), the rest kept as `fields`."""
+        return cls(**{k: row[k] for k in NAMED}, fields={k: v for k, v in row.items() if k not in NAMED})
+
     def to_dict(self) -> dict[str, Any]:
         """The row as samples.jsonl holds it (its fields beside the named ones)."""
-        named = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "fields"}
-        return {**self.fields, **named}
+        return {**self.fields, **{name: getattr(self, name) for name in NAMED}}
+
+    def replace(self, **named: Any) -> Row:
+        """This row with other values for named fields (a merged table's labels and sample ids)."""
+        return dataclasses.replace(self, **named)
+
+    def __getitem__(self, key: str) -> Any:
+        if key in NAMED:
+            return getattr(self, key)
+        return self.fields[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self.fields, *(k for k in NAMED if k not in self.fields)])
+
+    def __len__(self) -> int:
+        return len(set(self.fields) | set(NAMED))
+
+
+def row_error(row: Mapping[str, Any]) -> str | None:
+    """Why a JSON object read back is not a Row (a check for evalkit.records.scan_rows), or None."""
+    missing = [k for k in NAMED if k not in row]
+    if missing:
+        return f"has no {', '.join(missing)} (every row evalkit writes has them)"
+    try:
+        Row.from_dict(row)
+    except ValueError as err:
+        bad = str(err).split(" has a bad ")[-1]
+        return f"has a bad {bad}: " + ", ".join(f"{k}={row[k]!r}" for k in bad.split(", "))
+    return None
 
 
 def pair(head: dict[str, Any], sample: dict[str, Any], results: list[Result], flips: bool = True) -> list[Row]:

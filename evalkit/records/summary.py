@@ -7,14 +7,14 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from evalkit.records.schema import BASELINE, flip_cause
+from evalkit.records.schema import BASELINE, Row, flip_cause
 from evalkit.stats import mcnemar_exact, paired_drop
 from evalkit.units import fmt_bytes
 
 FIDELITY = ("kl_mean", "top1_agreement", "ppl_ratio")
 
 
-def peak_prefill(row: dict[str, Any]) -> int:
+def peak_prefill(row: Row) -> int:
     """The most KV bytes held while the context was prefilled (rows written before chunked prefill: the baseline's)."""
     return row.get("prefill_peak_kv_bytes") or row["kv_bytes_baseline"]
 
@@ -45,14 +45,14 @@ def paired(baseline: list[float], policy: list[float], level: float = 0.95) -> d
     }
 
 
-def _grouped(rows: list[dict[str, Any]], key) -> dict[str, dict[str, Any]]:
+def _grouped(rows: list[Row], key) -> dict[str, dict[str, Any]]:
     """Paired statistics per group of rows (key(row) -> group name, None to leave a row out)."""
     groups: dict[str, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
     for r in rows:
         k = key(r)
         if k is not None:
-            groups[k][0].append(r["baseline_score"])
-            groups[k][1].append(r["score"])
+            groups[k][0].append(r.baseline_score)
+            groups[k][1].append(r.score)
     return {k: paired(b, p) for k, (b, p) in sorted(groups.items())}
 
 
@@ -61,15 +61,15 @@ def run_order(label: str) -> tuple:
     return label != BASELINE, label
 
 
-def summarize(rows: list[dict[str, Any]], order: Callable[[str], Any] = run_order) -> dict[str, Any]:
+def summarize(rows: list[Row], order: Callable[[str], Any] = run_order) -> dict[str, Any]:
     """Per variant: accuracy beside the baseline's on the same samples, flips, KV bytes; and per cell. Variants in
     `order` (merged runs' labels: the gate's label_order)."""
-    by_variant: dict[str, list[dict]] = defaultdict(list)
+    by_variant: dict[str, list[Row]] = defaultdict(list)
     for r in rows:
-        by_variant[r["variant"]].append(r)
+        by_variant[r.variant].append(r)
     out = {}
     for variant, rs in sorted(by_variant.items(), key=lambda kv: order(kv[0])):
-        overall = paired([r["baseline_score"] for r in rs], [r["score"] for r in rs])
+        overall = paired([r.baseline_score for r in rs], [r.score for r in rs])
         out[variant] = {
             "n": len(rs),
             "accuracy": overall["policy"],
@@ -95,13 +95,13 @@ def summarize(rows: list[dict[str, Any]], order: Callable[[str], Any] = run_orde
             "kv_bytes_per_token": mean([deployed(r)[0] / r["context_tokens"] for r in rs if r.get("context_tokens")]),
             # over the rows that carry one: a row without it is refused by the gate (evidence.judged_fields)
             **{k: mean([r[k] for r in rs if r.get(k) is not None]) for k in FIDELITY if k in rs[0]},
-            "splits": _grouped(rs, lambda r: r["cell"].get("split")),
-            "cells": _grouped(rs, lambda r: cell_key(r["cell"])),
+            "splits": _grouped(rs, lambda r: r.cell.get("split")),
+            "cells": _grouped(rs, lambda r: cell_key(r.cell)),
         }
     return out
 
 
-def deployed(row: dict[str, Any]) -> tuple[int, int]:
+def deployed(row: Row) -> tuple[int, int]:
     """(variant, full-cache baseline) KV bytes as a deployment holds them: dense keys and values in fp16/bf16, quantized
     ones packed (evalkit.kv.cache.deployed_bytes). Rows written before these were recorded: the measured bytes."""
     if row.get("kv_bytes_deployed") and row.get("kv_bytes_baseline_deployed"):
@@ -109,7 +109,7 @@ def deployed(row: dict[str, Any]) -> tuple[int, int]:
     return row["kv_bytes"], row["kv_bytes_baseline"]
 
 
-def _nominal(row: dict[str, Any]) -> float | None:
+def _nominal(row: Row) -> float | None:
     """The budget a variant asked for as a share of the context (None for token budgets and the baseline)."""
     budget = (row.get("policy") or {}).get("budget")
     return float(budget) if isinstance(budget, float) else None

@@ -27,6 +27,7 @@ from evalkit.gate.outputs import chunked_table, output_folder
 from evalkit.gate.reading import read_runs
 from evalkit.gate.summary import chunked_vs_oneshot, group_of, is_baseline, label_order
 from evalkit.gate.thresholds import Thresholds, thresholds
+from evalkit.records import Row
 from evalkit.records.summary import summarize
 from evalkit.report.data import verdict_view
 from evalkit.report.page import pareto
@@ -44,32 +45,32 @@ def _cell(name: str) -> str:
     return name.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
 
 
-def _axes(rows: list[dict]) -> tuple[str, str] | None:
+def _axes(rows: list[Row]) -> tuple[str, str] | None:
     """The two cell keys a heatmap spans: context length by depth (needle) or by position (middoc)."""
-    keys = set().union(*(r["cell"] for r in rows))
+    keys = set().union(*(r.cell for r in rows))
     for y in ("depth", "position"):
         if {"context_length", y} <= keys:
             return "context_length", y
     return None
 
 
-def heatmaps(rows: list[dict], out: Path) -> Path | None:
+def heatmaps(rows: list[Row], out: Path) -> Path | None:
     """Accuracy per (context length, depth or position) for every variant whose rows have both keys: runs of other
     tasks merged into the report (lm-eval's RULER cells, a dataset's subtasks) are left to report.html's panels."""
     axes = _axes(rows)
     if axes is None:
         return None
     xk, yk = axes
-    rows = [r for r in rows if xk in r["cell"] and yk in r["cell"]]
-    variants = sorted({r["variant"] for r in rows}, key=label_order)
-    xs = sorted({r["cell"][xk] for r in rows})
-    ys = sorted({r["cell"][yk] for r in rows})
+    rows = [r for r in rows if xk in r.cell and yk in r.cell]
+    variants = sorted({r.variant for r in rows}, key=label_order)
+    xs = sorted({r.cell[xk] for r in rows})
+    ys = sorted({r.cell[yk] for r in rows})
     fig, axs = plt.subplots(1, len(variants), figsize=(3.2 * len(variants), 3.2), squeeze=False)
     for ax, v in zip(axs[0], variants, strict=True):
         grid = [[float("nan")] * len(xs) for _ in ys]
         for i, y in enumerate(ys):
             for j, x in enumerate(xs):
-                scores = [r["score"] for r in rows if r["variant"] == v and r["cell"][xk] == x and r["cell"][yk] == y]
+                scores = [r.score for r in rows if r.variant == v and r.cell[xk] == x and r.cell[yk] == y]
                 if scores:
                     grid[i][j] = sum(scores) / len(scores)
         im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")

@@ -21,7 +21,7 @@ from evalkit.gate.outputs import VERDICT
 from evalkit.gate.reading import Records
 from evalkit.gate.summary import is_baseline, variant_name
 from evalkit.gate.thresholds import thresholds
-from evalkit.records import RUN, SAMPLES
+from evalkit.records import RUN, SAMPLES, Row
 
 VERSIONS = ("evalkit", "evalkit_git", "torch", "transformers", "lm_eval", "llama_cpp")
 EXIT = {"PASS": EXIT_OK, "FAIL": EXIT_FAIL, "INCONCLUSIVE": 2, "CANNOT JUDGE": 2}
@@ -182,9 +182,9 @@ def row_lines(folders: list[Path]) -> dict[tuple, Line]:
     return out
 
 
-def line_of(row: dict[str, Any], lines: dict[tuple, Line]) -> Line | None:
-    sid, variant = row["sample_id"], variant_name(row["variant"])
-    return lines.get((row.get("run_id"), sid, variant)) or lines.get((None, sid, variant))
+def line_of(row: Row, lines: dict[tuple, Line]) -> Line | None:
+    sid, variant = row.sample_id, variant_name(row.variant)
+    return lines.get((row.run_id, sid, variant)) or lines.get((None, sid, variant))
 
 
 def run_panel(folder: Path) -> dict[str, Any]:
@@ -220,6 +220,7 @@ def run_panel(folder: Path) -> dict[str, Any]:
 
 
 def _rows(path: Path) -> list[dict]:
+    """Every JSON object of a samples.jsonl, read leniently: a run's panel describes a folder the gate may refuse."""
     out = []
     try:
         text = path.read_text(errors="replace")

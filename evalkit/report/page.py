@@ -28,7 +28,7 @@ from evalkit.gate.judge import baseline_problems
 from evalkit.gate.reading import Records
 from evalkit.gate.summary import Group, Label, group_of, is_baseline, label_order, variant_name
 from evalkit.gate.thresholds import Thresholds
-from evalkit.records import BASELINE
+from evalkit.records import BASELINE, Row
 from evalkit.records.schema import flip_cause
 from evalkit.records.summary import cell_key, summarize
 from evalkit.report.data import Line, VerdictView, line_of, row_lines, run_folders, run_panel
@@ -57,16 +57,16 @@ def short_label(label: str) -> str:
     return f"{label.name} [{label.folder}]" if label.folder else label.name
 
 
-def group_titles(rows: list[dict]) -> dict[Group | None, str]:
+def group_titles(rows: list[Row]) -> dict[Group | None, str]:
     """How the tables and the cells name each group of runs: the label prefix that tells the groups apart (`needle`,
     `smollm2-135m`: runs of several tasks or models), else the group's task, model and backend (one task and model
     on several engines); one group of runs: its tasks."""
     prefixes: dict[Group | None, set[str]] = defaultdict(set)
     tasks: dict[Group | None, set[str]] = defaultdict(set)
     for r in rows:
-        label = r["variant"]
+        label = r.variant
         prefixes[group_of(label)].add(label.prefix if isinstance(label, Label) else "")
-        tasks[group_of(label)] |= {str(r["task"])} if r.get("task") else set()
+        tasks[group_of(label)] |= {str(r.task)} if r.task else set()
     shown = {g: next(iter(p)) for g, p in prefixes.items() if len(p) == 1 and "" not in p}
     several = len(prefixes) > 1
     if several and len(shown) == len(prefixes) and len(set(shown.values())) == len(shown):
@@ -219,7 +219,7 @@ def kl_figure(summary: dict[str, Any]) -> go.Figure | None:
 # --- the variants side by side -----------------------------------------------------------------------------------
 
 
-def variant_table(summary: dict[str, Any], verdict: VerdictView, rows: list[dict]) -> list[dict[str, Any]]:
+def variant_table(summary: dict[str, Any], verdict: VerdictView, rows: list[Row]) -> list[dict[str, Any]]:
     """The columns every run has, one line per variant, grouped by run group."""
     titles = group_titles(rows)
     out = []
@@ -286,14 +286,14 @@ def _cell(stats: dict | None, status: str, min_base: float | None, baseline_pane
     }
 
 
-def cell_panels(rows: list[dict], summary: dict[str, Any], verdict: VerdictView) -> list[dict[str, Any]]:
+def cell_panels(rows: list[Row], summary: dict[str, Any], verdict: VerdictView) -> list[dict[str, Any]]:
     """Per group of runs, per variant (the baseline first): accuracy per cell with n, as small grids that wrap."""
     min_base = verdict.thresholds.get("min_baseline_accuracy")
     titles = group_titles(rows)
     status = {(c.get("variant"), c.get("cell")): str(c.get("status", "")) for c in verdict.cells}
     cells_of: dict[Group | None, dict[str, dict]] = defaultdict(dict)
     for r in rows:
-        cells_of[group_of(r["variant"])].setdefault(cell_key(r["cell"]), r["cell"])
+        cells_of[group_of(r.variant)].setdefault(cell_key(r.cell), r.cell)
     out = []
     for group, cells in sorted(cells_of.items(), key=lambda item: _order(item[0])):
         col, row, facets = _axes(list(cells.values()))
@@ -345,19 +345,19 @@ def _label(value: Any) -> str:
 # --- every lost sample -------------------------------------------------------------------------------------------
 
 
-def lost_samples(rows: list[dict], lines: dict[tuple, Line], out: Path) -> list[dict[str, Any]]:
+def lost_samples(rows: list[Row], lines: dict[tuple, Line], out: Path) -> list[dict[str, Any]]:
     """Every sample a variant lost (it scores below the baseline's row for the same sample), with what it answered,
     what the answer was, the evidence each layer kept, and the line of samples.jsonl that records it."""
     base: dict[tuple, dict] = {}
     for r in rows:
-        if is_baseline(r["variant"]):
-            base.setdefault((group_of(r["variant"]), r["sample_id"]), r)
+        if is_baseline(r.variant):
+            base.setdefault((group_of(r.variant), r.sample_id), r)
     lost = []
-    for r in sorted(rows, key=lambda r: (label_order(r["variant"]), cell_key(r["cell"]), str(r["sample_id"]))):
-        if is_baseline(r["variant"]):
+    for r in sorted(rows, key=lambda r: (label_order(r.variant), cell_key(r.cell), str(r.sample_id))):
+        if is_baseline(r.variant):
             continue
-        b = base.get((group_of(r["variant"]), r["sample_id"]))
-        if not r["score"] < (b["score"] if b else r["baseline_score"]):
+        b = base.get((group_of(r.variant), r.sample_id))
+        if not r.score < (b.score if b else r.baseline_score):
             continue
         lost.append(_lost_row(r, b, line_of(r, lines), out))
     return lost
@@ -401,7 +401,7 @@ def _href(path: Path, out: Path) -> str:
     return quote(Path(os.path.relpath(path.resolve(), out.resolve())).as_posix())
 
 
-def _lost_row(r: dict, b: dict | None, line: Line | None, out: Path) -> dict[str, Any]:
+def _lost_row(r: Row, b: Row | None, line: Line | None, out: Path) -> dict[str, Any]:
     retained = r.get("evidence_retained_per_layer")
     retained = retained if isinstance(retained, list) and retained else None
     cause = flip_cause({**r, "flip": "lost"}) or NOT_MEASURED
@@ -411,17 +411,17 @@ def _lost_row(r: dict, b: dict | None, line: Line | None, out: Path) -> dict[str
         source = {"href": _href(line.path, out), "label": f"{line.path.parent.name}/{line.path.name}:{line.number}",
                   "path": str(line.path), "line": line.number, "row": pretty}  # fmt: skip
     return {
-        "variant": r["variant"],
-        "cell": cell_key(r["cell"]),
+        "variant": r.variant,
+        "cell": cell_key(r.cell),
         "cause": cause,
-        "sample_id": str(r["sample_id"]),
+        "sample_id": str(r.sample_id),
         "context_id": r.get("context_id"),
         "question": _text(r.get("question")),
         "prediction": _text(r["prediction"] if "prediction" in r else r.get("response")),
         "answers": _text(r.get("answers")),
         "baseline_prediction": _text(b.get("prediction", b.get("response"))) if b else "",
-        "score": r["score"],
-        "baseline_score": b["score"] if b else r["baseline_score"],
+        "score": r.score,
+        "baseline_score": b.score if b else r.baseline_score,
         "evidence": [{"layer": i, "value": v, "colour": accuracy_colour(v)} for i, v in enumerate(retained or [])],
         "source": source,
     }

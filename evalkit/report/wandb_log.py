@@ -16,7 +16,7 @@ from typing import Any
 
 from evalkit.gate.summary import label_order
 from evalkit.gate.tracked import verdict_fields
-from evalkit.records import SAMPLES, read_rows
+from evalkit.records import SAMPLES, Row, read_rows
 from evalkit.records.summary import summarize
 from evalkit.report.build import report
 from evalkit.tracking import Target, log_to_run, run_id, save_target, wandb_package
@@ -42,22 +42,22 @@ def variant_config(rows: list[dict], info: dict, thresholds: dict | None) -> dic
     policy, quant = first.get("policy") or {}, first.get("quant") or {}
     config = info.get("config") or {}
     return {
-        "variant": first["variant"],
-        "task": first.get("task") or (config.get("task") or {}).get("name"),
+        "variant": first.variant,
+        "task": first.task or (config.get("task") or {}).get("name"),
         "model": (info.get("model") or {}).get("name") or (config.get("model") or {}).get("name"),
         "backend": first.get("backend") or "hf",
         "policy": policy.get("name"),
         "budget": policy.get("budget"),
         "quantization": quant.get("name") or "none",
         "prefill": (first.get("prefill") or {}).get("mode", "oneshot"),
-        "protocol": first.get("protocol") or info.get("protocol"),
+        "protocol": first.protocol or info.get("protocol"),
         "policy_settings": policy,
         "evalkit_run_id": info.get("run_id"),
         "gate": thresholds,
     }
 
 
-def variant_summary(s: dict[str, Any], rows: list[dict]) -> dict[str, Any]:
+def variant_summary(s: dict[str, Any], rows: list[Row]) -> dict[str, Any]:
     """The variant's results: accuracy beside the baseline's, the paired drop and its bounds, flips and KV ratio."""
     p = s["paired"]
     declared = any(str(r.get("kv_bytes_source", "")).startswith(DECLARED) for r in rows)
@@ -112,7 +112,7 @@ def log_run(
     save_target(out_dir, target, ids)
     local = []
     for variant, s in summary.items():
-        own = [r for r in rows if r["variant"] == variant]
+        own = [r for r in rows if r.variant == variant]
         fields = variant_summary(s, own) | (verdict_fields(verdict, variant) if verdict else {})
         table = wandb.Table(columns=COLUMNS, data=[[_cell(r.get(c)) for c in COLUMNS] for r in own])
         media = {"samples": table, "report": wandb.Html(page.read_text(), inject=False)}

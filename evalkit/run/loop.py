@@ -86,7 +86,7 @@ def run_samples(engine: Engine, out_dir: Path, run_info: RunInfo, task: Task, jo
     """Let `engine` answer every job whose rows are missing (all of them: None, the engine finds its own) and write
     the rows, paired with the baseline, as each finishes."""
     rows_path = out_dir / SAMPLES
-    recorded = {(r["sample_id"], r["variant"]): r for r in read_rows(rows_path, repair=True)}
+    recorded = {(r.sample_id, r.variant): r for r in read_rows(rows_path)}
     names = [BASELINE, *engine.variant_names()]
     pending = []
     for j in jobs or []:

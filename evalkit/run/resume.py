@@ -25,13 +25,14 @@ from evalkit.errors import ConfigError
 from evalkit.records import (
     RUN,
     SAMPLES,
+    Row,
     RunInfo,
     config_differences,
     experiment_config,
-    scan_rows,
+    read_back,
     write_json,
 )
-from evalkit.records.checks import ROW_FIELDS, contradictions, row_problem
+from evalkit.records.checks import contradictions
 from evalkit.tasks import Sample, Task
 from evalkit.tasks.prompt import Prompt
 
@@ -44,11 +45,11 @@ def check_written(path: Path, task: Task, samples: list[Sample], prompts: list[P
     naming file:line, rather than carried into the extended run."""
     if not path.exists():
         return
-    rows, problems, _, _, lines = scan_rows(path, ROW_FIELDS, row_problem)
+    rows, problems, _, lines = read_back(path)
     problems += contradictions(rows, lines, str(path))
     by_id = {s.id: (s, p) for s, p in zip(samples, prompts, strict=True)}
     for row, n in zip(rows, lines, strict=True):
-        sample, prompt = by_id.get(row["sample_id"], (None, None))
+        sample, prompt = by_id.get(row.sample_id, (None, None))
         why = _rederived(row, task, sample, prompt) if sample is not None else None
         if why:
             problems.append(f"{path}:{n}: {why}")
@@ -60,7 +61,7 @@ def check_written(path: Path, task: Task, samples: list[Sample], prompts: list[P
         )
 
 
-def _rederived(row: dict, task: Task, sample: Sample, prompt: Prompt) -> str | None:
+def _rederived(row: Row, task: Task, sample: Sample, prompt: Prompt) -> str | None:
     if row.get("context_id") != prompt.context_id:
         return f"context_id={row.get('context_id')!r}, but the sample's prompt compresses context {prompt.context_id!r}"
     if row.get("document_id") is not None and row["document_id"] != prompt.document_id:
@@ -71,7 +72,7 @@ def _rederived(row: dict, task: Task, sample: Sample, prompt: Prompt) -> str | N
     if not isinstance(prediction, str):
         return f"prediction={prediction!r}, not the text its score was given for"
     score = task.score(prediction, sample)
-    if not math.isclose(score, row["score"], abs_tol=scoring.TOLERANCE):
+    if not math.isclose(score, row.score, abs_tol=scoring.TOLERANCE):
         return f"score={row['score']!r}, but its prediction {prediction[:60]!r} scores {score!r}"
     return None
 

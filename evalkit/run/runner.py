@@ -12,7 +12,7 @@ from evalkit.engine import models
 from evalkit.engine.rows import budget_clipped
 from evalkit.errors import ConfigError
 from evalkit.lock import RunLock
-from evalkit.records import RUN, SAMPLES, read_rows, write_json
+from evalkit.records import RUN, SAMPLES, cut_torn, write_json
 from evalkit.run import interrupt
 from evalkit.run.loop import Engine, finish, job, run_samples
 from evalkit.run.resume import check_samples_unchanged, check_written, start
@@ -41,7 +41,7 @@ def _run(spec: RunSpec, answering: Engine) -> dict[str, Any]:
     out_dir, task = spec.out_dir, spec.task
     rows_path = out_dir / SAMPLES
     run_info = start(out_dir, spec.config, spec.resume, task)
-    read_rows(rows_path, repair=True)  # before anything loads: a bad line refused, a torn last one cut
+    cut_torn(rows_path)  # before anything loads: a line that is no row refused, a torn last one cut
     if interrupt.requested():  # a sweep's job that starts after Ctrl-C
         raise interrupt.Interrupted(f"stopped before {out_dir} started")
     torch.manual_seed(spec.seed)
