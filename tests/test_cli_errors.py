@@ -38,6 +38,10 @@ UNLOADABLE = ["model=hf", "model.name_or_path=/nonexistent/model", "model.max_co
             "unknown key policy.budgt (did you mean policy.budget?); valid keys: budget, decode, decode_interval,",
         ),
         ([*UNLOADABLE, "+policy.budgt=0.5"], "unknown key policy.budgt (did you mean policy.budget?); valid keys"),
+        # what a task is, not a setting: a needle run teacher-forced was judged on its agreement with the baseline
+        # (1 by construction) and PASSed a model that finds no needle; external=true was an exit 3
+        ([*UNLOADABLE, "+task.teacher_forced=true"], "unknown key task.teacher_forced; valid keys"),
+        ([*UNLOADABLE, "+task.external=true"], "unknown key task.external; valid keys"),
         ([*UNLOADABLE, "policy.budget"], "the argument 'policy.budget' has no value; write policy.budget=VALUE"),
         ([*UNLOADABLE, "task.depths=[abc"], "cannot parse the override 'task.depths=[abc'"),
         ([*UNLOADABLE, "-m", "policy=h2o,snapkv", "policy.window=8"], "policy=h2o policy.window=8] unknown key"),

@@ -162,8 +162,24 @@ def test_a_flip_that_the_scores_do_not_make_is_refused(runs, capsys, tmp_path):
         ("score", math.inf, "has score=inf, outside the scorers' range [0, 1]"),
         ("score", 1.5, "has score=1.5, outside the scorers' range [0, 1]"),
         ("kv_bytes_deployed", 1, "kv_bytes_deployed=1 but its"),
+        # before: the budget and bytes checks skipped a string (a PASS at a quarter of the bytes claimed)
+        ("tokens_held_per_layer", "n/a", "has tokens_held_per_layer='n/a', not a list of token counts >= 0"),
+        ("prefill_peak_kv_bytes", "x", "has prefill_peak_kv_bytes='x', not a finite number of bytes"),  # exit 3
+        ("cell", {"context_length": 128, "depth": [1]}, "a cell's values are single numbers or strings"),  # exit 3
+        ("sample_id", "s\ud800", "holds an escape that is no Unicode character (a lone surrogate"),  # exit 3
     ],
-    ids=["negative-bytes", "zero-baseline-bytes", "nan-score", "inf-score", "score-over-1", "bytes-not-held"],
+    ids=[
+        "negative-bytes",
+        "zero-baseline-bytes",
+        "nan-score",
+        "inf-score",
+        "score-over-1",
+        "bytes-not-held",
+        "tokens-held-not-a-list",
+        "prefill-peak-not-bytes",
+        "cell-value-a-list",
+        "lone-surrogate",
+    ],
 )
 def test_impossible_numbers_are_refused(runs, capsys, tmp_path, field, value, message):
     """Before: kv_bytes=-5 PASSed at ratio -0.00004; zero baseline bytes was a ZeroDivisionError (exit 3); NaN or

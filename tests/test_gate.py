@@ -134,6 +134,24 @@ def write_run(folder, records, run_id="r1"):
     return folder
 
 
+def test_a_pass_at_thresholds_other_than_the_defaults_says_so_first(tmp_path, capsys):
+    """Before: `max_drop: 0.5` from a gate file PASSed with "Every threshold is shown to hold", the values only in
+    verdict.json. Control: the same rows at the defaults, a plain PASS."""
+    good = write_run(tmp_path / "good", rows([1] * N, [1] * N))
+    assert main([str(good), "--out", str(tmp_path / "default")]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[0] == "evalkit gate: PASS (look 1 of this run)"
+    (tmp_path / "loose.yaml").write_text("max_drop: 0.5\nmin_baseline_accuracy: null\n")
+    assert main([str(good), "--gate", str(tmp_path / "loose.yaml"), "--out", str(tmp_path / "loose")]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0] == "evalkit gate: PASS at thresholds other than the defaults (2 changed, below) (look 2 of this run)"
+    assert out[1] == (
+        "  - note: thresholds other than the defaults (conf/gate/default.yaml): max_drop=0.5 (default 0.05); "
+        "min_baseline_accuracy=None (default 0.5)"
+    )
+    report = (tmp_path / "loose" / "report.md").read_text()
+    assert report.startswith("# evalkit gate: PASS at thresholds other than the defaults") and "max_drop=0.5" in report
+
+
 def run_info(run_id: str) -> dict:
     """What the gate needs of a run.json: the config, the model fingerprint and the library versions."""
     return {

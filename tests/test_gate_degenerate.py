@@ -242,6 +242,25 @@ def test_a_run_json_that_cannot_be_used(tmp_path, capsys, info, message):
     assert_cannot_judge(capsys, d, f"{d}/{message}")
 
 
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model": "tiny"}, "lacks model.fingerprint"),  # the first of its problems
+        ({"model": {**INFO["model"], "weights_bytes": "big"}}, "model.weights_bytes is 'big', not bytes"),
+        ({"config": {**INFO["config"], "task": ["needle"]}}, "config.task is ['needle'], not an object"),
+        ({"data": {"files": ["a.jsonl"]}}, "data.files is ['a.jsonl'], not an object, a digest per input file"),
+        ({"engine": {"endpoints": ["http://a", "http://a"]}}, "engine.endpoints is ['http://a', 'http://a'], not an"),
+    ],
+    ids=["model-a-string", "weights-a-string", "task-a-list", "files-a-list", "endpoints-a-list"],
+)
+def test_a_run_json_field_of_the_wrong_kind_is_named_not_a_traceback(tmp_path, capsys, change, message):
+    """Before: AttributeError or TypeError in the merge, the capacity figure or the sample identity (exit 3), or, for
+    a list of endpoints, the check that no two variants share a server skipped."""
+    d = folder(tmp_path, info={**INFO, **change})
+    assert_cannot_judge(capsys, d, f"{d / 'run.json'}: {message}")
+    assert report_main([str(d), "--out", str(tmp_path / "report")]) == 0  # the page of what can be read
+
+
 def test_a_torn_last_line_is_not_dropped(tmp_path, capsys):
     # 48 whole rows, then a row cut mid-write (no newline): line 49
     text = lines(healthy())

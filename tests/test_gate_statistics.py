@@ -152,6 +152,29 @@ def test_graded_flips_need_a_change_larger_than_the_delta():
     )
 
 
+def test_a_pass_over_documents_is_not_one_over_their_questions_when_the_big_documents_lose():
+    """300 one-question documents kept beside one document of 300 questions all lost: over the 301 documents the drop
+    is 1/301, a PASS; over the 600 questions it is 0.5, which a deployment asking many questions of that document
+    sees. Before: PASS. Control: the big document kept, a PASS; documents of one question each are unaffected."""
+
+    def docs(big_lost: bool) -> list[dict]:
+        out = rows([1] * 600, [1] * 300 + [0 if big_lost else 1] * 300)
+        for r in out:
+            if int(r["sample_id"]) >= 300:
+                r["context_id"] = "c-big"  # one document, 300 questions on it
+        return out
+
+    v = judge_rows(docs(True), [], Thresholds())
+    assert v.status == "INCONCLUSIVE", v.reasons
+    assert any(
+        "shown within the thresholds over its 301 documents, each weighed once, but over its 600 questions" in r
+        and "drop +0.500 over the 0.05 margin and 50% lost, over the 10% flip-rate limit" in r
+        for r in v.reasons
+    ), v.reasons
+    assert v.advice.startswith("the documents' figures hold and their questions' do not")
+    assert judge_rows(docs(False), [], Thresholds()).status == "PASS"
+
+
 def _kl_rows(n: int, kl: float) -> list[dict]:
     return [{**r, "kl_mean": 0.0 if r["variant"] == "baseline" else kl} for r in rows([1] * n, [1] * n)]
 

@@ -279,6 +279,52 @@ def test_one_server_for_two_variants_is_refused(runs, capsys, tmp_path):
     cannot_judge(capsys, runs, d, "endpoints 'baseline' and 'none@1.0' are the same server")
 
 
+@pytest.mark.parametrize("flag", ["external", "teacher_forced"])
+def test_a_flag_in_run_json_does_not_turn_the_rescoring_off(runs, capsys, tmp_path, flag):
+    """Before: `"external": true` (or `"teacher_forced": true`) in run.json's config.task told the gate that lm-eval
+    (or the logits) had scored the rows: no prediction was scored again and no unfinished run was found, so lost rows
+    given score 1 PASSed. What scored a run is its task's class (`_target_`), never a flag in the file."""
+    d = copy(runs, "lossy", tmp_path)
+    rows = rows_of(d)
+    line = _lost(rows) + 1
+    for r in rows:
+        if r["flip"] == "lost":
+            r["score"], r["flip"] = 1.0, None
+    write_rows(d, rows)
+    info = json.loads((d / "run.json").read_text())
+    info["config"]["task"][flag] = True
+    (d / "run.json").write_text(json.dumps(info))
+    cannot_judge(capsys, runs, d, f"{d / SAMPLES}:{line}: score=1.0 but its prediction")
+
+
+def test_the_same_dataset_under_another_seed_is_the_same_samples(runs, capsys, tmp_path):
+    """A JSONL dataset that no seed changes, run again with seed=1: the same 24 samples (their content digests in
+    run.json), merged once, not 48 (before: every question counted twice, each run's folder a sample identity of its
+    own). Control: the first run's data, whose answers differ, are other samples under the same ids: 48."""
+    again = real_run(tmp_path / "seed1", runs["data"], "variants=[none@1.0]", "seed=1")
+    a = copy(runs, "lossless", tmp_path, "a")
+    code, _, _ = judge(capsys, runs, a, again)
+    assert code == 0 and json.loads((a / "verdict.json").read_text())["variants"]["none@1.0"]["n"] == N
+    first = Path(shutil.copytree(runs["data"].parent / "first", tmp_path / "first"))
+    b = copy(runs, "lossless", tmp_path, "b")
+    judge(capsys, runs, b, first)
+    assert json.loads((b / "verdict.json").read_text())["variants"]["none@1.0"]["n"] == 2 * N
+
+
+def test_rows_of_evalkits_own_engine_under_another_backend_are_refused(runs, capsys, tmp_path):
+    """Rows written by evalkit's engine (engine_version transformers ...) in a run.json that says llama.cpp ran them:
+    before, the fields only evalkit's engine must carry (tokens held, deployed bytes) were not asked for."""
+    d = copy(runs, "lossless", tmp_path)
+    rows = rows_of(d)
+    for r in rows:
+        r["backend"] = "llamacpp"
+    write_rows(d, rows)
+    info = json.loads((d / "run.json").read_text())
+    info["config"]["backend"] = {"name": "llamacpp"}
+    (d / "run.json").write_text(json.dumps(info))
+    cannot_judge(capsys, runs, d, f"{d / SAMPLES}:1: has engine_version='transformers", "backend 'llamacpp'")
+
+
 def test_declared_bytes_are_labelled_and_a_pass_on_them_says_so_first(runs, capsys, tmp_path):
     """Rows as backend=openai writes them (bytes declared from a dtype, the backend named in rows and run.json).
     Before: PASS with nothing in verdict.json, report.md or the console saying the bytes were never observed."""
@@ -286,6 +332,7 @@ def test_declared_bytes_are_labelled_and_a_pass_on_them_says_so_first(runs, caps
     rows = rows_of(d)
     for r in rows:
         r["backend"] = "openai"
+        r["engine_version"] = "0.11.0"  # what the server's GET /version answers
         r["kv_bytes_source"] = "declared: bfloat16, 2 bytes per value (evalkit.plan)"
     write_rows(d, rows)
     info = json.loads((d / "run.json").read_text())

@@ -34,6 +34,7 @@ class Decision:
     contexts_needed: int | None = None  # the same in contexts, the unit the statistics count
     look: int = 1
     p: float = math.nan  # the variant's p-value for a PASS, before the correction across variants
+    uneven: bool = False  # a PASS over its documents held back: over their questions it is not one (question_weighted)
     evidence: Evidence | None = field(default=None, repr=False)
 
 
@@ -91,13 +92,42 @@ def variant_decisions(by_variant: dict[str, list[Row]], t, look: int = 1) -> dic
         if not passed:
             d.open = open_messages(name, e, t, len(names), look)
         d.status = "FAIL" if d.fail else "PASS" if passed else "INCONCLUSIVE"
-        if d.status == "INCONCLUSIVE":
+        uneven = question_weighted(name, e.contexts, t)
+        if d.status == "PASS" and uneven:
+            d.status, d.open, d.uneven = "INCONCLUSIVE", [uneven], True
+        elif d.status == "INCONCLUSIVE":
             d.contexts_needed = contexts_needed(e, t, len(names))
             if d.contexts_needed is not None:
                 per = float(np.mean(e.contexts.questions)) if e.contexts.n else 1.0
                 d.samples_needed = math.ceil(d.contexts_needed * per)
         out[name] = d
     return out
+
+
+def question_weighted(name: str, ctx: Contexts, t) -> str | None:
+    """Why a PASS on the documents' mean is not one over their questions: where documents carry unequal numbers of
+    questions, the drop (or flip rate) over all questions, each document weighed by its questions, beyond the
+    threshold (300 questions lost on one document beside 300 one-question documents kept: 1/301 a document, half of
+    the questions). None when the documents carry one number of questions, or the questions' figures are within."""
+    q = ctx.questions.astype(float)
+    if ctx.n == 0 or np.all(q == q[0]):
+        return None
+    drop, lost = float(np.sum(ctx.drop * q) / q.sum()), float(np.sum(ctx.lost * q) / q.sum())
+    over = [
+        f"drop {drop:+.3f} over the {t.max_drop} margin" if t.max_drop is not None and drop > t.max_drop else "",
+        f"{lost:.0%} lost, over the {t.max_flip_rate:.0%} flip-rate limit"
+        if t.max_flip_rate is not None and lost > t.max_flip_rate
+        else "",
+    ]
+    over = [o for o in over if o]
+    if not over:
+        return None
+    return (
+        f"{name}: shown within the thresholds over its {ctx.n} documents, each weighed once, but over its "
+        f"{int(q.sum())} questions, each document weighed by its questions, {' and '.join(over)}: the documents with "
+        "more questions lost more, so a deployment that asks many questions of few documents would not see the "
+        "documents' figure; judge documents with like numbers of questions, or more documents"
+    )
 
 
 def _units(ctx: Contexts, noun: str = "") -> str:

@@ -19,9 +19,13 @@ The gate believes no number a row claims that it can derive from another row or 
   baseline row's;
 - a row of evalkit's engine carries its context, tokens and deployed bytes, and a variant's rows carry a KL on every
   row or on none: a deleted field is refused, never a check dropped;
-- run.json carries the resolved config, the model fingerprint and the library versions;
-- a sample is identified across folders by its run's sample identity and its id (evalkit.records.sample_key), so
-  that rows of different runs whose ids collide are never taken for the same sample (evalkit.gate.summary.merge).
+- run.json carries the resolved config, the model fingerprint and the library versions, and every field the gate
+  reads there is of its kind (an object where one is read: `model`, `config.task`, `data.files`, `engine.endpoints`);
+- a task's kind (teacher-forced, scored by lm-eval) is its class (`_target_`), never a flag in run.json;
+- a sample is identified across folders by its content digest and its id where run.json records one, else by its
+  run's sample identity and its id (evalkit.records.sample_key): rows of different runs whose ids collide are never
+  taken for the same sample, and the same sample drawn again under another seed is never two
+  (evalkit.gate.summary.merge).
 
 Each contradiction names `file:line` and the field; the gate then says CANNOT JUDGE (exit 2).
 """
@@ -104,6 +108,11 @@ LISTED = 3  # rows named per file; the rest are counted
 def _engine(r: Row, engine: str) -> str | None:
     if r.get("backend") is not None and r["backend"] != engine:
         return f"has backend={r['backend']!r} but its run.json ran backend {engine!r}; {EDITED}"
+    if engine != "hf" and str(r.get("engine_version", "")).startswith("transformers "):
+        return (
+            f"has engine_version={r['engine_version']!r}, evalkit's own engine, but its run.json ran backend "
+            f"{engine!r}; {EDITED}"
+        )
     missing = [k for k in HF_FIELDS if r.get(k) is None] if engine == "hf" else []
     if missing:
         return f"has no {', '.join(missing)} (every row evalkit's engine writes has them); {MISSING}"
@@ -134,6 +143,31 @@ def _kl(r: Row, needed: bool) -> str | None:
     return None
 
 
+# run.json's fields the gate reads beyond RUN_NEEDS, each with what it must be when present
+KINDS = (
+    ("model", lambda v: isinstance(v, dict), "an object"),
+    ("model.weights_bytes", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, "bytes"),
+    ("config.task", lambda v: isinstance(v, dict), "an object"),
+    ("config.backend", lambda v: isinstance(v, dict), "an object"),
+    ("engine", lambda v: isinstance(v, dict), "an object"),
+    ("engine.endpoints", lambda v: isinstance(v, dict), "an object, a server per variant"),
+    ("data", lambda v: isinstance(v, dict), "an object"),
+    ("data.files", lambda v: isinstance(v, dict), "an object, a digest per input file"),
+    ("data.samples", lambda v: isinstance(v, dict), "an object, a digest per sample"),
+)
+
+
+def _kinds(info: dict) -> list[str]:
+    out = []
+    for dotted, fits, what in KINDS:
+        node: Any = info
+        for part in dotted.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None and not fits(node):
+            out.append(f"{dotted} is {node!r}, not {what}")
+    return out
+
+
 def run_problems(info: dict, path: str) -> list[str]:
     """What a run.json lacks that the gate needs: its config, the model fingerprint, the library versions."""
     missing = []
@@ -151,6 +185,7 @@ def run_problems(info: dict, path: str) -> list[str]:
             "versions; judge the run.json its run wrote, or rerun it"
         ]
     )
+    out += [f"{path}: {what}; judge the run.json its run wrote, or rerun it" for what in _kinds(info)]
     engine = info.get("engine")
     shared = shared_endpoints(engine.get("endpoints")) if isinstance(engine, dict) else None
     if shared:

@@ -23,7 +23,7 @@ from evalkit.gate.decide import (
 from evalkit.gate.evidence import backend_of
 from evalkit.gate.reading import check_rows
 from evalkit.gate.summary import chunked_vs_oneshot, is_baseline, label_order
-from evalkit.gate.thresholds import Thresholds
+from evalkit.gate.thresholds import Thresholds, non_default
 from evalkit.records import BASELINE, Row
 from evalkit.records.summary import summarize
 
@@ -45,6 +45,7 @@ class Verdict:
     digest: str | None = None  # what it judged, rows and thresholds (looks.digest): verdict.json carries it
     partial: list[str] = field(default_factory=list)  # unfinished runs, each said in a line (gate.allow_partial)
     declared: list[str] = field(default_factory=list)  # variants whose KV bytes were declared, never observed
+    non_default: list[str] = field(default_factory=list)  # thresholds other than the defaults (thresholds.non_default)
 
     @property
     def passed(self) -> bool:
@@ -151,13 +152,14 @@ def judge(
         digest=key,
         partial=list(partial or []),
         declared=declared,
+        non_default=non_default(t),
     )
 
 
 UNFINISHED = "the run is unfinished: finish it with resume=true, or judge it as it is with gate.allow_partial=true"
 
 
-def declared_variants(policies: dict[str, list[dict]], infos: list[dict]) -> list[str]:
+def declared_variants(policies: dict[str, list[Row]], infos: list[dict]) -> list[str]:
     """Variants whose KV bytes no engine observed: declared from a dtype (backend=openai: a server does not report
     its cache; the rows say kv_bytes_source `declared: ...`, their run.json backend openai)."""
     runs = {str(i.get("run_id")) for i in infos if backend_of(i) == "openai"}
@@ -223,6 +225,11 @@ def _advice(
     """How many samples would settle an INCONCLUSIVE verdict, in the task's own terms where one run is judged, and
     the command that adds them to that run (extend_command; None where there is none)."""
     needs = {name: d.samples_needed for name, d in decisions.items() if d.status == "INCONCLUSIVE"}
+    if any(d.uneven for d in decisions.values()):
+        return (
+            "the documents' figures hold and their questions' do not: more documents, or documents with like numbers "
+            "of questions, may settle it (no count follows from the observed rates)"
+        ), None
     if any(v is None for v in needs.values()):
         return (
             "more samples may settle it (graded scores, or an observed drop or flip rate at the limit: no count "
@@ -278,10 +285,14 @@ def extend_command(info: dict, setting: str) -> str | None:
 
 
 def _field(info: dict, key: str) -> Any:
+    """A run.json field the verdict compares across runs, None where it is not of its kind (run_problems names it)."""
+    model = info.get("model") if isinstance(info.get("model"), dict) else {}
     if key == "model":
-        return (info.get("model") or {}).get("fingerprint")
+        return model.get("fingerprint")
     if key == "weights":
-        return (info.get("model") or {}).get("weights_bytes")
+        weights = model.get("weights_bytes")
+        return weights if isinstance(weights, (int, float)) and not isinstance(weights, bool) else None
     if key == "versions":
-        return {k: v for k, v in (info.get("versions") or {}).items() if k in ("torch", "transformers", "evalkit")}
+        versions = info.get("versions") if isinstance(info.get("versions"), dict) else {}
+        return {k: v for k, v in versions.items() if k in ("torch", "transformers", "evalkit")}
     return info.get(key)

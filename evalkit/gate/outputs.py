@@ -59,21 +59,37 @@ def verdict_doc(verdict: Verdict, t: Thresholds) -> dict[str, Any]:
 
 
 def headline(verdict: Verdict) -> str:
-    """The verdict's first line: the status, and for a PASS on KV bytes no engine observed, that it is one."""
-    if verdict.status == "PASS" and verdict.declared:
-        return (
-            f"PASS on declared KV bytes ({', '.join(verdict.declared)}: the bytes follow from the KV dtype declared "
+    """The verdict's first line: the status, and for a PASS on KV bytes no engine observed, or at thresholds other
+    than the defaults, that it is one."""
+    if verdict.status != "PASS":
+        return verdict.status
+    text = "PASS"
+    if verdict.declared:
+        text += (
+            f" on declared KV bytes ({', '.join(verdict.declared)}: the bytes follow from the KV dtype declared "
             "for each server, never observed)"
         )
-    return verdict.status
+    if verdict.non_default:
+        text += f" at thresholds other than the defaults ({len(verdict.non_default)} changed, below)"
+    return text
 
 
 def notes(verdict: Verdict) -> list[str]:
-    """What the verdict stands on that a reader must know: unfinished runs, bytes declared rather than observed."""
-    return verdict.partial + [
-        f"{name}: KV bytes declared from the server's KV dtype (backend=openai), not observed"
-        for name in verdict.declared
-    ]
+    """What the verdict stands on that a reader must know: unfinished runs, bytes declared rather than observed,
+    thresholds other than the defaults."""
+    changed = (
+        ["thresholds other than the defaults (conf/gate/default.yaml): " + "; ".join(verdict.non_default)]
+        if verdict.non_default
+        else []
+    )
+    return (
+        verdict.partial
+        + [
+            f"{name}: KV bytes declared from the server's KV dtype (backend=openai), not observed"
+            for name in verdict.declared
+        ]
+        + changed
+    )
 
 
 def write_outputs(verdict: Verdict, out_dir: Path, t: Thresholds) -> None:

@@ -52,7 +52,8 @@ def read_runs(run_dirs: list[Path]) -> Records:
                 or undocumented(rows, where)
                 or ([] if problem else _samples(rows, info, str(run / RUN), partial))
             )
-            runs.append((run.resolve(), info, _once(rows)))
+            # a run.json that cannot be used (its problem is listed) names nothing: its rows merge as an unnamed run's
+            runs.append((run.resolve(), {} if problem else info, _once(rows)))
     return Records(merge(runs), infos, problems + _same_experiment(runs), partial)
 
 

@@ -81,10 +81,11 @@ def label_fields(label: str) -> dict[str, Any]:
 def merge(runs: list[tuple[Path, dict, list[Row]]]) -> list[Row]:
     """One table from the rows of several runs (folder, run.json, rows), e.g. the jobs of a Hydra multirun.
 
-    Samples are identified across runs by their sample key (evalkit.records.sample_key: the run's task config less
-    its sample count, seed and input files, and the sample id), never by the id alone: two runs whose ids collide
-    (needle at two seeds, two datasets numbered from 0) give two samples each, and a merged id that would collide
-    gets the key's digest, `L256-d0.25-0#3f2a9c01`. Each row's variant becomes a Label that carries the variant as
+    Samples are identified across runs by their sample key (evalkit.records.sample_key: the sample's content digest
+    and id where run.json records the digest, else the run's task config less its sample count, seed and input
+    files, and the id), never by the id alone: two runs whose ids collide (needle at two seeds, two datasets numbered
+    from 0) give two samples each, the same sample drawn at two seeds one, and a merged id that would collide gets
+    the key's digest, `L256-d0.25-0#3f2a9c01`. Each row's variant becomes a Label that carries the variant as
     recorded, and its run's (task, model, backend), as fields. Variants are labelled so that rows that are not the
     same measurement never mix: when the runs differ in model or task, labels get a `model/` or `task/` prefix; a
     label measured with different settings (policy options, storage, prefill, protocol, engine) in different runs,
@@ -94,7 +95,7 @@ def merge(runs: list[tuple[Path, dict, list[Row]]]) -> list[Row]:
     """
 
     def model(info: dict) -> str:
-        return (info.get("model") or {}).get("name") or str((info.get("config") or {}).get("model", {}).get("name"))
+        return _name(info.get("model")) or str(_name((info.get("config") or {}).get("model")))
 
     def group(info: dict, row: Row) -> Group:
         config = info.get("config") or {}
@@ -138,6 +139,10 @@ def merge(runs: list[tuple[Path, dict, list[Row]]]) -> list[Row]:
             sid = f"{sid}#{hashlib.sha256(key.encode()).hexdigest()[:8]}"
         out.append(r.replace(variant=label, sample_id=sid))
     return out
+
+
+def _name(node: Any) -> str | None:
+    return node.get("name") if isinstance(node, dict) else None
 
 
 def _split_labels(labelled: list[tuple[Label, str, str, Row, str]]) -> set[str]:

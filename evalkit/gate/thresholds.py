@@ -5,7 +5,7 @@ conf/gate/default.yaml's values (tests/test_config.py checks they agree)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from evalkit.errors import ConfigError
@@ -29,6 +29,14 @@ class Thresholds:
     min_compression: float = 0.99  # a compressing variant must hold less than this share of the baseline's bytes
     capacity: dict[str, float] = field(default_factory=lambda: {"gpu_gib": 80, "context": 32768})  # report only
     allow_partial: bool = False  # judge an unfinished run (fewer rows than its run.json's samples) as it is
+
+
+def non_default(t: Thresholds) -> list[str]:
+    """The thresholds that differ from the defaults (conf/gate/default.yaml), each `name=value (default d)`: a verdict
+    states them beside its status, since a PASS at a loosened margin is not the default's PASS. The capacity figures
+    are the report's only."""
+    default = asdict(Thresholds())
+    return [f"{k}={v!r} (default {default[k]!r})" for k, v in asdict(t).items() if k != "capacity" and v != default[k]]
 
 
 # Each threshold: the types it takes, its range as (low, high, low included, high included), and an example. None

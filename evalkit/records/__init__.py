@@ -71,6 +71,12 @@ def scan_rows(
             need = ", ".join(required)
             problems.append(f"{path}:{n}: line {n} is {what}: a row is a JSON object with {need}; {CORRUPT}")
             continue
+        if not _unicode(row):
+            problems.append(
+                f"{path}:{n}: line {n} holds an escape that is no Unicode character (a lone surrogate such as "
+                f"\\ud800); {CORRUPT}"
+            )
+            continue
         missing = [k for k in required if row.get(k) is None]
         if missing:
             need = ", ".join(required)
@@ -86,6 +92,16 @@ def scan_rows(
         rows.append(row)
         lines.append(n)
     return rows, problems, torn, end, lines
+
+
+def _unicode(row: dict) -> bool:
+    """Whether every string of a row read back is Unicode text that can be written out again (JSON's \\ud800 escapes
+    read as lone surrogates, which no file can hold as UTF-8)."""
+    try:
+        json.dumps(row, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _json_kind(value: Any) -> str:
@@ -271,7 +287,10 @@ def sample_identity(info: dict) -> str:
 
 
 def sample_key(identity: str, info: dict, sample_id: str) -> str:
-    """One sample across folders: the run's sample identity, the sample's id, and its content digest where run.json
-    holds one (evalkit.run records every sample's)."""
-    digest = (((info.get("data") or {}).get("samples") or {}) or {}).get(str(sample_id), "")
-    return f"{identity}:{digest}:{sample_id}"
+    """One sample across folders: its id and its content digest where run.json holds one (evalkit.run records every
+    sample's: everything the sample feeds the model and is scored against), so that the same sample drawn again
+    under another seed or config (a dataset that no seed changes) is one sample, never two; else the run's sample
+    identity and the sample's id."""
+    samples = (info.get("data") or {}).get("samples") if isinstance(info.get("data"), dict) else None
+    digest = samples.get(str(sample_id)) if isinstance(samples, dict) else None
+    return f"sample:{digest}:{sample_id}" if digest else f"{identity}::{sample_id}"

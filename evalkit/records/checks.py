@@ -26,7 +26,13 @@ ROW_FIELDS = (
 SCORE_RANGE = (0.0, 1.0)  # every evalkit scorer's, and what the gate's bounds assume
 SCORES = ("score", "baseline_score")
 BYTES = ("kv_bytes", "kv_bytes_baseline", "peak_kv_bytes")
-OPTIONAL_BYTES = ("kv_bytes_deployed", "kv_bytes_baseline_deployed", "kv_bytes_fp16_same_tokens", "kv_bytes_final")
+OPTIONAL_BYTES = (
+    "kv_bytes_deployed",
+    "kv_bytes_baseline_deployed",
+    "kv_bytes_fp16_same_tokens",
+    "kv_bytes_final",
+    "prefill_peak_kv_bytes",
+)
 FIDELITY = {"kl_mean": (0.0, math.inf), "top1_agreement": (0.0, 1.0)}
 EDITED = "the records were edited or mixed: restore the run's own files, or rerun it"
 BYTES_TOLERANCE = 0.02  # ragged layers record their mean tokens per head to 2 decimals
@@ -55,6 +61,8 @@ def row_problem(row: dict) -> str | None:
             return f"has {key}={v!r}, not a number in [{lo}, {hi}]"
     if not isinstance(row["cell"], dict):
         return f"has cell={row['cell']!r}, not an object"
+    if not all(v is None or isinstance(v, (str, int, float, bool)) for v in row["cell"].values()):
+        return f'has cell={row["cell"]!r}: a cell\'s values are single numbers or strings (e.g. {{"depth": 0.5}})'
     return _shape(row)
 
 
@@ -67,6 +75,16 @@ SHAPES = {
     "context_tokens": (lambda v: v is None or (_count(v) and v > 0), "a whole number of tokens > 0", "128"),
     "prefill_peak_tokens": (lambda v: v is None or _count(v), "a whole number of tokens", "128"),
     "prefill_bound_tokens": (lambda v: v is None or _count(v), "a whole number of tokens or null", "null"),
+    "tokens_held_per_layer": (
+        lambda v: v is None or (isinstance(v, list) and all(is_number(x) and x >= 0 for x in v)),
+        "a list of token counts >= 0, one a layer, or null",
+        "[128, 128, 128]",
+    ),
+    "tokens_allowed_per_layer": (
+        lambda v: v is None or (isinstance(v, list) and all(is_number(x) and x >= 0 for x in v)),
+        "a list of token counts >= 0, one a layer, or null",
+        "[128, 128, 128]",
+    ),
     "evidence_retained_per_layer": (
         lambda v: v is None or (isinstance(v, list) and all(is_number(x) and 0 <= x <= 1 for x in v)),
         "a list of shares in [0, 1], one a layer, or null",

@@ -175,9 +175,14 @@ def row_lines(folders: list[Path]) -> dict[tuple, Line]:
                 row = json.loads(text)
             except ValueError:
                 continue
-            if isinstance(row, dict) and "sample_id" in row and "variant" in row:
+            if (
+                isinstance(row, dict)
+                and isinstance(row.get("sample_id"), (str, int))
+                and isinstance(row.get("variant"), str)
+            ):
                 sid, variant = row["sample_id"], row["variant"]
-                for key in ((row.get("run_id"), sid, variant), (None, sid, variant)):
+                run_id = row.get("run_id") if isinstance(row.get("run_id"), str) else None
+                for key in ((run_id, sid, variant), (None, sid, variant)):
                     out.setdefault(key, Line(path, n, text))
     return out
 
@@ -190,9 +195,9 @@ def line_of(row: Row, lines: dict[tuple, Line]) -> Line | None:
 def run_panel(folder: Path) -> dict[str, Any]:
     """A run's own facts for its panel: task and its settings, model, backend, protocol, versions, what it holds."""
     info = read_json(folder / RUN) or {}
-    config = info.get("config") or {}
-    task = {k: v for k, v in (config.get("task") or {}).items() if not str(k).startswith("_")}
-    model = info.get("model") or {}
+    config, model = (v if isinstance(v, dict) else {} for v in (info.get("config"), info.get("model")))
+    task = config.get("task") if isinstance(config.get("task"), dict) else {}
+    task = {k: v for k, v in task.items() if not str(k).startswith("_")}
     rows = _rows(folder / SAMPLES)
     variants = sorted({r.get("variant") for r in rows if isinstance(r.get("variant"), str)})
     # rows name the engine that produced them where a backend other than evalkit's own (transformers) ran
@@ -210,10 +215,10 @@ def run_panel(folder: Path) -> dict[str, Any]:
         "started": info.get("started", "-"),
         "versions": {
             k: str(v)[:12] if k.endswith("_git") else v
-            for k, v in (info.get("versions") or {}).items()
+            for k, v in (info.get("versions") if isinstance(info.get("versions"), dict) else {}).items()
             if k in VERSIONS
         },  # fmt: skip
-        "samples": len({r.get("sample_id") for r in rows}),
+        "samples": len({json.dumps(r.get("sample_id"), default=str) for r in rows}),
         "variants": [v for v in variants if not is_baseline(v)],
         "extra_files": sorted(p.name for p in folder.glob("*.json") if p.name not in (RUN, VERDICT, "summary.json")),
     }

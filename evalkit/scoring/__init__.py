@@ -59,11 +59,14 @@ EXTERNAL = ("evalkit.tasks.lmeval.LmEvalTask",)  # scored by lm-eval's own task 
 
 
 def teacher_forced(task: dict[str, Any]) -> bool:
-    return bool(task.get("teacher_forced")) or task.get("_target_") in TEACHER_FORCED
+    """Whether a run's task config (run.json config.task) is a teacher-forced task: by its class alone, never by a
+    flag in the file (a flag would turn the re-scoring of every row off)."""
+    return task.get("_target_") in TEACHER_FORCED
 
 
 def external(task: dict[str, Any]) -> bool:
-    return bool(task.get("external")) or task.get("_target_") in EXTERNAL
+    """Whether another harness scored the run's rows (lm-eval): by its task's class alone, as teacher_forced."""
+    return task.get("_target_") in EXTERNAL
 
 
 def expected(task: dict[str, Any]) -> str | None:

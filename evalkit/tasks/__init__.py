@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from transformers import PreTrainedTokenizerBase
 
@@ -32,8 +32,10 @@ class Task:
     name: str
     seed: int = 0
     max_new_tokens: int = 16
-    teacher_forced: bool = False  # True: score a continuation's logits against the baseline's instead of answers
-    external: bool = False  # True: another harness produces the rows (lm-eval), not the sample loop
+    # What a task class is, not a setting a config may switch on (a needle run teacher-forced would be judged on its
+    # agreement with the baseline, which scores 1 by construction, as if it were retrieval accuracy)
+    teacher_forced: ClassVar[bool] = False  # True: score a continuation's logits against the baseline's, not answers
+    external: ClassVar[bool] = False  # True: another harness produces the rows (lm-eval), not the sample loop
 
     def samples(self, tokenizer: PreTrainedTokenizerBase) -> list[Sample]:
         raise NotImplementedError

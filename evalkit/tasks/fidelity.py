@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from transformers import PreTrainedTokenizerBase
 
@@ -23,7 +24,7 @@ from evalkit.tasks.needle import build_context
 @dataclass(kw_only=True)
 class FidelityTask(Task):
     name: str = "fidelity"
-    teacher_forced: bool = True
+    teacher_forced: ClassVar[bool] = True
     context_lengths: list[int] = field(default_factory=lambda: [1024])
     continuation_tokens: int = 64
     samples_per_cell: int = 2

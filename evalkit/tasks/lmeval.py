@@ -14,7 +14,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from evalkit.errors import ConfigError
 from evalkit.tasks import Task
@@ -33,7 +33,7 @@ class LmEvalTask(Task):
     gen_kwargs: dict[str, Any] = field(default_factory=dict)
     # the per-document metric rows are scored by: one name for every task, or {task: name}; null: the default
     metric: str | dict[str, str] | None = None
-    external: bool = True  # evaluated by lm-eval (evalkit.lmeval.evaluate), not sample by sample
+    external: ClassVar[bool] = True  # evaluated by lm-eval (evalkit.lmeval.evaluate), not sample by sample
 
     def lengths(self) -> list[int]:
         return []
