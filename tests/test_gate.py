@@ -141,7 +141,9 @@ def test_a_pass_at_thresholds_other_than_the_defaults_says_so_first(tmp_path, ca
     assert main([str(good), "--out", str(tmp_path / "default")]) == 0
     assert capsys.readouterr().out.strip().splitlines()[0] == "evalkit gate: PASS (look 1 of this run)"
     (tmp_path / "loose.yaml").write_text("max_drop: 0.5\nmin_baseline_accuracy: null\n")
-    assert main([str(good), "--gate", str(tmp_path / "loose.yaml"), "--out", str(tmp_path / "loose")]) == 0
+    summary = tmp_path / "step.md"
+    loose = ["--gate", str(tmp_path / "loose.yaml"), "--out", str(tmp_path / "loose"), "--summary", str(summary)]
+    assert main([str(good), *loose]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert out[0] == "evalkit gate: PASS at thresholds other than the defaults (2 changed, below) (look 2 of this run)"
     assert out[1] == (
@@ -150,6 +152,15 @@ def test_a_pass_at_thresholds_other_than_the_defaults_says_so_first(tmp_path, ca
     )
     report = (tmp_path / "loose" / "report.md").read_text()
     assert report.startswith("# evalkit gate: PASS at thresholds other than the defaults") and "max_drop=0.5" in report
+    verdict = json.loads((tmp_path / "loose" / "verdict.json").read_text())
+    assert verdict["non_default_thresholds"] == [
+        "max_drop=0.5 (default 0.05)",
+        "min_baseline_accuracy=None (default 0.5)",
+    ]
+    assert json.loads((tmp_path / "default" / "verdict.json").read_text())["non_default_thresholds"] == []
+    assert summary.read_text().splitlines()[2] == (
+        "> thresholds other than the defaults: max_drop=0.5 (default 0.05); min_baseline_accuracy=None (default 0.5)"
+    )
 
 
 def run_info(run_id: str) -> dict:

@@ -116,9 +116,9 @@ def _lost(rows: list[dict]) -> int:
     return next(i for i, r in enumerate(rows) if r["flip"] == "lost")
 
 
-def test_a_score_set_to_1_beside_a_wrong_prediction_is_refused(runs, capsys, tmp_path):
-    """Every lost row of the lossy run given score 1 and no flip: the rows agree with each other and with their
-    baselines, and the gate believed them (a PASS at 0 lost). Its prediction still scores 0."""
+def scored_1(runs, tmp_path) -> tuple[Path, int]:
+    """A copy of the lossy run with every lost row given score 1 and no flip (the rows agree with each other and
+    with their baselines; each prediction still scores 0), and the line of the first."""
     d = copy(runs, "lossy", tmp_path)
     rows = rows_of(d)
     line = _lost(rows) + 1
@@ -126,6 +126,12 @@ def test_a_score_set_to_1_beside_a_wrong_prediction_is_refused(runs, capsys, tmp
         if r["flip"] == "lost":
             r["score"], r["flip"] = 1.0, None
     write_rows(d, rows)
+    return d, line
+
+
+def test_a_score_set_to_1_beside_a_wrong_prediction_is_refused(runs, capsys, tmp_path):
+    """Every lost row of the lossy run given score 1 and no flip: the gate believed them (a PASS at 0 lost)."""
+    d, line = scored_1(runs, tmp_path)
     cannot_judge(capsys, runs, d, f"{d / SAMPLES}:{line}: score=1.0 but its prediction", "scores 0 (contains_all)")
 
 
@@ -284,13 +290,7 @@ def test_a_flag_in_run_json_does_not_turn_the_rescoring_off(runs, capsys, tmp_pa
     """Before: `"external": true` (or `"teacher_forced": true`) in run.json's config.task told the gate that lm-eval
     (or the logits) had scored the rows: no prediction was scored again and no unfinished run was found, so lost rows
     given score 1 PASSed. What scored a run is its task's class (`_target_`), never a flag in the file."""
-    d = copy(runs, "lossy", tmp_path)
-    rows = rows_of(d)
-    line = _lost(rows) + 1
-    for r in rows:
-        if r["flip"] == "lost":
-            r["score"], r["flip"] = 1.0, None
-    write_rows(d, rows)
+    d, line = scored_1(runs, tmp_path)
     info = json.loads((d / "run.json").read_text())
     info["config"]["task"][flag] = True
     (d / "run.json").write_text(json.dumps(info))

@@ -55,6 +55,7 @@ def verdict_doc(verdict: Verdict, t: Thresholds) -> dict[str, Any]:
         "digest": verdict.digest,
         "unfinished": verdict.partial,
         "declared_bytes": verdict.declared,
+        "non_default_thresholds": verdict.non_default,
     }
 
 

@@ -83,6 +83,11 @@ def _cell(text: Any) -> str:
 def step_summary(doc: dict[str, Any]) -> str:
     """A Markdown summary of the verdict: its status, a line per variant, every reason and the advice."""
     lines = [f"## evalkit gate: {doc.get('verdict')}", ""]
+    notes = [*(doc.get("unfinished") or [])]
+    notes += [f"{name}: KV bytes declared, never observed" for name in doc.get("declared_bytes") or []]
+    if doc.get("non_default_thresholds"):
+        notes.append("thresholds other than the defaults: " + "; ".join(doc["non_default_thresholds"]))
+    lines += [f"> {_cell(n)}" for n in notes] + ([""] if notes else [])
     rows = [(n, s) for n, s in (doc.get("variants") or {}).items() if not is_baseline(s.get("variant", n))]
     if rows:
         lines += [
