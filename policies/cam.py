@@ -17,7 +17,8 @@ which kvpress counts as no merge). kvpress merges the `k` best-scoring evicted t
 compression; as the cache held at most its target then, every evicted token arrived since, so k covers them all here.
 The merged tokens are the n lowest-scoring by their own top-k, as kvpress picks them: where scores tie at the budget's
 edge (a repeated token's equal key norms) that may name a kept token and leave an evicted one unmerged, as in kvpress.
-A forward of several tokens (a question fed at once) adds the attention of all its queries; kvpress's decode feeds one.
+A forward of several tokens (a question fed at once) adds the attention of its last token alone, as kvpress's CAMPress
+reads a forward (the softmax of the last query over every key).
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ from evalkit.policies import LayerView, Wrapper, checked_scores, gather_tokens
 
 @dataclass(frozen=True)
 class DecodeAttention(Observation):
-    """Per held token: the attention it has received from the tokens decoded after the prompt, summed over them and
-    averaged over the query heads of its KV head (zero for every token at the prompt's end)."""
+    """Per held token: the attention it has received from the tokens decoded after the prompt, summed over the
+    forwards (a forward of several tokens: its last token's) and averaged over the query heads of its KV head (zero
+    for every token at the prompt's end)."""
 
     per_token: ClassVar[bool] = True
     wants_mass: ClassVar[bool] = True
@@ -45,8 +47,16 @@ class DecodeAttention(Observation):
         return at.key.new_zeros(at.key.shape[:3], dtype=torch.float32)
 
     def step(self, held: Tensor, at: Attended) -> Tensor:
-        group = at.query.shape[1] // at.key.shape[1]
-        return held + at.mass.float() / group
+        b, hq, q, _ = at.query.shape
+        hkv, tk = at.key.shape[1], at.key.shape[2]
+        group = hq // hkv
+        if q == 1:
+            return held + at.mass.float() / group
+        # several tokens in one forward (a question fed at once): the last one's attention alone, over every key it
+        # sees (all of them), as kvpress's CAMPress reads a forward
+        keys = at.key.float().repeat_interleave(group, dim=1)
+        probs = ((at.query[:, :, -1:].float() * at.scaling) @ keys.transpose(-1, -2)).softmax(dim=-1)  # (B, Hq, 1, Tk)
+        return held + probs.view(b, hkv, group, tk).sum(dim=2) / group
 
 
 def merged_into_windows(

@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from evalkit.attention.observation import Attended
 from evalkit.engine.decode import greedy
 from evalkit.errors import ConfigError
 from evalkit.kv.cache import enforce, full_attention_layers
 from evalkit.policies.adakv import AdaKV
-from evalkit.policies.cam import CaM, merged_into_windows
+from evalkit.policies.cam import CaM, DecodeAttention, merged_into_windows
 from evalkit.policies.knorm import KNorm
 from evalkit.policies.snapkv import SnapKV
 from tests.conftest import CTX, compressed, tiny_row
@@ -101,6 +102,22 @@ def test_its_draws_repeat_with_its_seed_and_change_with_another(tiny, ids):
         merged_into_windows(v, attention, kept, 4, generator=torch.Generator().manual_seed(s)) for s in (0, 1)
     )
     assert not torch.equal(one, other)
+
+
+def test_a_forward_of_several_tokens_adds_its_last_tokens_attention_alone():
+    """kvpress's CAMPress reads a forward by its last query's softmax over every key: a 3-token forward adds that,
+    averaged over the 2 query heads of each KV head (written out with torch.softmax); a 1-token forward adds its own.
+    Control: the sum over the forward's 3 queries (the fused mass) is another figure."""
+    torch.manual_seed(0)
+    query, key = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 10, 8)
+    at = Attended(model=None, query=query, key=key, scaling=8**-0.5, seen=10)
+    held = torch.rand(1, 2, 10)
+    logits = torch.einsum("bhd,bhtd->bht", query[:, :, -1], key.repeat_interleave(2, dim=1)) * 8**-0.5
+    want = held + torch.softmax(logits, dim=-1).view(1, 2, 2, 10).mean(dim=2)
+    torch.testing.assert_close(DecodeAttention().step(held, at), want, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(held + at.mass / 2, want, atol=1e-3)
+    one = Attended(model=None, query=query[:, :, -1:], key=key, scaling=8**-0.5, seen=10)
+    torch.testing.assert_close(DecodeAttention().step(held, one), want, rtol=1e-5, atol=1e-6)
 
 
 def test_what_it_cannot_do_is_refused_in_one_line():
