@@ -133,6 +133,13 @@ class KVPolicy:
         never more than seen."""
         return min(seen, max(asked, self.min_tokens()))
 
+    def compresses(self) -> bool:
+        """Whether the policy asks for a smaller cache than the full one (recorded in every row as
+        `compression_asked`; the gate then holds its bytes to gate.min_compression): a budget below the whole
+        context, a fraction under 1 or a number of tokens. A policy that evicts by something else than its budget (a
+        threshold, lazy layers, pruned channels) says True whatever its budget."""
+        return not (isinstance(self.budget, float) and self.budget >= 1.0)
+
     def asked(self, seen: int) -> int:
         """Tokens the budget itself names for `seen` tokens: ceil(f * seen), or the token count."""
         return math.ceil(self.budget * seen) if isinstance(self.budget, float) else self.budget

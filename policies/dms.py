@@ -31,6 +31,9 @@ class DMS(Wrapper):
     ragged: ClassVar[bool] = True
     wrappable: ClassVar[bool] = False  # its choice is a threshold, not a score
 
+    def compresses(self) -> bool:
+        return True  # its threshold evicts whatever its budget (1.0)
+
     def over(self, view: LayerView, k: int) -> bool:
         return view.keys.shape[2] > self.window
 

@@ -23,3 +23,6 @@ class FullCache(KVPolicy):
 
     def protected(self, view: LayerView, k: int) -> Tensor:
         return view.real  # every token, whatever the budget says: the policy contract counts them (evalkit.kv.contract)
+
+    def compresses(self) -> bool:
+        return False

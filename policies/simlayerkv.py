@@ -52,6 +52,9 @@ class SimLayerKV(KVPolicy):
         per_key = attn.sum(dim=1).mean(dim=0)[: -self.n_last] / (n_heads * self.n_last)  # the keys before the queries
         return float(per_key[: self.n_initial].sum() + per_key[-self.n_recent :].sum())
 
+    def compresses(self) -> bool:
+        return True  # its lazy layers keep a window whatever its budget (1.0)
+
     def over(self, view: LayerView, k: int) -> bool:
         t = view.keys.shape[2]
         return t > self.n_initial + self.n_recent + self.n_last and self.laziness(view) > self.lazy_threshold

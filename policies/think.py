@@ -44,6 +44,9 @@ class ThinK(OnceWrapper):
     def observation_window(self) -> int:
         return max(self.inner.observation_window(), self.window)
 
+    def compresses(self) -> bool:
+        return self.channels > 0 or self.inner.compresses()  # pruned key channels are a smaller cache too
+
     def over(self, view: LayerView, k: int) -> bool:
         return True  # the channels are pruned even where the inner policy keeps every token
 

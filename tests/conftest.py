@@ -397,7 +397,10 @@ def as_written(rows: list[dict]) -> list[dict]:
     out = []
     for r in rows:
         tokens = round(r.get("context_tokens", 100) * r["kv_bytes"] / r["kv_bytes_baseline"])
+        policy, budget = r.get("policy") or {}, (r.get("policy") or {}).get("budget")
+        asked = policy.get("name") not in (None, "none", "baseline") and not (isinstance(budget, float) and budget == 1)
         engine = {
+            "compression_asked": asked,  # what KVPolicy.compresses says of a budget policy
             "tokens_held_per_layer": [tokens],
             "tokens_allowed_per_layer": [tokens],
             "kv_bytes_deployed": r["kv_bytes"],

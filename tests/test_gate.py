@@ -134,6 +134,47 @@ def write_run(folder, records, run_id="r1"):
     return folder
 
 
+def test_a_policy_that_compresses_by_a_threshold_is_held_to_min_compression():
+    """simlayerkv, dms and think run at budget 1.0 and compress by a threshold, lazy layers or pruned channels: before,
+    the gate read budget 1.0 as "no compression asked" and PASSed simlayerkv keeping every token (its n_recent over
+    the context). Each policy says so of itself (KVPolicy.compresses, each row's compression_asked). A budget of 1
+    token asks (it read as 1.0 before); 1.0 does not, nor the full cache; controls: the same rows not asked PASS."""
+    from evalkit.policies.dms import DMS
+    from evalkit.policies.none import FullCache
+    from evalkit.policies.simlayerkv import SimLayerKV
+    from evalkit.policies.snapkv import SnapKV
+    from evalkit.policies.think import ThinK
+
+    assert SimLayerKV().compresses() and DMS(inner=SnapKV()).compresses() and ThinK(inner=FullCache()).compresses()
+    assert not ThinK(inner=FullCache(), channels=0.0).compresses() and not FullCache().compresses()
+    assert SnapKV(budget=1).compresses() and SnapKV(budget=0.5).compresses() and not SnapKV(budget=1.0).compresses()
+    full = rows([1] * N, [1] * N, variant="simlayerkv@1.0", kv=(100, 100))
+    for r in full:
+        r["policy"]["budget"] = 1.0
+    asked = [{**r, "compression_asked": r["variant"] != "baseline"} for r in full]
+    v = judge_rows(asked, [], Thresholds())
+    message = "simlayerkv@1.0: compression was asked but its KV bytes are 1.000x"
+    assert v.status == "FAIL" and any(message in r for r in v.reasons), v.reasons
+    assert judge_rows([{**r, "compression_asked": False} for r in full], [], Thresholds()).status == "PASS"
+
+
+def test_one_server_under_two_spellings_is_one_server():
+    """Before: the same server as http://127.0.0.1:18777/v1 and http://localhost:18777/v1 (or 127.0.0.2, 0.0.0.0,
+    ::1, /./v1, /v1/../v1) passed as two, and a run compared the server with itself PASSed on declared bytes.
+    Controls: another port, another host, another path are other servers."""
+    from evalkit.records.checks import shared_endpoints
+
+    base = "http://127.0.0.1:18777/v1"
+    for other in ("http://localhost:18777/v1/", "http://127.0.0.2:18777/v1", "http://0.0.0.0:18777/./v1",
+                  "http://[::1]:18777/v1", "HTTP://LOCALHOST:18777/v1/../v1"):  # fmt: skip
+        assert shared_endpoints({"baseline": base, "q4_0": other}) == (
+            f"endpoints 'baseline' and 'q4_0' are the same server ({other})"
+        )
+    for other in ("http://127.0.0.1:18778/v1", "http://10.0.0.1:18777/v1", "http://127.0.0.1:18777/v2"):
+        assert shared_endpoints({"baseline": base, "q4_0": other}) is None
+    assert shared_endpoints({"a": "http://10.0.0.1/v1", "b": "http://10.0.0.1:80/v1"}) is not None
+
+
 def test_a_pass_at_thresholds_other_than_the_defaults_says_so_first(tmp_path, capsys):
     """Before: `max_drop: 0.5` from a gate file PASSed with "Every threshold is shown to hold", the values only in
     verdict.json. Control: the same rows at the defaults, a plain PASS."""

@@ -45,6 +45,8 @@ def kv_fields(outcome: Outcome, variant: Variant | None, n_context: int) -> dict
         "tokens_allocated_per_layer": outcome.tokens_allocated,
         "tokens_allowed_per_layer": outcome.tokens_allowed,
         "context_tokens": n_context,
+        # whether the policy asks for a smaller cache (KVPolicy.compresses): the gate holds its bytes to it
+        "compression_asked": variant is not None and variant.policy.compresses(),
     }
 
 

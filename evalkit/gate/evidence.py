@@ -63,6 +63,7 @@ def undocumented(rows: list[Row], where: str) -> list[str]:
 # What every row of evalkit's own engine records (hf: the run's loop and lm-eval's): without them the bytes a row
 # claims could not be set against the tokens it held, nor its context against the baseline's
 HF_FIELDS = (
+    "compression_asked",
     "tokens_held_per_layer",
     "tokens_allowed_per_layer",
     "kv_bytes_deployed",

@@ -53,10 +53,16 @@ class Verdict:
 
 
 def _compression_asked(row: Row) -> bool:
-    policy = row.get("policy") or {}
-    return bool(row.get("quant")) or (
-        policy.get("name") not in (None, "none", BASELINE) and policy.get("budget") != 1.0
-    )
+    """Whether a row's variant asked for a smaller cache: quantized storage, or what its policy says of itself
+    (`compression_asked`, KVPolicy.compresses: a threshold or pruned channels ask at a budget of 1.0); rows of other
+    engines (no such field): a policy other than the full cache whose budget is not the whole context (1.0)."""
+    if row.get("quant"):
+        return True
+    if "compression_asked" in row:
+        return bool(row["compression_asked"])
+    policy = row.get("policy") if isinstance(row.get("policy"), dict) else {}
+    budget = policy.get("budget")
+    return policy.get("name") not in (None, "none", BASELINE) and not (isinstance(budget, float) and budget == 1.0)
 
 
 def baseline_problems(summary: dict[str, Any], t: Thresholds) -> tuple[list[str], list[str]]:

@@ -7,8 +7,11 @@ when nothing is wrong.
 
 from __future__ import annotations
 
+import ipaddress
 import math
+import posixpath
 from typing import Any
+from urllib.parse import urlsplit
 
 from evalkit.records.schema import BASELINE, Row, flip, is_number
 
@@ -72,6 +75,7 @@ SHAPES = {
     "policy": (lambda v: isinstance(v, dict), "an object, the policy's settings", '{"name": "h2o", "budget": 0.25}'),
     "quant": (lambda v: v is None or isinstance(v, dict), "an object or null", "null"),
     "prefill": (lambda v: v is None or isinstance(v, dict), "an object or null", '{"mode": "oneshot"}'),
+    "compression_asked": (lambda v: isinstance(v, bool), "true or false", "true"),
     "context_tokens": (lambda v: v is None or (_count(v) and v > 0), "a whole number of tokens > 0", "128"),
     "prefill_peak_tokens": (lambda v: v is None or _count(v), "a whole number of tokens", "128"),
     "prefill_bound_tokens": (lambda v: v is None or _count(v), "a whole number of tokens or null", "null"),
@@ -202,14 +206,37 @@ def _bytes(r: Row, b: Row) -> str | None:
     return None
 
 
+def server(url: str) -> tuple[str, int, str] | str:
+    """What names one server in a URL, whatever the spelling: the host (every loopback and unspecified address,
+    `localhost`, 127.0.0.2, 0.0.0.0, ::1, as one; an IP address in its canonical form; a name lowercased), the port
+    (the scheme's default when none is written) and the path with `.`, `..` and trailing slashes resolved. A URL that
+    does not parse is its own lowercased text."""
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
+    except ValueError:
+        return url.strip().rstrip("/").lower()
+    host = (parts.hostname or "").rstrip(".").lower()
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        ip = None
+    if host == "localhost" or host.endswith(".localhost") or (ip is not None and (ip.is_loopback or ip.is_unspecified)):
+        host = "loopback"
+    elif ip is not None:
+        host = ip.compressed
+    path = posixpath.normpath("/" + parts.path).rstrip("/") or "/"
+    return host, port, path.replace("//", "/")
+
+
 def shared_endpoints(endpoints: Any) -> str | None:
     """Where two variants of a backend=openai run name one server (the same URL, a trailing slash aside), which
     variants; None when each has its own."""
     if not isinstance(endpoints, dict):
         return None
-    seen: dict[str, str] = {}
+    seen: dict[Any, str] = {}
     for name, url in endpoints.items():
-        key = str(url).strip().rstrip("/").lower()
+        key = server(str(url))
         if key in seen:
             return f"endpoints {seen[key]!r} and {name!r} are the same server ({url})"
         seen[key] = name
