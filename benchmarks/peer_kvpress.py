@@ -215,17 +215,6 @@ PAIRS = {
     "finch": "finch",
     "finch_chunk": "finch*",
 }
-# pairs that rewrite what they keep: their held keys and values are compared by digest (benchmarks/_digest.py), and
-# their key channels zeroed in every held token
-REWRITES = (
-    "key_rerotation_snapkv",
-    "merging_snapkv",
-    "think",
-    "think_snapkv",
-    "finch",
-    "finch_chunk",
-    "cam_knorm",
-)
 # Finch's question: the prompt's last FINCH_QUESTION ids (the kvpress side inserts its delimiter before them)
 FINCH_QUESTION = 40
 FINCH_CHUNK = 413  # Finch's chunk_length in the finch_chunk pair (the kvpress side's)
@@ -431,10 +420,11 @@ def run_kvpress(python: str, model_dir: Path, prompts: list[dict], only: list[st
 
 
 @torch.inference_mode()
-def evalkit_kept(model, prompt: dict, pols: dict[str, KVPolicy]) -> tuple[dict, dict, dict]:
+def evalkit_kept(model, prompt: dict, pols: dict[str, KVPolicy], rewriting: set[str]) -> tuple[dict, dict, dict]:
     """Per policy, per layer, per KV head: the sorted positions evalkit keeps after one shared prefill (and KVzip's
-    reconstruction pass over it); and per policy that rewrites what it keeps (REWRITES), per layer, the digests of
-    the held keys and values and the key channels zero in every held token (benchmarks/_digest.py)."""
+    reconstruction pass over it); and per policy of `rewriting` (labels of the pairs that rewrite what they keep),
+    per layer, the digests of the held keys and values and the key channels zero in every held token
+    (benchmarks/_digest.py)."""
     ids = torch.tensor([prompt["ids"]], device=model.device)
     for pol in pols.values():  # what a policy reads from the model (CriticalKV's output projections); no probes
         pol.prepare(model, None)
@@ -442,7 +432,6 @@ def evalkit_kept(model, prompt: dict, pols: dict[str, KVPolicy]) -> tuple[dict, 
     parts = Repeat(**{**prompt["repeat"], "question": FINCH_QUESTION})  # KVzip's repeat prompt, Finch's question
     reconstruction(model, full, ids, parts, list(pols.values()), obs)
     out, digests, channels = {}, {}, {}
-    rewriting = {PAIRS[press] for press in REWRITES}
     for name, pol in pols.items():
         cache = decoded(model, ids, pol) if name in DECODED else compress(full, pol, obs)
         # a ragged layer's padding slots are at position -1
@@ -717,13 +706,15 @@ def main() -> None:
             stars = [(press, f"{PAIRS[press]}*") for press in args.presses if press in STARRED]
             labels = [PAIRS[press] for press in args.presses] + [label for _, label in stars]
             pols = {label: pol for label, pol in evalkit_policies(n, ratio, pyramid_budgets).items() if label in labels}
-            ours, digests, channels = evalkit_kept(loaded.model, prompt, pols)
+            # the pairs that rewrite what they keep: those whose held tensors the kvpress side digested (its REWRITES)
+            rewrites = {key.rsplit("@", 1)[0] for key in kv_prompt.get("digests", {})}
+            ours, digests, channels = evalkit_kept(loaded.model, prompt, pols, {PAIRS[p] for p in rewrites})
             pairs = [(press, PAIRS[press]) for press in args.presses]
             pairs += stars
             for press, label in pairs:
                 mean, low, same, total = compare(ours[label], theirs[press])
                 rows.append((f"{label} ~ {press}", 1 - ratio, prompt["name"], n_kept(n, ratio), mean, low, same, total))
-                if press in REWRITES:
+                if press in rewrites:
                     key = f"{press}@{ratio}"
                     gap = digest_gap(digests[label], kv_prompt["digests"][key])
                     theirs_ch, ours_ch = kv_prompt["pruned_channels"][key], channels[label]

@@ -113,13 +113,11 @@ def question_weighted(name: str, ctx: Contexts, t) -> str | None:
     if ctx.n == 0 or np.all(q == q[0]):
         return None
     drop, lost = float(np.sum(ctx.drop * q) / q.sum()), float(np.sum(ctx.lost * q) / q.sum())
-    over = [
-        f"drop {drop:+.3f} over the {t.max_drop} margin" if t.max_drop is not None and drop > t.max_drop else "",
-        f"{lost:.0%} lost, over the {t.max_flip_rate:.0%} flip-rate limit"
-        if t.max_flip_rate is not None and lost > t.max_flip_rate
-        else "",
-    ]
-    over = [o for o in over if o]
+    over = []
+    if t.max_drop is not None and drop > t.max_drop:
+        over.append(f"drop {drop:+.3f} over the {t.max_drop} margin")
+    if t.max_flip_rate is not None and lost > t.max_flip_rate:
+        over.append(f"{lost:.0%} lost, over the {t.max_flip_rate:.0%} flip-rate limit")
     if not over:
         return None
     return (

@@ -158,26 +158,25 @@ KINDS = (
 )
 
 
+def _at(info: dict, dotted: str) -> Any:
+    """run.json's field at a dotted path (`model.fingerprint`), None where a step is missing or not an object."""
+    node: Any = info
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
 def _kinds(info: dict) -> list[str]:
-    out = []
-    for dotted, fits, what in KINDS:
-        node: Any = info
-        for part in dotted.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        if node is not None and not fits(node):
-            out.append(f"{dotted} is {node!r}, not {what}")
-    return out
+    kinds = ((dotted, _at(info, dotted), fits, what) for dotted, fits, what in KINDS)
+    return [
+        f"{dotted} is {node!r}, not {what}" for dotted, node, fits, what in kinds if node is not None and not fits(node)
+    ]
 
 
 def run_problems(info: dict, path: str) -> list[str]:
     """What a run.json lacks that the gate needs: its config, the model fingerprint, the library versions."""
-    missing = []
-    for dotted, kind in RUN_NEEDS:
-        node: Any = info
-        for part in dotted.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        if not isinstance(node, kind) or not node:
-            missing.append(dotted)
+    needs = ((dotted, kind, _at(info, dotted)) for dotted, kind in RUN_NEEDS)
+    missing = [dotted for dotted, kind, node in needs if not isinstance(node, kind) or not node]
     out = (
         []
         if not missing

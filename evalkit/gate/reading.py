@@ -12,7 +12,7 @@ from pathlib import Path
 from evalkit import scoring
 from evalkit.errors import ConfigError
 from evalkit.gate.evidence import judged_fields, run_problems, task_config, undocumented
-from evalkit.gate.summary import is_baseline, merge
+from evalkit.gate.summary import answer, is_baseline, merge
 from evalkit.records import RUN, SAMPLES, Row, experiment_config, read_back, torn_line
 from evalkit.records.checks import contradictions
 
@@ -246,7 +246,7 @@ def _same_experiment(runs: list[tuple[Path, dict, list[Row]]]) -> list[str]:
         if isinstance(info.get("config"), dict):
             key = json.dumps([experiment_config(info["config"]), (info.get("model") or {}).get("fingerprint")],
                              sort_keys=True, default=str)  # fmt: skip
-            groups[key].append((folder, {(str(r.sample_id), r.variant): _answer(r) for r in rows}))
+            groups[key].append((folder, {(str(r.sample_id), r.variant): answer(r) for r in rows}))
     out = []
     for members in groups.values():
         for i, (a, rows_a) in enumerate(members):
@@ -260,7 +260,3 @@ def _same_experiment(runs: list[tuple[Path, dict, list[Row]]]) -> list[str]:
                         "answers; judge one folder, or rerun into one"
                     )
     return out
-
-
-def _answer(row: Row) -> str:
-    return json.dumps([row.score, row.get("prediction")], default=str)

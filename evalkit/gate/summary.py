@@ -141,6 +141,12 @@ def merge(runs: list[tuple[Path, dict, list[Row]]]) -> list[Row]:
     return out
 
 
+def answer(row: Row) -> str:
+    """What a row answered, as one string: its score and prediction (two runs' rows of one sample are one measurement
+    when these agree)."""
+    return json.dumps([row.score, row.get("prediction")], default=str)
+
+
 def _name(node: Any) -> str | None:
     return node.get("name") if isinstance(node, dict) else None
 
@@ -152,7 +158,7 @@ def _split_labels(labelled: list[tuple[Label, str, str, Row, str]]) -> set[str]:
     answers: dict[tuple[str, str], set[str]] = defaultdict(set)
     for label, setting, key, r, _ in labelled:
         settings[label].add(setting)
-        answers[label, key].add(json.dumps([r.score, r.get("prediction")], default=str))
+        answers[label, key].add(answer(r))
     return {label for label, s in settings.items() if len(s) > 1} | {
         label for (label, _), a in answers.items() if len(a) > 1
     }

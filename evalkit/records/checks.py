@@ -225,8 +225,7 @@ def server(url: str) -> tuple[str, int, str] | str:
         host = "loopback"
     elif ip is not None:
         host = ip.compressed
-    path = posixpath.normpath("/" + parts.path).rstrip("/") or "/"
-    return host, port, path.replace("//", "/")
+    return host, port, posixpath.normpath("/" + parts.path.lstrip("/"))
 
 
 def shared_endpoints(endpoints: Any) -> str | None:

@@ -92,21 +92,7 @@ class Row(Mapping[str, Any]):
     fields: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        wrong = [
-            name
-            for name, ok in (
-                ("run_id", isinstance(self.run_id, str)),
-                ("task", isinstance(self.task, str)),
-                ("protocol", self.protocol is None or isinstance(self.protocol, str)),
-                ("sample_id", isinstance(self.sample_id, (str, int)) and not isinstance(self.sample_id, bool)),
-                ("cell", isinstance(self.cell, dict)),
-                ("variant", isinstance(self.variant, str) and bool(self.variant)),
-                ("score", is_number(self.score)),
-                ("baseline_score", is_number(self.baseline_score)),
-                ("flip", self.flip in FLIPS),
-            )
-            if not ok
-        ]
+        wrong = bad_named(self)
         if wrong:
             raise ValueError(f"a row of {self.variant!r} on sample {self.sample_id!r} has a bad {', '.join(wrong)}")
 
@@ -136,16 +122,34 @@ class Row(Mapping[str, Any]):
         return len(set(self.fields) | set(NAMED))
 
 
+def bad_named(row: Mapping[str, Any]) -> list[str]:
+    """The named fields of a row (a Row, or a JSON object holding them all) that are not of their kind."""
+    sid = row["sample_id"]
+    return [
+        name
+        for name, ok in (
+            ("run_id", isinstance(row["run_id"], str)),
+            ("task", isinstance(row["task"], str)),
+            ("protocol", row["protocol"] is None or isinstance(row["protocol"], str)),
+            ("sample_id", isinstance(sid, (str, int)) and not isinstance(sid, bool)),
+            ("cell", isinstance(row["cell"], dict)),
+            ("variant", isinstance(row["variant"], str) and bool(row["variant"])),
+            ("score", is_number(row["score"])),
+            ("baseline_score", is_number(row["baseline_score"])),
+            ("flip", row["flip"] in FLIPS),
+        )
+        if not ok
+    ]
+
+
 def row_error(row: Mapping[str, Any]) -> str | None:
     """Why a JSON object read back is not a Row (a check for evalkit.records.scan_rows), or None."""
     missing = [k for k in NAMED if k not in row]
     if missing:
         return f"has no {', '.join(missing)} (every row evalkit writes has them)"
-    try:
-        Row.from_dict(row)
-    except ValueError as err:
-        bad = str(err).split(" has a bad ")[-1]
-        return f"has a bad {bad}: " + ", ".join(f"{k}={row[k]!r}" for k in bad.split(", "))
+    wrong = bad_named(row)
+    if wrong:
+        return f"has a bad {', '.join(wrong)}: " + ", ".join(f"{k}={row[k]!r}" for k in wrong)
     return None
 
 
