@@ -29,6 +29,7 @@ from _digest import digest, pruned  # benchmarks/_digest.py, beside this script:
 from kvpress.presses.fastkvzip_press import FastKVzipGate
 from kvpress.presses.kvzap_press import KVzapModel
 from kvpress.presses.qfilter_press import QFilters
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -133,6 +134,21 @@ def fastkvzip_press(ratio: float, path: str | None):
         gates.append(gate)
     press = kvpress.FastKVzipPress(compression_ratio=ratio)
     press.gates = gates  # FastKVzipPress downloads only when it has none
+    return press
+
+
+def restorekv_press(ratio: float, folder: str | None, model):
+    """kvpress's RestoreKVPress with the restore embeddings and adapter of the local folder `folder` (the published
+    layout, benchmarks/restorekv_train.py) instead of those it downloads: its embeddings set, the adapter loaded by
+    PEFT under the press's adapter name, and the name it would fetch recorded as fetched."""
+    if folder is None:
+        return None
+    press = kvpress.RestoreKVPress(compression_ratio=ratio)
+    press.restore_embeddings = load_file(f"{folder}/restore_embeddings.safetensors")["restore_embeddings"].float()
+    if press.adapter_name not in getattr(model, "peft_config", {}):
+        model.load_adapter(folder, adapter_name=press.adapter_name)
+    model.disable_adapters()
+    press.restore_model_name = f"higokri/RestoreKV-{model.config.name_or_path.split('/')[-1]}"
     return press
 
 
@@ -377,6 +393,7 @@ def main() -> None:
     ap.add_argument("--lukv-curve", help="LU-KV's budget curve, a .npy file (99, layers, KV heads)")
     ap.add_argument("--kvzap", help="folder of KVzap's surrogates (KVzapModel format) for the kvzap press")
     ap.add_argument("--fastkvzip", help="Fast KVzip's gates (a torch file, the published format)")
+    ap.add_argument("--restorekv", help="RestoreKV's folder (restore embeddings and a PEFT LoRA adapter)")
     args = ap.parse_args()
     torch.manual_seed(0)
     transformers.utils.logging.disable_progress_bar()
@@ -398,7 +415,11 @@ def main() -> None:
         kept, held, worst, digests, channels = {}, {}, 0.0, {}, {}
         for ratio in args.ratios:
             files = (args.qfilters, args.ea_stats, args.lukv_curve, args.kvzap, args.fastkvzip)
-            for name, (press, impl) in presses(ratio, *files).items():
+            every = presses(ratio, *files)
+            if args.restorekv and (not args.presses or "restorekv" in args.presses):
+                # PEFT wraps the adapted layers once loaded; disabled, as kvpress leaves them, they compute as before
+                every["restorekv"] = (restorekv_press(ratio, args.restorekv, model), "sdpa")
+            for name, (press, impl) in every.items():
                 if args.presses and name not in args.presses or press is None:
                     continue
                 model.set_attn_implementation(impl)
@@ -429,6 +450,11 @@ def main() -> None:
                 key = f"{name}@{ratio}"
                 kept[key], held[key] = [], []
                 unmasked = masked_positions(model, ids.shape[1])
+                if name == "restorekv":  # the restore tokens' keys and values, after the context's ids
+                    n = ids.shape[1]
+                    order = [list(range(layers[0][0].shape[1] - n))] * layers[0][0].shape[0]
+                    digests[key] = [digest(k[:, n:], v[:, n:], order) for k, v in layers]
+                    channels[key] = [pruned(k[:, n:]) for k, _ in layers]
                 if unmasked is not None:
                     kept[key] = unmasked
                     held[key] = [sum(len(h) for h in layer) for layer in unmasked]  # all heads: heads differ

@@ -74,6 +74,10 @@ count as an integer budget. Pairs compared (kvpress press <-> evalkit policy):
     KVgradPress (defaults: chunks of 512)    <-> kvgrad (chunk_size 512); kvgrad* at kvpress's count, as kvzip*
     FastKVzipPress (FASTKVZIP's gates)       <-> fastkvzip (weights_path: the same file, seeded and untrained);
                                                  fastkvzip* at kvpress's global count, as kvzip*
+    RestoreKVPress (RESTOREKV's folder)      <-> restorekv (weights_path: the same folder, seeded and untrained:
+                                                 PEFT loads the adapter on kvpress's side); the context kept, and
+                                                 the 8 restore tokens' keys and values by digest; restorekv* at
+                                                 kvpress's count, slots - int(slots x (ratio + 8 / T))
 
 kvpress keeps, for KVzip, n - int(n x ratio) tokens over all layers and heads (per layer: Hkv T - int(Hkv T ratio));
 evalkit is given kvpress's per-head count int(T (1 - ratio)) and keeps that times Hkv x layers, so at some lengths
@@ -103,13 +107,14 @@ import torch
 from _digest import digest, digest_gap, pruned  # benchmarks/_digest.py: the kvpress side digests alike
 from fastkvzip_calibrate import initial_gates
 from omegaconf import OmegaConf
+from restorekv_train import initial, write
 
 from evalkit.cli.spec import model_spec
 from evalkit.embedded import converted_folder
 from evalkit.engine import models
 from evalkit.engine.decode import teacher_forced
 from evalkit.engine.engine import evictor, prefill, reconstruction
-from evalkit.kv.cache import compress, held_positions
+from evalkit.kv.cache import add_tokens, compress, held_positions
 from evalkit.policies import KVPolicy
 from evalkit.policies.adakv import AdaKV
 from evalkit.policies.block import Block
@@ -143,6 +148,7 @@ from evalkit.policies.none import FullCache
 from evalkit.policies.per_layer import PerLayer
 from evalkit.policies.pyramidkv import PyramidKV
 from evalkit.policies.qfilter import QFilter
+from evalkit.policies.restorekv import RestoreKV
 from evalkit.policies.simlayerkv import SimLayerKV
 from evalkit.policies.snapkv import SnapKV
 from evalkit.policies.streaming_llm import StreamingLLM
@@ -161,6 +167,9 @@ LUKV_CURVE = ROOT / "tests" / "data" / "lukv_smollm2.npy"  # benchmarks/lukv_cur
 KVZAP = ROOT / "tests" / "data" / "kvzap_smollm2"  # benchmarks/kvzap_calibrate.py's linear surrogates for SmolLM2
 # Fast KVzip's seeded, untrained gates for SmolLM2 (benchmarks/fastkvzip_calibrate.initial_gates), written at each run
 FASTKVZIP = Path(tempfile.gettempdir()) / "evalkit-peer-fastkvzip-smollm2.pt"
+# RestoreKV's seeded, untrained restore tokens and adapter for SmolLM2 (benchmarks/restorekv_train.initial), likewise
+RESTOREKV = Path(tempfile.gettempdir()) / "evalkit-peer-restorekv-smollm2"
+RESTORE_TOKENS, RESTORE_RANK = 8, 4
 RATIOS = (0.5, 0.75)  # kvpress compression_ratio: the fraction REMOVED; kept fractions 0.5 and 0.25
 LENGTHS = (800, 1800)  # context lengths asked of the needle task (prose haystack); the first is the fixture's
 WINDOW, KERNEL, BETA, SINKS = 32, 5, 20, 4
@@ -214,6 +223,7 @@ PAIRS = {
     "think_snapkv": "think(snapkv)",
     "finch": "finch",
     "finch_chunk": "finch*",
+    "restorekv": "restorekv",
 }
 # Finch's question: the prompt's last FINCH_QUESTION ids (the kvpress side inserts its delimiter before them)
 FINCH_QUESTION = 40
@@ -258,6 +268,7 @@ STARRED = (
     "kvcompose_unstructured",
     "kvgrad",
     "kvcompose",
+    "restorekv",
 )
 
 
@@ -269,6 +280,18 @@ class FastKVzipAt(FastKVzip):
 
     def total(self, slots: int, targets: list[tuple[int, int]]) -> int:
         return slots - int(slots * self.ratio)
+
+
+@dataclass(kw_only=True)
+class RestoreKVAt(RestoreKV):
+    """evalkit's RestoreKV keeping exactly kvpress's count of context slots: kvpress raises the ratio by n / T, so
+    slots - int(slots x min(1, ratio + n / T)), as KVzipAt."""
+
+    ratio: float = 0.5
+
+    def total(self, slots: int, targets: list[tuple[int, int]]) -> int:
+        t = slots // sum(heads for _, heads in targets)
+        return slots - int(slots * min(1.0, self.ratio + self.restore_tokens() / t))
 
 
 @dataclass(kw_only=True)
@@ -387,6 +410,8 @@ def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) ->
         "finch": Finch(budget=k),  # kvpress's defaults: normalized scores, kept keys re-rotated
         # kvpress keeps int(len x (1 - ratio)) of each chunk: held to that sum, each chunk's share is kvpress's count
         "finch*": Finch(budget=chunked_count(n_tokens, ratio, FINCH_CHUNK), chunk_length=FINCH_CHUNK),
+        "restorekv": RestoreKV(budget=k, weights_path=str(RESTOREKV)),  # KVzip's defaults, the seeded folder
+        "restorekv*": RestoreKVAt(budget=k, ratio=ratio, weights_path=str(RESTOREKV)),
         "per_layer(snapkv)*": PerLayerAt(inner=SnapKV(**snap), budget=1 - ratio, layer_budgets=kept),
     }
     for pol in pols.values():
@@ -413,7 +438,7 @@ def run_kvpress(python: str, model_dir: Path, prompts: list[dict], only: list[st
         cmd = [python, str(SIDE), "--model", str(model_dir), "--input", str(src), "--output", str(dst)]
         cmd += ["--ratios", *map(str, RATIOS), "--presses", *only]
         cmd += ["--qfilters", str(QFILTERS), "--ea-stats", str(EA_STATS), "--lukv-curve", str(LUKV_CURVE)]
-        cmd += ["--kvzap", str(KVZAP), "--fastkvzip", str(FASTKVZIP)]
+        cmd += ["--kvzap", str(KVZAP), "--fastkvzip", str(FASTKVZIP), "--restorekv", str(RESTOREKV)]
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": ""}
         subprocess.run(cmd, check=True, env=env)
         return json.loads(dst.read_text())
@@ -432,11 +457,21 @@ def evalkit_kept(model, prompt: dict, pols: dict[str, KVPolicy], rewriting: set[
     parts = Repeat(**{**prompt["repeat"], "question": FINCH_QUESTION})  # KVzip's repeat prompt, Finch's question
     reconstruction(model, full, ids, parts, list(pols.values()), obs)
     out, digests, channels = {}, {}, {}
+    n = ids.shape[1]
     for name, pol in pols.items():
-        cache = decoded(model, ids, pol) if name in DECODED else compress(full, pol, obs)
-        # a ragged layer's padding slots are at position -1
-        out[name] = [[sorted(p for p in h.tolist() if p >= 0) for h in held_positions(lay)[0]] for lay in cache.layers]
-        if name in rewriting:
+        if name in DECODED:
+            cache = decoded(model, ids, pol)
+        else:
+            cache = compress(full, pol, obs)
+            add_tokens(cache, pol)  # RestoreKV's restore tokens, after the context
+        # a ragged layer's padding slots are at position -1; added tokens are after the context
+        out[name] = [[sorted(p for p in h.tolist() if 0 <= p < n) for h in held_positions(x)[0]] for x in cache.layers]
+        added = held_positions(cache.layers[0])[0, 0].ge(n).sum().item()
+        if added:  # the added tokens' keys and values, in the order they were added (the last slots)
+            order = [list(range(added))] * cache.layers[0].keys.shape[1]
+            digests[name] = [digest(lay.keys[0][:, -added:], lay.values[0][:, -added:], order) for lay in cache.layers]
+            channels[name] = [pruned(lay.keys[0][:, -added:]) for lay in cache.layers]
+        elif name in rewriting:
             order = [held_positions(lay)[0].argsort(dim=-1).tolist() for lay in cache.layers]
             digests[name] = [digest(lay.keys[0], lay.values[0], o) for lay, o in zip(cache.layers, order, strict=True)]
             channels[name] = [pruned(lay.keys[0]) for lay in cache.layers]
@@ -577,6 +612,13 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
                 "add_mean_across_heads": True,
                 "keep_token_lower_bound": 0,
             },
+            "restorekv": {
+                "policy": "restorekv",
+                "weights_path": "benchmarks/restorekv_train.initial(model, 8, 4, seed 0) (seeded, untrained)",
+                "n_sink": 4,
+                "chunk_size": 2048,
+                "digests": "the 8 restore tokens' keys and values, after the context's ids",
+            },
             "fastkvzip": {
                 "policy": "fastkvzip",
                 "weights_path": "benchmarks/fastkvzip_calibrate.initial_gates (seeded, untrained)",
@@ -684,6 +726,7 @@ def main() -> None:
     loaded = models.load(cfg, "cpu")
     model_dir = converted_folder(cfg)  # the converted safetensors folder
     initial_gates(loaded.model.config.get_text_config(), FASTKVZIP)  # the same file for kvpress and evalkit
+    write(RESTOREKV, *initial(loaded.model, RESTORE_TOKENS, RESTORE_RANK, 0), RESTORE_RANK)  # likewise
     prompts = build_prompts(loaded.tokenizer)
     print("prompts:", ", ".join(f"{p['name']} ({len(p['ids'])} tokens)" for p in prompts), flush=True)
 

@@ -180,6 +180,13 @@ class KVPolicy:
         (evalkit.kv.contract.check_rewrite); what a layer holds in bytes is measured from the tensors it holds."""
         return None
 
+    def added(self, view: LayerView) -> tuple[Tensor, Tensor] | None:
+        """Tokens the policy adds to the layer once the prompt is compressed (one-shot), after the context: keys
+        (already rotated at the positions seen .. seen + n - 1) and values, each (B, Hkv, n, D), the same n in every
+        layer (RestoreKV's restore tokens). They count against the budget, and the question follows them. The engine
+        checks them (evalkit.kv.contract.check_added). None (the default): nothing is added."""
+        return None
+
     def continues_from_held(self) -> bool:
         """Whether the tokens after the compressed prompt take their RoPE positions from the count held (the largest
         layer's) rather than from the tokens seen: for a policy whose `rewrite` re-rotates the kept keys to slots
@@ -307,6 +314,9 @@ class Wrapper(KVPolicy):
 
     def rewrite(self, view: LayerView, kept: Tensor) -> tuple[Tensor, Tensor] | None:
         return self.inner.rewrite(view, kept)
+
+    def added(self, view: LayerView) -> tuple[Tensor, Tensor] | None:
+        return self.inner.added(view)
 
     def continues_from_held(self) -> bool:
         return self.inner.continues_from_held()

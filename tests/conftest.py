@@ -39,7 +39,7 @@ from evalkit.cli.spec import model_spec
 from evalkit.engine import models
 from evalkit.engine.engine import prefill, reconstruction
 from evalkit.gate.judge import Verdict, judge
-from evalkit.kv.cache import compress
+from evalkit.kv.variant import Variant
 from evalkit.records import SAMPLES, Row, read_rows
 from evalkit.tasks.prompt import Repeat
 
@@ -234,6 +234,7 @@ WEIGHTS_TINY = {
     "lukv": Path(__file__).parent / "data" / "lukv_tiny.npy",  # benchmarks/lukv_curve.py
     "kvzap": Path(__file__).parent / "data" / "kvzap_tiny",  # benchmarks/kvzap_calibrate.py
     "fastkvzip": Path(__file__).parent / "data" / "fastkvzip_tiny.pt",  # benchmarks/fastkvzip_calibrate.py
+    "restorekv": Path(__file__).parent / "data" / "restorekv_tiny",  # benchmarks/restorekv_train.py --steps 0
 }
 
 
@@ -279,7 +280,7 @@ def compressed(model, ids, pol):
     full, obs = prefill(model, ids[:, :CTX], [pol])
     # the policies' second passes (KVzip's; Finch's reads the context's last FINCH_QUESTION ids as its question)
     reconstruction(model, full, ids[:, :CTX], Repeat(question=FINCH_QUESTION), [pol], obs)
-    return full, compress(full, pol, obs)
+    return full, Variant(pol).apply(full, obs)  # as the engine compresses: the policy's choice, the tokens it adds
 
 
 @pytest.fixture(scope="module")

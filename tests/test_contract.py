@@ -233,3 +233,56 @@ def test_needs_that_are_not_observations_are_refused_before_any_model_loads():
             Variant(pol).validate()
     Variant(StreamingLLM(budget=0.5)).validate()
     assert ChunkKV(inner=H2O(), budget=0.5).needs() == (AttentionMass(),)
+
+
+@dataclass(kw_only=True)
+class Adds(Recent):
+    """Recency, then `count` tokens added after the context (as RestoreKV adds its restore tokens); `mischief`
+    breaks what it adds in one way."""
+
+    name: str = "adds"
+    count: int = 2
+
+    def added(self, view: LayerView) -> tuple[Tensor, Tensor] | None:
+        b, h, _, d = view.keys.shape
+        n = 0 if self.mischief == "some-layers" and view.layer_idx == 1 else self.count
+        if n == 0:
+            return None
+        keys, values = torch.ones(b, h, n, d), torch.ones(b, h, n, d)
+        if self.mischief == "shape":
+            return keys[..., :-1], values
+        if self.mischief == "inf":
+            return keys * math.inf, values
+        return keys, values
+
+
+def test_tokens_a_policy_adds_go_after_the_context_and_count_against_its_budget(tiny, ids):
+    """Recency keeping 22 of the 24 tokens a head may hold (budget 0.25) and adding 2 holds 24, the 2 at positions 96
+    and 97; the next token is at 98. Keeping 24 and adding 2 more is stopped: 26 per head against 24 allowed."""
+
+    @dataclass(kw_only=True)
+    class Room(Adds):
+        def target(self, seen: int) -> int:
+            return super().target(seen) - self.count
+
+    _, cache = compressed(tiny.model, ids, Room(budget=0.25))
+    assert cache.get_seq_length() == CTX + 2
+    assert held_per_layer(cache) == [24, 24, 24]
+    assert cache.layers[0].positions[0, 0].tolist() == list(range(74, 96)) + [96, 97]
+    with pytest.raises(PolicyError) as err:
+        compressed(tiny.model, ids, Adds(budget=0.25))
+    assert str(err.value).startswith("adds held 26 of 96 tokens per KV head at layer 0, where a budget of 0.25 x 96")
+
+
+@pytest.mark.parametrize(
+    ("mischief", "message"),
+    [
+        ("some-layers", "Adds): added() gave 2 tokens to some layers and other counts to others (layer 1: 0)"),
+        ("shape", "Adds): added() at layer 0 returned keys (1, 2, 2, 15) torch.float32 on cpu, not (1, 2, n, 16)"),
+        ("inf", "Adds): added() at layer 0 returned keys that are not finite"),
+    ],
+)
+def test_tokens_added_wrongly_are_named(tiny, ids, mischief, message):
+    with pytest.raises(PolicyError) as err:
+        compressed(tiny.model, ids, Adds(budget=0.25, mischief=mischief))
+    assert message in str(err.value), str(err.value)

@@ -23,6 +23,8 @@ from torch import Tensor
 
 from benchmarks._digest import digest, digest_gap, pruned
 from benchmarks.fastkvzip_calibrate import initial, initial_gates
+from benchmarks.restorekv_train import initial as initial_restore
+from benchmarks.restorekv_train import write as write_restore
 from evalkit.cli.spec import model_spec
 from evalkit.engine import models
 from evalkit.engine.decode import teacher_forced
@@ -61,6 +63,7 @@ from evalkit.policies.none import FullCache
 from evalkit.policies.per_layer import PerLayer
 from evalkit.policies.pyramidkv import PyramidKV
 from evalkit.policies.qfilter import QFilter
+from evalkit.policies.restorekv import RestoreKV, read_pass, read_restore
 from evalkit.policies.simlayerkv import SimLayerKV
 from evalkit.policies.snapkv import SnapKV
 from evalkit.policies.streaming_llm import StreamingLLM
@@ -151,7 +154,7 @@ KVZIP = {"kvzip": {}, "kvzip_layerwise": {"layerwise": True}, "kvzip_plus": {"pl
 # ranked over all layers as KVzip ranks, each also held to kvpress's count (`*`): Fast KVzip (seeded gates), KVgrad
 # (its pass and gradients run here too, chunks of 512: two for the fixture's prompt), KVCompose (its repeat pass;
 # structured, and unstructured: every head its own count)
-RANKED_TOGETHER = ("fastkvzip", "kvgrad", "kvcompose", "kvcompose_unstructured")
+RANKED_TOGETHER = ("fastkvzip", "kvgrad", "kvcompose", "kvcompose_unstructured", "restorekv")
 
 
 @dataclass(kw_only=True)
@@ -240,6 +243,25 @@ class KVComposeAtCount(KVCompose):
 
 
 @dataclass(kw_only=True)
+class RestoreKVAtCount(RestoreKV):
+    """RestoreKV keeping kvpress's count of context slots: kvpress raises its ratio by n / T for the restore tokens,
+    so slots - int(slots x min(1, ratio + n / T)) of them."""
+
+    ratio: float = 0.5
+
+    def total(self, slots: int, targets: list[tuple[int, int]]) -> int:
+        t = slots // sum(heads for _, heads in targets)
+        return slots - int(slots * min(1.0, self.ratio + self.restore_tokens() / t))
+
+
+def restore_folder(model, path):
+    """RestoreKV's seeded, untrained folder the fixture's kvpress side read (restorekv_train.initial: 8 restore
+    tokens, a rank-4 adapter on every attention projection, seed 0)."""
+    write_restore(path, *initial_restore(model, 8, 4, 0), 4)
+    return str(path)
+
+
+@dataclass(kw_only=True)
 class FastKVzipAtCount(FastKVzip):
     """Fast KVzip keeping kvpress's count of the slots it ranks together, as KVzipAtCount."""
 
@@ -259,6 +281,7 @@ def kept_by_evalkit(tmp_path_factory):
     other = tmp_path_factory.mktemp("fastkvzip-other") / "gates.pt"
     n_kv, n_q, hidden = config.num_key_value_heads, config.num_attention_heads, config.hidden_size
     torch.save({"module": [initial(n_kv, n_q, hidden, 100 + i) for i in range(config.num_hidden_layers)]}, other)
+    restore = restore_folder(loaded.model, tmp_path_factory.mktemp("restorekv"))
     pols = {
         f"{press}@{ratio}": make(FIXTURE["header"]["n_kept"][ratio])
         for press, make in SAME.items()
@@ -292,6 +315,9 @@ def kept_by_evalkit(tmp_path_factory):
         pols[f"kvcompose_unstructured@{ratio}"] = KVCompose(budget=k, structured=False)
         pols[f"kvcompose_unstructured*@{ratio}"] = KVComposeAtCount(budget=k, ratio=float(ratio), structured=False)
         pols[f"finch_chunk@{ratio}"] = finch_chunked(ratio)
+        # the context RestoreKV keeps (its restore tokens' keys and values: test_restorekv_reads_...)
+        pols[f"restorekv@{ratio}"] = RestoreKV(budget=k, weights_path=restore)
+        pols[f"restorekv*@{ratio}"] = RestoreKVAtCount(budget=k, ratio=float(ratio), weights_path=restore)
     for ratio, threshold in DMS_THRESHOLD.items():
         pols[f"dms_kvzap@{ratio}"] = DMS(inner=KVzap(weights_path=str(KVZAP)), threshold=threshold, window=128)
         pols[f"dms_kvzap~window0@{ratio}"] = DMS(inner=KVzap(weights_path=str(KVZAP)), threshold=threshold, window=0)
@@ -380,6 +406,7 @@ CONTROLS = [
     ("kvzip", "kvgrad", 0.9),  # the reconstruction attention alone, no gradient or value weights (about 0.5 and 0.4)
     ("snapkv", "finch", 0.9),  # a window of the last 32 ids, pooled (about 0.63 and 0.53)
     ("finch", "finch_chunk", 0.9),  # one top-k over the prompt, not one per chunk (about 0.64 and 0.49)
+    ("kvzip", "restorekv", 0.99),  # no slots left to the restore tokens: 8 more per head (about 0.98 and 0.96)
 ]
 
 
@@ -530,3 +557,27 @@ def test_cam_merges_into_the_values_kvpress_merges_into(decoded_by_evalkit, rati
     key = f"cam_knorm@{ratio}"
     assert digest_gap(kept[f"{key}~digests"], FIXTURE["digests"][key]) <= DIGEST_RTOL
     assert digest_gap(kept[f"{key}~other"], FIXTURE["digests"][key]) > 100 * DIGEST_RTOL
+
+
+def test_restorekv_reads_the_restore_tokens_kvpress_reads(tmp_path):
+    """RestoreKVPress's restore tokens, read with the same folder over the fixture's prompt: every layer and head's
+    keys and values within float32 rounding of kvpress's (bit for bit when the fixture was written), whatever the
+    ratio. Read without the adapter, or from a folder of another seed, they are the control."""
+    loaded = models.load(model_spec(OmegaConf.load(ROOT / "conf" / "model" / "smollm2-135m.yaml")), "cpu")
+    ids = torch.tensor([FIXTURE["ids"]])
+    full, _ = prefill(loaded.model, ids)
+    restore = read_restore(restore_folder(loaded.model, tmp_path / "seed0"), loaded.model)
+    write_restore(tmp_path / "seed1", *initial_restore(loaded.model, 8, 4, 1), 4)
+    other = read_restore(str(tmp_path / "seed1"), loaded.model)
+
+    def digests(embeddings, lora) -> list:
+        with torch.inference_mode():
+            added = read_pass(loaded.model, full, embeddings, lora)
+        return [digest(k[0], v[0], [list(range(8))] * k.shape[1]) for k, v in added.values()]
+
+    ours = digests(restore.embeddings, restore.lora)
+    for ratio in ("0.5", "0.75"):
+        assert digest_gap(ours, FIXTURE["digests"][f"restorekv@{ratio}"]) <= DIGEST_RTOL
+        assert FIXTURE["pruned_channels"][f"restorekv@{ratio}"] == [[[]] * 3] * 30
+    for controls in (digests(restore.embeddings, {}), digests(other.embeddings, other.lora)):
+        assert digest_gap(controls, FIXTURE["digests"]["restorekv@0.5"]) > 100 * DIGEST_RTOL

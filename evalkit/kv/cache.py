@@ -84,6 +84,12 @@ class EvictingLayer(DynamicLayer):
         # stay causal among themselves. With offset 0 a multi-token query would see its own future.
         return held + query_length, self.get_seq_length() - held
 
+    def append(self, keys: Tensor, values: Tensor) -> None:
+        """Hold n tokens more, (B, Hkv, n, D) each, at the next positions (a policy's added tokens)."""
+        self.advance(keys.shape[2])
+        self.keys = torch.cat([self.keys, keys], dim=-2)
+        self.values = torch.cat([self.values, values], dim=-2)
+
     @property
     def held(self) -> int:
         """Slots per KV head: the tokens each head holds, or for a ragged layer the longest head's."""
@@ -187,6 +193,26 @@ def enforce(cache: Cache, policy: KVPolicy) -> None:
         start = max(cache.layers[i].held for i in evictable)  # one position for every layer, none behind its keys
         for i in evictable:
             cache.layers[i].next_position = start
+
+
+def add_tokens(cache: Cache, policy: KVPolicy) -> None:
+    """The tokens `policy` adds once the prompt is compressed (KVPolicy.added, RestoreKV's restore tokens), appended
+    to every layer after the context, then held with the rest to the budget (evalkit.kv.contract)."""
+    evictable = [i for i, layer in enumerate(cache.layers) if isinstance(layer, EvictingLayer)]
+    added = {}
+    for i in evictable:
+        layer = cache.layers[i]
+        with contract.calling(policy, "added", i):
+            got = policy.added(layer.view(i, len(cache.layers)))
+        if got is not None:
+            added[i] = contract.check_added(policy, got, layer, i)
+    if not added:
+        return
+    contract.check_added_layers(policy, added, cache.layers)
+    seen = cache.layers[evictable[0]].seen
+    for i, (keys, values) in added.items():
+        cache.layers[i].append(keys, values)
+    contract.check_held(policy, {i: (cache.layers[i].tokens(), cache.layers[i].allowed) for i in evictable}, seen)
 
 
 def select(policy: KVPolicy, views: dict[int, LayerView], targets: dict[int, int], across: bool) -> dict[int, Tensor]:

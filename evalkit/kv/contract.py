@@ -184,6 +184,47 @@ def check_rewrite(policy: KVPolicy, rewritten: object, layer, layer_idx: int) ->
     return rewritten
 
 
+def check_added(policy: KVPolicy, added: object, layer, layer_idx: int) -> tuple[Tensor, Tensor]:
+    """`added`'s answer for a layer: two tensors (B, Hkv, n, D), n >= 1, of the batch, heads, head size, dtype and
+    device of the keys and values the layer holds, every element finite; else a PolicyError."""
+    where = f"{describe(policy)}: added() at layer {layer_idx}"
+    if not isinstance(added, tuple) or len(added) != 2:
+        raise PolicyError(f"{where} returned {type(added).__name__}, not (keys, values) or None; fix the policy")
+    for name, new, held in zip(("keys", "values"), added, (layer.keys, layer.values), strict=True):
+        ok = isinstance(new, Tensor) and new.dim() == 4 and new.shape[2] >= 1
+        if not ok or (new.shape[:2], new.shape[3], new.dtype, new.device) != (
+            held.shape[:2],
+            held.shape[3],
+            held.dtype,
+            held.device,
+        ):
+            got = f"{tuple(new.shape)} {new.dtype} on {new.device}" if isinstance(new, Tensor) else type(new).__name__
+            b, h, _, d = held.shape
+            raise PolicyError(
+                f"{where} returned {name} {got}, not ({b}, {h}, n, {d}) {held.dtype} on {held.device} with n >= 1; "
+                "fix the policy"
+            )
+        if not bool(torch.isfinite(new).all()):
+            raise PolicyError(f"{where} returned {name} that are not finite; fix the policy")
+    if added[0].shape[2] != added[1].shape[2]:
+        raise PolicyError(f"{where} returned {added[0].shape[2]} keys and {added[1].shape[2]} values; fix the policy")
+    return added
+
+
+def check_added_layers(policy: KVPolicy, added: dict[int, tuple[Tensor, Tensor]], layers: list) -> None:
+    """Tokens added after the prompt take the positions after it in every layer, so every layer takes the same number:
+    a PolicyError when some evicting layer gets none or another count, or the model has layers that do not evict
+    (sliding-window layers, which hold only their window)."""
+    counts = {i: added[i][0].shape[2] if i in added else 0 for i in range(len(layers))}
+    if len(set(counts.values())) > 1:
+        first = counts[next(iter(added))]
+        shown = ", ".join(f"layer {i}: {n}" for i, n in list((i, n) for i, n in counts.items() if n != first)[:3])
+        raise PolicyError(
+            f"{describe(policy)}: added() gave {first} tokens to some layers and other counts to "
+            f"others ({shown}); tokens added after the prompt go into every layer, the same number; fix the policy"
+        )
+
+
 def allowance(policy: KVPolicy, view: LayerView, k: int, layer_idx: int) -> Tensor:
     """(B, Hkv) tokens each head may hold: the budget's tokens, or its protected tokens plus one where they are more,
     counting at most the `min_tokens() - 1` it states (its sinks and windows, which every sample's budget was checked

@@ -10,9 +10,7 @@ from transformers.cache_utils import Cache
 from evalkit.attention.observation import Observation
 from evalkit.errors import ConfigError
 from evalkit.kv import contract
-from evalkit.kv.cache import (
-    compress,
-)
+from evalkit.kv.cache import add_tokens, compress
 from evalkit.kv.quantized import QuantSpec, quantize_cache
 from evalkit.policies import KVPolicy
 
@@ -75,6 +73,8 @@ class Variant:
             raise ConfigError(f"{where} ({n_context} context tokens): {err}") from None
 
     def apply(self, full: Cache, observations: dict[int, dict[Observation, object]]) -> Cache:
-        """The variant's cache over a prefilled full cache: the policy's choice, stored as `quant` says."""
+        """The variant's cache over a prefilled full cache: the policy's choice and the tokens it adds, stored as
+        `quant` says."""
         cache = compress(full, self.policy, observations)
+        add_tokens(cache, self.policy)
         return quantize_cache(cache, self.quant) if self.quant is not None else cache

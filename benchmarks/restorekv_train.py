@@ -1,0 +1,185 @@
+"""Train RestoreKV's restore tokens and LoRA adapter for a model here, offline: a stand-in for the published adapters
+(self-distillation from the full cache, as the paper trains them, at a toy scale), not the paper's training run.
+
+    python benchmarks/restorekv_train.py --model smollm2-135m --out restorekv/smollm2 [--steps 150] [--budget 0.25]
+        [--tokens 8] [--rank 4] [--length 512] [--lr 1e-3]
+
+Each step takes one generated-prose sample of evalkit's fidelity task (task seeds 7000 on, apart from any run's
+default seed 0): its context prefilled with the full cache, which answers as the teacher; evalkit's KVzip scores of
+the context (the reconstruction pass); each KV head's k - n best context tokens kept, k = budget x context (per
+head here, for a plain cache; the policy ranks all layers and heads together); the n restore tokens read over the
+full cache with the adapter on (policies/restorekv.read_pass, with gradients); and the continuation teacher-forced
+after the kept tokens and the restore tokens, from position T + n as the policy feeds the question. The loss is
+KL(teacher || student) over the continuation's next-token distributions; Adam updates the embeddings and the
+adapter only. Prints the loss at the start and the end of training, each against the same held-out samples.
+
+Written in the published layout, so that evalkit (`policy=restorekv policy.weights_path=OUT`) and kvpress
+(RestoreKVPress, its embeddings set and the adapter loaded by PEFT from OUT) read the same folder:
+restore_embeddings.safetensors, adapter_config.json and adapter_model.safetensors (PEFT's names). `--steps 0`
+writes the seeded start (`initial`): the peer check's folder. Its B matrices are drawn small, not PEFT's zeros, so
+that the adapter acts and the check can see it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import save_file
+from transformers import DynamicCache
+from transformers.cache_utils import Cache
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from evalkit.cli.spec import model_spec  # noqa: E402
+from evalkit.engine import models  # noqa: E402
+from evalkit.policies.kvzip_pass import RawIds, ReadOnlyLayer, reconstruct  # noqa: E402
+from evalkit.policies.restorekv import ADAPTER, EMBEDDINGS, PREFIX, Lora, read_pass  # noqa: E402
+from evalkit.tasks.fidelity import FidelityTask  # noqa: E402
+from evalkit.tasks.prompt import build_prompt  # noqa: E402
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # the attention projections of every layer
+SINKS, CHUNK = 4, 2048  # KVzip's (kvpress KVzipPress defaults)
+TRAIN_SEED, HELD_OUT_SEED = 7000, 9000
+
+
+def initial(model: torch.nn.Module, n: int, rank: int, seed: int) -> tuple[torch.Tensor, dict[str, Lora]]:
+    """The seeded start: the embeddings of n token ids drawn at random, and per adapted layer A ~ N(0, 1/in) (r, in)
+    and B ~ N(0, 0.01^2) (out, r), scaling alpha / r with alpha = 2r (PEFT's alpha / r of 2)."""
+    g = torch.Generator().manual_seed(seed)
+    table = model.get_input_embeddings().weight.detach().float()
+    ids = torch.randint(0, table.shape[0], (n,), generator=g)
+    lora = {}
+    for name, module in model.named_modules():
+        if name.split(".")[-1] in TARGETS and isinstance(module, torch.nn.Linear):
+            a = torch.randn(rank, module.in_features, generator=g) / module.in_features**0.5
+            b = torch.randn(module.out_features, rank, generator=g) * 0.01
+            lora[name] = Lora(a, b, 2.0)
+    return table[ids].clone(), lora
+
+
+def write(out: Path, embeddings: torch.Tensor, lora: dict[str, Lora], rank: int) -> None:
+    """The folder in the published layout (PEFT's adapter files beside the embeddings)."""
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({"restore_embeddings": embeddings.detach().contiguous()}, str(out / EMBEDDINGS))
+    tensors = {}
+    for name, pair in lora.items():
+        tensors[f"{PREFIX}{name}.lora_A.weight"] = pair.a.detach().contiguous()
+        tensors[f"{PREFIX}{name}.lora_B.weight"] = pair.b.detach().contiguous()
+    save_file(tensors, str(out / ADAPTER[1]))
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": list(TARGETS),
+        "use_rslora": False,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "base_model_name_or_path": None,
+        "inference_mode": True,
+    }
+    (out / ADAPTER[0]).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def samples(tokenizer, seed: int, count: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`count` (context ids (1, T), continuation ids (1, m)) of the fidelity task's prose at task seed `seed`."""
+    task = FidelityTask(seed=seed, context_lengths=[length], continuation_tokens=64, samples_per_cell=count)
+    out = []
+    for sample in task.samples(tokenizer):
+        prompt = build_prompt(tokenizer, sample)
+        out.append((prompt.ids[:, : prompt.n_context], prompt.ids[:, prompt.n_context :]))
+    return out
+
+
+def student_cache(model, full: Cache, scores: dict[int, torch.Tensor], keep: int, restored) -> Cache:
+    """Each layer: each KV head's `keep` best context tokens (sinks first), then the restore tokens."""
+    cache = DynamicCache(config=model.config)
+    for i, layer in enumerate(full.layers):
+        s = scores[i].clone()
+        s[..., :SINKS] = float("inf")
+        idx = s.topk(keep, dim=-1).indices.sort(dim=-1).values[..., None]
+        keys = layer.keys.gather(2, idx.expand(-1, -1, -1, layer.keys.shape[-1]))
+        values = layer.values.gather(2, idx.expand(-1, -1, -1, layer.values.shape[-1]))
+        cache.update(torch.cat([keys, restored[i][0]], 2), torch.cat([values, restored[i][1]], 2), i)
+    return cache
+
+
+def loss_on(model, context, continuation, embeddings, lora, budget: float) -> torch.Tensor:
+    """KL(teacher || student) over the continuation, averaged over its tokens; with no restore tokens (`embeddings`
+    None), KVzip alone at the same budget (k context tokens per head), the figure they must beat."""
+    t, m, n = context.shape[1], continuation.shape[1], 0 if embeddings is None else embeddings.shape[0]
+    with torch.no_grad():
+        full = DynamicCache(config=model.config)
+        model(input_ids=context, cache=full, use_cache=True, logits_to_keep=1)
+        scores = reconstruct(model, full, context, RawIds(), SINKS, CHUNK)
+        read = Cache(layers=[ReadOnlyLayer(layer.keys, layer.values) for layer in full.layers])
+        teacher = model(input_ids=continuation, position_ids=torch.arange(t, t + m)[None], cache=read).logits
+    none = {i: (x.keys[:, :, :0], x.values[:, :, :0]) for i, x in enumerate(full.layers)}
+    restored = read_pass(model, full, embeddings, lora) if n else none
+    cache = student_cache(model, full, scores, max(SINKS, int(budget * t) - n), restored)
+    student = model(input_ids=continuation, position_ids=torch.arange(t + n, t + n + m)[None], cache=cache).logits
+    return (
+        torch.nn.functional.kl_div(
+            student.float().log_softmax(-1), teacher.float().log_softmax(-1), log_target=True, reduction="batchmean"
+        )
+        / m
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m", help="a conf/model name")
+    ap.add_argument("--out", required=True, help="the folder to write")
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--budget", type=float, default=0.25, help="the kept share of the context while training")
+    ap.add_argument("--tokens", type=int, default=8, help="restore tokens (the published adapters: 8)")
+    ap.add_argument("--rank", type=int, default=4)
+    ap.add_argument("--length", type=int, default=512, help="context tokens of a training sample")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--held-out", type=int, default=4, help="samples the loss is reported on")
+    args = ap.parse_args()
+    loaded = models.load(model_spec(OmegaConf.load(ROOT / "conf" / "model" / f"{args.model}.yaml")), "cpu")
+    model = loaded.model
+    for p in model.parameters():
+        p.requires_grad_(False)
+    embeddings, lora = initial(model, args.tokens, args.rank, args.seed)
+    if args.steps > 0:
+        params = [embeddings.requires_grad_(True)]
+        for pair in lora.values():
+            params += [pair.a.requires_grad_(True), pair.b.requires_grad_(True)]
+        held = samples(loaded.tokenizer, HELD_OUT_SEED, args.held_out, args.length)
+
+        def held_out() -> float:
+            with torch.no_grad():
+                return sum(float(loss_on(model, c, x, embeddings, lora, args.budget)) for c, x in held) / len(held)
+
+        with torch.no_grad():
+            alone = sum(float(loss_on(model, c, x, None, {}, args.budget)) for c, x in held) / len(held)
+        print(f"held-out KL per token, KVzip alone at the same budget: {alone:.4f}", flush=True)
+        print(f"held-out KL per token at the start: {held_out():.4f}", flush=True)
+        opt = torch.optim.Adam(params, lr=args.lr)
+        for step in range(args.steps):
+            (context, continuation), *_ = samples(loaded.tokenizer, TRAIN_SEED + step, 1, args.length)
+            opt.zero_grad()
+            loss = loss_on(model, context, continuation, embeddings, lora, args.budget)
+            loss.backward()
+            opt.step()
+            if step % 10 == 0 or step == args.steps - 1:
+                print(f"step {step}: train KL per token {float(loss.detach()):.4f}", flush=True)
+        print(f"held-out KL per token at the end: {held_out():.4f}", flush=True)
+    write(Path(args.out), embeddings, lora, args.rank)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
