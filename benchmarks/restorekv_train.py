@@ -6,12 +6,12 @@
 
 Each step takes one generated-prose sample of evalkit's fidelity task (task seeds 7000 on, apart from any run's
 default seed 0): its context prefilled with the full cache, which answers as the teacher; evalkit's KVzip scores of
-the context (the reconstruction pass); each KV head's k - n best context tokens kept, k = budget x context (per
-head here, for a plain cache; the policy ranks all layers and heads together); the n restore tokens read over the
-full cache with the adapter on (policies/restorekv.read_pass, with gradients); and the continuation teacher-forced
-after the kept tokens and the restore tokens, from position T + n as the policy feeds the question. The loss is
-KL(teacher || student) over the continuation's next-token distributions; Adam updates the embeddings and the
-adapter only. Prints the loss at the start and the end of training, each against the same held-out samples.
+the context (the reconstruction pass); k - n context tokens kept per KV head on average, k = budget x context,
+ranked over all layers and heads as the policy ranks them; the n restore tokens read over the full cache with the
+adapter on (policies/restorekv.read_pass, with gradients) and appended; and the continuation teacher-forced after
+them, from position T + n as the policy feeds the question. The loss is KL(teacher || student) over the
+continuation's next-token distributions; Adam updates the embeddings and the adapter only. Prints the held-out
+loss of KVzip alone at the same budget, and of the restore tokens at the start and the end of training.
 
 Written in the published layout, so that evalkit (`policy=restorekv policy.weights_path=OUT`) and kvpress
 (RestoreKVPress, its embeddings set and the adapter loaded by PEFT from OUT) read the same folder:
@@ -30,15 +30,18 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
-from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from evalkit.attention.sdpa import observe  # noqa: E402
 from evalkit.cli.spec import model_spec  # noqa: E402
 from evalkit.engine import models  # noqa: E402
-from evalkit.policies.kvzip_pass import RawIds, ReadOnlyLayer, reconstruct  # noqa: E402
+from evalkit.engine.engine import prefill, reconstruction  # noqa: E402
+from evalkit.kv.cache import compress  # noqa: E402
+from evalkit.policies.kvzip import KVzip  # noqa: E402
+from evalkit.policies.kvzip_pass import ReadOnlyLayer  # noqa: E402
 from evalkit.policies.restorekv import ADAPTER, EMBEDDINGS, PREFIX, Lora, read_pass  # noqa: E402
 from evalkit.tasks.fidelity import FidelityTask  # noqa: E402
 from evalkit.tasks.prompt import build_prompt  # noqa: E402
@@ -100,33 +103,23 @@ def samples(tokenizer, seed: int, count: int, length: int) -> list[tuple[torch.T
     return out
 
 
-def student_cache(model, full: Cache, scores: dict[int, torch.Tensor], keep: int, restored) -> Cache:
-    """Each layer: each KV head's `keep` best context tokens (sinks first), then the restore tokens."""
-    cache = DynamicCache(config=model.config)
-    for i, layer in enumerate(full.layers):
-        s = scores[i].clone()
-        s[..., :SINKS] = float("inf")
-        idx = s.topk(keep, dim=-1).indices.sort(dim=-1).values[..., None]
-        keys = layer.keys.gather(2, idx.expand(-1, -1, -1, layer.keys.shape[-1]))
-        values = layer.values.gather(2, idx.expand(-1, -1, -1, layer.values.shape[-1]))
-        cache.update(torch.cat([keys, restored[i][0]], 2), torch.cat([values, restored[i][1]], 2), i)
-    return cache
-
-
 def loss_on(model, context, continuation, embeddings, lora, budget: float) -> torch.Tensor:
-    """KL(teacher || student) over the continuation, averaged over its tokens; with no restore tokens (`embeddings`
-    None), KVzip alone at the same budget (k context tokens per head), the figure they must beat."""
+    """KL(teacher || student) over the continuation, averaged over its tokens. The student is what the policy holds:
+    evalkit's KVzip at k - n tokens per KV head (ranked over all layers and heads), then the restore tokens appended
+    (`EvictingLayer.append`, as the engine adds them); with no restore tokens (`embeddings` None), KVzip alone at k,
+    the figure they must beat."""
     t, m, n = context.shape[1], continuation.shape[1], 0 if embeddings is None else embeddings.shape[0]
+    pol = KVzip(budget=max(SINKS + 1, int(budget * t) - n), n_sink=SINKS, chunk_size=CHUNK)
+    full, obs = prefill(model, context, [pol])
+    reconstruction(model, full, context, None, [pol], obs)
     with torch.no_grad():
-        full = DynamicCache(config=model.config)
-        model(input_ids=context, cache=full, use_cache=True, logits_to_keep=1)
-        scores = reconstruct(model, full, context, RawIds(), SINKS, CHUNK)
         read = Cache(layers=[ReadOnlyLayer(layer.keys, layer.values) for layer in full.layers])
         teacher = model(input_ids=continuation, position_ids=torch.arange(t, t + m)[None], cache=read).logits
-    none = {i: (x.keys[:, :, :0], x.values[:, :, :0]) for i, x in enumerate(full.layers)}
-    restored = read_pass(model, full, embeddings, lora) if n else none
-    cache = student_cache(model, full, scores, max(SINKS, int(budget * t) - n), restored)
-    student = model(input_ids=continuation, position_ids=torch.arange(t + n, t + n + m)[None], cache=cache).logits
+        cache = compress(full, pol, obs)
+    if n:
+        for i, (keys, values) in read_pass(model, full, embeddings, lora).items():
+            cache.layers[i].append(keys, values)
+    student = model(input_ids=continuation, cache=cache, use_cache=True, **observe(None, cache)).logits
     return (
         torch.nn.functional.kl_div(
             student.float().log_softmax(-1), teacher.float().log_softmax(-1), log_target=True, reduction="batchmean"

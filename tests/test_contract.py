@@ -286,3 +286,20 @@ def test_tokens_added_wrongly_are_named(tiny, ids, mischief, message):
     with pytest.raises(PolicyError) as err:
         compressed(tiny.model, ids, Adds(budget=0.25, mischief=mischief))
     assert message in str(err.value), str(err.value)
+
+
+def test_a_policy_that_adds_tokens_is_refused_a_chunked_prefill():
+    """Its tokens go in after a one-shot compression, which a chunked prefill never makes: refused, not skipped;
+    wrapped, the same. A policy that does not add tokens is not."""
+
+    @dataclass(kw_only=True)
+    class ChunkableAdds(Adds):
+        chunkable = True
+
+    with pytest.raises(ConfigError, match="adds adds tokens after the prompt once it is compressed in one pass"):
+        Variant(ChunkableAdds(budget=0.25), chunk=32).validate()
+    with pytest.raises(ConfigError, match="adds tokens after the prompt"):
+        Variant(ChunkKV(inner=ChunkableAdds(), budget=0.25), chunk=32).validate()
+    assert contract.adds_tokens(ChunkKV(inner=Adds(), budget=0.25))
+    assert not contract.adds_tokens(ChunkKV(inner=Recent(), budget=0.25))
+    Variant(H2O(budget=0.25), chunk=32).validate()

@@ -35,7 +35,7 @@ from torch import Tensor
 from evalkit import sigint
 from evalkit.attention.observation import Observation
 from evalkit.errors import ConfigError, InternalError, JobError, PolicyError
-from evalkit.policies import KVPolicy, LayerView
+from evalkit.policies import KVPolicy, LayerView, Wrapper
 
 OWN = "evalkit."  # evalkit's own policies live in evalkit.policies (policies/ installs there)
 
@@ -265,6 +265,14 @@ def check_declared(policy: KVPolicy) -> None:
             f"{describe(owner)} sets budget_counts_tokens = False, which only evalkit's own none and duo_attention "
             "may: a policy holds at most its budget plus the min_tokens() - 1 tokens it protects; remove it"
         )
+
+
+def adds_tokens(policy: KVPolicy) -> bool:
+    """Whether the policy defines `added` (tokens after a one-shot compression), itself or in the policy it wraps."""
+    method = type(policy).added
+    if method is Wrapper.added:
+        return adds_tokens(policy.inner)
+    return method is not KVPolicy.added
 
 
 def check_needs(policy: KVPolicy) -> None:
