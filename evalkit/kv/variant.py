@@ -52,8 +52,8 @@ class Variant:
             raise ConfigError(f"prefill.chunk={self.chunk!r}: give a whole number of tokens such as 512")
         if contract.adds_tokens(self.policy):
             raise ConfigError(
-                f"{self.name}: {self.policy.name} adds tokens after the prompt once it is compressed in one pass, which "
-                "a chunked prefill never is; use prefill=oneshot"
+                f"{self.name}: {self.policy.name} adds tokens after the prompt once it is compressed in one pass, "
+                "which a chunked prefill never is; use prefill=oneshot"
             )
         if not self.policy.chunkable:
             raise ConfigError(
