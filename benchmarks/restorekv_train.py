@@ -1,7 +1,7 @@
 """Train RestoreKV's restore tokens and LoRA adapter for a model here, offline: a stand-in for the published adapters
 (self-distillation from the full cache, as the paper trains them, at a toy scale), not the paper's training run.
 
-    python benchmarks/restorekv_train.py --model smollm2-135m --out restorekv/smollm2 [--steps 150] [--budget 0.25]
+    python benchmarks/restorekv_train.py --model smollm2-135m --out restorekv/smollm2 [--steps 200] [--budget 0.25]
         [--tokens 8] [--rank 4] [--length 512] [--lr 1e-3]
 
 Each step takes one generated-prose sample of evalkit's fidelity task (task seeds 7000 on, apart from any run's
@@ -132,7 +132,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m", help="a conf/model name")
     ap.add_argument("--out", required=True, help="the folder to write")
-    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--budget", type=float, default=0.25, help="the kept share of the context while training")
     ap.add_argument("--tokens", type=int, default=8, help="restore tokens (the published adapters: 8)")
     ap.add_argument("--rank", type=int, default=4)
