@@ -191,15 +191,11 @@ def check_added(policy: KVPolicy, added: object, layer, layer_idx: int) -> tuple
     if not isinstance(added, tuple) or len(added) != 2:
         raise PolicyError(f"{where} returned {type(added).__name__}, not (keys, values) or None; fix the policy")
     for name, new, held in zip(("keys", "values"), added, (layer.keys, layer.values), strict=True):
+        b, h, _, d = held.shape
+        want = (b, h, d, held.dtype, held.device)
         ok = isinstance(new, Tensor) and new.dim() == 4 and new.shape[2] >= 1
-        if not ok or (new.shape[:2], new.shape[3], new.dtype, new.device) != (
-            held.shape[:2],
-            held.shape[3],
-            held.dtype,
-            held.device,
-        ):
+        if not ok or (new.shape[0], new.shape[1], new.shape[3], new.dtype, new.device) != want:
             got = f"{tuple(new.shape)} {new.dtype} on {new.device}" if isinstance(new, Tensor) else type(new).__name__
-            b, h, _, d = held.shape
             raise PolicyError(
                 f"{where} returned {name} {got}, not ({b}, {h}, n, {d}) {held.dtype} on {held.device} with n >= 1; "
                 "fix the policy"
