@@ -225,7 +225,6 @@ class RestoreKV(KVzip):
     def prepare(self, model, probes) -> dict:
         full_attention_only(model, self.name, "use kvzip, whose cache holds no added tokens")
         self.restore = read_restore(self.weights_path, model)  # not a field
-        self.n_restore = self.restore.embeddings.shape[0]
         return self.restore.recorded
 
     def min_tokens(self) -> int:
@@ -236,13 +235,13 @@ class RestoreKV(KVzip):
         return self.restore_tokens() if k < seen else 0
 
     def over(self, view: LayerView, k: int) -> bool:
-        return int(view.real.sum(dim=(1, 2)).max()) > (k - self.restored(k, view.seen)) * view.keys.shape[1]
+        return super().over(view, k - self.restored(k, view.seen))
 
     def total(self, slots: int, targets: list[tuple[int, int]]) -> int:
-        """The context tokens kept: each head's k less the n restore tokens it also holds (`slots`: every head's
-        tokens seen, so slots / heads of them per head)."""
+        """KVzip's count of context tokens at each head's k less the n restore tokens it also holds (`slots`: every
+        head's tokens seen, so slots / heads of them per head)."""
         seen = slots // sum(heads for _, heads in targets)
-        return sum((k - self.restored(k, seen)) * heads for k, heads in targets)
+        return super().total(slots, [(k - self.restored(k, seen), heads) for k, heads in targets])
 
     def added(self, view: LayerView) -> tuple[Tensor, Tensor] | None:
         """The restore tokens, unless the budget keeps every token (then nothing is evicted and nothing added)."""

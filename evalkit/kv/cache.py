@@ -208,7 +208,7 @@ def add_tokens(cache: Cache, policy: KVPolicy) -> None:
             added[i] = contract.check_added(policy, got, layer, i)
     if not added:
         return
-    contract.check_added_layers(policy, added, cache.layers)
+    contract.check_added_layers(policy, added, len(cache.layers))
     seen = cache.layers[evictable[0]].seen
     for i, (keys, values) in added.items():
         cache.layers[i].append(keys, values)

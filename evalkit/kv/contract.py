@@ -169,49 +169,53 @@ def check_rewrite(policy: KVPolicy, rewritten: object, layer, layer_idx: int) ->
     """`rewrite`'s answer for a layer that now holds the kept tokens: two tensors of the shape, dtype and device of
     the keys and values it holds, every element finite; else a PolicyError. The tokens held, and so the bytes, are
     the layer's: a rewrite changes what they hold, never how many."""
-    where = f"{describe(policy)}: rewrite() at layer {layer_idx}"
-    if not isinstance(rewritten, tuple) or len(rewritten) != 2:
-        raise PolicyError(f"{where} returned {type(rewritten).__name__}, not (keys, values) or None; fix the policy")
-    for name, new, held in zip(("keys", "values"), rewritten, (layer.keys, layer.values), strict=True):
-        if not isinstance(new, Tensor) or (new.shape, new.dtype, new.device) != (held.shape, held.dtype, held.device):
-            got = f"{tuple(new.shape)} {new.dtype} on {new.device}" if isinstance(new, Tensor) else type(new).__name__
-            raise PolicyError(
-                f"{where} returned {name} {got}, not the {tuple(held.shape)} {held.dtype} on {held.device} of the "
-                "kept tokens; fix the policy"
-            )
-        if not bool(torch.isfinite(new).all()):
-            raise PolicyError(f"{where} returned {name} that are not finite; fix the policy")
-    return rewritten
+    return checked_pair(
+        f"{describe(policy)}: rewrite() at layer {layer_idx}",
+        rewritten,
+        layer,
+        lambda new, held: new.shape == held.shape,
+        lambda held: f"the {tuple(held.shape)} {held.dtype} on {held.device} of the kept tokens",
+    )
 
 
 def check_added(policy: KVPolicy, added: object, layer, layer_idx: int) -> tuple[Tensor, Tensor]:
     """`added`'s answer for a layer: two tensors (B, Hkv, n, D), n >= 1, of the batch, heads, head size, dtype and
     device of the keys and values the layer holds, every element finite; else a PolicyError."""
     where = f"{describe(policy)}: added() at layer {layer_idx}"
-    if not isinstance(added, tuple) or len(added) != 2:
-        raise PolicyError(f"{where} returned {type(added).__name__}, not (keys, values) or None; fix the policy")
-    for name, new, held in zip(("keys", "values"), added, (layer.keys, layer.values), strict=True):
+
+    def fits(new: Tensor, held: Tensor) -> bool:  # the held tensor's batch, heads and head size; n >= 1 tokens
+        return new.dim() == 4 and new.shape[2] >= 1 and (new.shape[:2], new.shape[3]) == (held.shape[:2], held.shape[3])
+
+    def wanted(held: Tensor) -> str:
         b, h, _, d = held.shape
-        want = (b, h, d, held.dtype, held.device)
-        ok = isinstance(new, Tensor) and new.dim() == 4 and new.shape[2] >= 1
-        if not ok or (new.shape[0], new.shape[1], new.shape[3], new.dtype, new.device) != want:
-            got = f"{tuple(new.shape)} {new.dtype} on {new.device}" if isinstance(new, Tensor) else type(new).__name__
-            raise PolicyError(
-                f"{where} returned {name} {got}, not ({b}, {h}, n, {d}) {held.dtype} on {held.device} with n >= 1; "
-                "fix the policy"
-            )
-        if not bool(torch.isfinite(new).all()):
-            raise PolicyError(f"{where} returned {name} that are not finite; fix the policy")
+        return f"({b}, {h}, n, {d}) {held.dtype} on {held.device} with n >= 1"
+
+    checked_pair(where, added, layer, fits, wanted)
     if added[0].shape[2] != added[1].shape[2]:
         raise PolicyError(f"{where} returned {added[0].shape[2]} keys and {added[1].shape[2]} values; fix the policy")
     return added
 
 
-def check_added_layers(policy: KVPolicy, added: dict[int, tuple[Tensor, Tensor]], layers: list) -> None:
+def checked_pair(where: str, pair: object, layer, fits, wanted) -> tuple[Tensor, Tensor]:
+    """A policy's (keys, values) for `layer`: a pair of tensors, each `fits(new, held)` the tensor the layer holds in
+    shape, of its dtype and device, every element finite; else a PolicyError from `where` naming what was `wanted`
+    (`wanted(held)`, in words)."""
+    if not isinstance(pair, tuple) or len(pair) != 2:
+        raise PolicyError(f"{where} returned {type(pair).__name__}, not (keys, values) or None; fix the policy")
+    for name, new, held in zip(("keys", "values"), pair, (layer.keys, layer.values), strict=True):
+        if not isinstance(new, Tensor) or not fits(new, held) or (new.dtype, new.device) != (held.dtype, held.device):
+            got = f"{tuple(new.shape)} {new.dtype} on {new.device}" if isinstance(new, Tensor) else type(new).__name__
+            raise PolicyError(f"{where} returned {name} {got}, not {wanted(held)}; fix the policy")
+        if not bool(torch.isfinite(new).all()):
+            raise PolicyError(f"{where} returned {name} that are not finite; fix the policy")
+    return pair
+
+
+def check_added_layers(policy: KVPolicy, added: dict[int, tuple[Tensor, Tensor]], n_layers: int) -> None:
     """Tokens added after the prompt take the positions after it in every layer, so every layer takes the same number:
     a PolicyError when some evicting layer gets none or another count, or the model has layers that do not evict
     (sliding-window layers, which hold only their window)."""
-    counts = {i: added[i][0].shape[2] if i in added else 0 for i in range(len(layers))}
+    counts = {i: added[i][0].shape[2] if i in added else 0 for i in range(n_layers)}
     if len(set(counts.values())) > 1:
         first = counts[next(iter(added))]
         shown = ", ".join(f"layer {i}: {n}" for i, n in list((i, n) for i, n in counts.items() if n != first)[:3])
