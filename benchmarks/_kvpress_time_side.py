@@ -7,7 +7,8 @@ Imports only kvpress, transformers and torch. For every sample of `in.json` ({"s
 "question", "answer_prefix"}]}) it runs kvpress's own pipeline twice, as a kvpress user compares a press with the
 full cache: once without a press (the baseline, SDPA) and once with it (SDPA, or eager attention where the press
 needs the attention matrices), and times each call (CPU seconds of this process by default). A warm-up call on the
-first sample is not timed. Its peak resident memory (ru_maxrss) goes into the output's `meta`.
+first sample (or on `in.json`'s "warmup" sample where it has one) is not timed. Its peak resident memory (ru_maxrss)
+goes into the output's `meta`.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     transformers.utils.logging.disable_progress_bar()
     tick = time.process_time if args.clock == "cpu" else time.perf_counter
-    samples = json.load(open(args.input))["samples"]
+    given = json.load(open(args.input))
+    samples = given["samples"]
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa").eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
@@ -64,8 +66,9 @@ def main() -> None:
         )
         return out["answer"], tick() - t
 
-    call(samples[0], False)  # warm-up: the first forward at a new length is slower
-    call(samples[0], True)
+    warmup = given.get("warmup", samples[0])
+    call(warmup, False)  # warm-up: the first forward is slower
+    call(warmup, True)
     rows = []
     for sample in samples:
         base, base_s = call(sample, False)

@@ -4,6 +4,7 @@ Gemma-3-270M with --model gemma3-270m).
 
     .venv/bin/python benchmarks/kvpress_time.py --kvpress-python /tmp/kvpress-venv/bin/python \
         [--model smollm2-135m] [--policy snapkv|h2o|kvzip] [--lengths 2048] [--samples 3] [--threads 1] [--clock cpu]
+        [--warmup-length N]
 
 kvpress (0.5.5, its own venv, see benchmarks/peer_kvpress.py) runs through benchmarks/_kvpress_time_side.py on the
 samples' context, question and answer prefix: its pipeline applies the chat template and decodes greedily, as
@@ -16,6 +17,9 @@ single-policy run makes per sample; and, as the floor of any run that prefills e
 a plain prefill of the context alone (no policy, no decode). Both sides use the same torch threads and clock (CPU
 seconds by default: other jobs on a shared machine barely move them); printed per sample and in total, with the
 answers' agreement, and each side's peak resident memory (one length per invocation: that length's peak).
+Each side's untimed warm-up call runs on the first sample, or with --warmup-length N on a needle sample of N tokens
+(at 32k a full-length warm-up is a third prefill per side, half an hour at one thread, where 1k tokens warm the
+same code paths).
 """
 
 from __future__ import annotations
@@ -57,14 +61,13 @@ def policy(name: str, k: int):
     return KVzip(budget=k)
 
 
-def run_kvpress(args, model_dir: Path, samples) -> dict:
+def run_kvpress(args, model_dir: Path, samples, warmup) -> dict:
+    def fields(s):
+        return {"id": s.id, "context": s.context, "question": s.question, "answer_prefix": s.answer_prefix}
+
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "in.json", Path(tmp) / "out.json"
-        payload = [
-            {"id": s.id, "context": s.context, "question": s.question, "answer_prefix": s.answer_prefix}
-            for s in samples
-        ]
-        src.write_text(json.dumps({"samples": payload}))
+        src.write_text(json.dumps({"samples": [fields(s) for s in samples], "warmup": fields(warmup)}))
         cmd = [args.kvpress_python, str(SIDE), "--model", str(model_dir), "--input", str(src), "--output", str(dst)]
         cmd += ["--press", PRESS[args.policy], "--ratio", str(RATIO), "--max-new-tokens", str(args.max_new_tokens)]
         cmd += ["--threads", str(args.threads), "--clock", args.clock]
@@ -82,6 +85,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
+    ap.add_argument("--warmup-length", type=int, help="the warm-up sample's tokens (default: the first sample)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     tick = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -91,11 +95,15 @@ def main() -> None:
     samples = [
         s for n in args.lengths for s in NeedleTask(context_lengths=[n], depths=depths).samples(loaded.tokenizer)
     ]
-    peer = run_kvpress(args, cache_root() / f"{cfg.name}-{cfg.package_version}", samples)
+    warmup = samples[0]
+    if args.warmup_length:
+        (warmup,) = NeedleTask(context_lengths=[args.warmup_length], depths=[0.0]).samples(loaded.tokenizer)
+    peer = run_kvpress(args, cache_root() / f"{cfg.name}-{cfg.package_version}", samples, warmup)
+    print(f"{args.threads} thread(s), {args.clock} seconds; kvpress {peer['meta']}", flush=True)
     stop = {loaded.tokenizer.eos_token_id}
     prompts = [build_prompt(loaded.tokenizer, s) for s in samples]
-    run_sample(loaded.model, prompts[0], [Variant(policy(args.policy, 16))], args.max_new_tokens, stop)  # warm-up
-    print(f"{args.threads} thread(s), {args.clock} seconds; kvpress {peer['meta']}")
+    first = build_prompt(loaded.tokenizer, warmup)
+    run_sample(loaded.model, first, [Variant(policy(args.policy, 16))], args.max_new_tokens, stop)  # warm-up
     print(
         f"{'sample':>14} {'tokens':>6} {'evalkit s':>9} {'kvpress s':>9} {'ratio':>6} {'prefill s':>9} {'floor':>6}  "
         "answers (evalkit | kvpress)"
