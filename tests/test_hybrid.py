@@ -7,6 +7,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
+from evalkit.attention import sdpa
 from evalkit.cli.spec import model_spec
 from evalkit.engine import models
 from evalkit.engine.engine import run_sample
@@ -105,3 +106,42 @@ def test_pyramid_spreads_over_the_global_layers_only():
     window = cfg.config.sliding_window - 1
     assert pyr.tokens_held == [window, 60, window, 20]
     assert snap.tokens_held == [window, 40, window, 40]
+
+
+def sliding_mask(t: int, window: int) -> torch.Tensor:
+    """Gemma 3's sliding mask written out by hand: query i attends keys i - window + 1 .. i."""
+    i = torch.arange(t)
+    return ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window))[None, None]
+
+
+def test_bands_read_the_window_off_the_mask():
+    # By hand, window 16, blocks of 8 queries: block a..a+7 attends keys a - 15 .. a + 7
+    assert sdpa.bands(sliding_mask(40, 16), 16) == [
+        (0, 8, 0, 8),
+        (8, 16, 0, 16),
+        (16, 24, 1, 24),
+        (24, 32, 9, 32),
+        (32, 40, 17, 40),
+    ]
+    # a causal mask is no band: a block whose rows attend keys before a - 15 (here from a = 16) is given every key,
+    # so the output stays SDPA's
+    i = torch.arange(24)
+    causal = (i[None, :] <= i[:, None])[None, None]
+    assert sdpa.bands(causal, 16) == [(0, 8, 0, 8), (8, 16, 0, 16), (16, 24, 0, 24)]
+
+
+def test_sliding_layers_prefill_band_by_band_with_sdpas_logits(gemma, monkeypatch):
+    """A one-shot prefill of 200 tokens (12 windows of 16) takes the banded path in the 3 sliding layers, and its
+    logits are those of SDPA over the whole mask, up to float rounding."""
+    ids = torch.randint(3, 200, (1, 200), generator=torch.Generator().manual_seed(1))
+    calls = []
+    real = sdpa.bands
+    monkeypatch.setattr(sdpa, "bands", lambda mask, window: calls.append(window) or real(mask, window))
+    with torch.no_grad():
+        banded = gemma.model(ids, use_cache=False).logits
+    assert calls == [16, 16, 16]  # layers 0, 1 and 3 slide; layer 2 is global
+    monkeypatch.setattr(sdpa, "BANDED_FROM", 10**9)
+    with torch.no_grad():
+        whole = gemma.model(ids, use_cache=False).logits
+    torch.testing.assert_close(banded, whole, rtol=1e-5, atol=1e-5)
+    assert torch.equal(banded.argmax(-1), whole.argmax(-1))

@@ -7,6 +7,12 @@ observation reads the attention mass (H2O), the output and the mass come from on
 It also masks a ragged layer's padding, fits the causal mask to a layer that holds fewer tokens than the shared mask
 was built for, and lets a cache layer that attends over its own storage do so.
 
+A sliding-window layer prefilled in one shot (Gemma 3: 15 of 18 layers, a window of 512) is given by transformers the
+whole (T x T) mask, and SDPA on it computes every query against every key only to mask all but the window: quadratic
+work for a banded result (the floor of the scale benchmark grew with slope 1.9 to 32k because of it). `banded` hands
+SDPA one block of queries at a time with the keys its mask rows allow, checked on the mask itself, so the output is
+SDPA's over the same unmasked keys (equal up to float rounding) at a cost linear in the context.
+
 transformers hands an attention function the forward's keywords, not the cache: every forward evalkit runs over one of
 its caches therefore names the cache in one keyword (`observe(recorder, cache)`, the recorder None where nothing is
 observed), and the layer's attention reads what it needs from the layer itself, never from attributes set on tensors:
@@ -68,7 +74,7 @@ def evalkit_sdpa(module, query, key, value, attention_mask, **kwargs):
     A forward without the keyword (no evalkit cache) is plain SDPA."""
     active = kwargs.pop(FORWARD, None)
     if active is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return sdpa(module, query, key, value, attention_mask, **kwargs)
     recorder, cache = active
     layer = cache.layers[module.layer_idx]
     attends = getattr(layer, "attends", None)
@@ -88,7 +94,51 @@ def evalkit_sdpa(module, query, key, value, attention_mask, **kwargs):
             recorder.record(module.layer_idx, layer, at)
             return output, None
         recorder.record(module.layer_idx, layer, at)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return sdpa(module, query, key, value, attention_mask, **kwargs)
+
+
+def sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA forward; for a sliding-window layer's one-shot prefill, a band at a time (`bands`)."""
+    window = kwargs.get("sliding_window")
+    t = query.shape[-2]
+    if (
+        not window
+        or t != key.shape[-2]
+        or t < BANDED_FROM * window
+        or attention_mask is None
+        or attention_mask.dtype != torch.bool
+        or attention_mask.shape[-2:] != (t, t)
+    ):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    out = []
+    for a, b, start, stop in bands(attention_mask, window):
+        rows, keys = slice(a, b), slice(start, stop)
+        part, _ = sdpa_attention_forward(
+            module, query[:, :, rows], key[:, :, keys], value[:, :, keys], attention_mask[..., rows, keys], **kwargs
+        )
+        out.append(part)
+    return torch.cat(out, dim=1), None
+
+
+BANDED_FROM = 4  # a sliding layer's prefill goes band by band from 4 windows of tokens (at 2 it saves little)
+
+
+def bands(mask: Tensor, window: int) -> list[tuple[int, int, int, int]]:
+    """(a, b, start, stop) per block of half a window of queries a..b-1 of a (.., T, T) boolean mask: the keys
+    start..stop-1 hold every key the block's rows attend (a sliding window's: a - window + 1 .. b - 1). Read off the
+    mask, not assumed: a block whose rows attend a key outside the band is given every key (start = 0, stop = T).
+    Blocks of half a window measured fastest on the CPU (Gemma 3's shapes at 8k, one thread: 0.33 s against 0.43 s
+    for a whole window and 3.36 s for SDPA over the whole mask)."""
+    t, block = mask.shape[-1], max(1, window // 2)
+    out = []
+    for a in range(0, t, block):
+        b = min(t, a + block)
+        start, rows = max(0, a - window + 1), mask[..., a:b, :]
+        if rows[..., :start].any() or rows[..., b:].any():
+            out.append((a, b, 0, t))
+        else:
+            out.append((a, b, start, b))
+    return out
 
 
 def plain_softmax(kwargs: dict) -> bool:
