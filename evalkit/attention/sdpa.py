@@ -97,6 +97,9 @@ def evalkit_sdpa(module, query, key, value, attention_mask, **kwargs):
     return sdpa(module, query, key, value, attention_mask, **kwargs)
 
 
+BANDED_FROM = 4  # a sliding layer's prefill goes band by band from 4 windows of tokens (at 2 it saves little)
+
+
 def sdpa(module, query, key, value, attention_mask, **kwargs):
     """transformers' SDPA forward; for a sliding-window layer's one-shot prefill, a band at a time (`bands`)."""
     window = kwargs.get("sliding_window")
@@ -118,9 +121,6 @@ def sdpa(module, query, key, value, attention_mask, **kwargs):
         )
         out.append(part)
     return torch.cat(out, dim=1), None
-
-
-BANDED_FROM = 4  # a sliding layer's prefill goes band by band from 4 windows of tokens (at 2 it saves little)
 
 
 def bands(mask: Tensor, window: int) -> list[tuple[int, int, int, int]]:
