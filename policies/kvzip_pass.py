@@ -28,7 +28,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from evalkit.attention.fused import query_chunk
 from evalkit.attention.observation import Attended, Observation, attention_inputs
-from evalkit.attention.sdpa import causal_tail_mask, observe, require_named
+from evalkit.attention.sdpa import causal_tail_mask, observe, require_named, sdpa
 
 PREVIOUS_IDS = 8  # the ids of the previous chunk that a later chunk's repeat prompt quotes (kvpress: prev_postfix_size)
 
@@ -245,7 +245,8 @@ class ReconstructionLayer(DynamicLayer):
     """A prefilled cache layer as KVzip's pass reads it: its keys and values stay as they are (the pass's own keys
     are held for one forward only), and it attends for the model (`attends`, evalkit.attention.sdpa): each block of
     the input over the prefilled keys and its own, never another block's. A full-attention layer scores its keys as it
-    goes (`scores`, (B, Hkv, prefilled), the running max); a sliding-window layer only attends, within its window."""
+    goes (`scores`, (B, Hkv, prefilled), the running max); a sliding-window layer only attends, within its window
+    (`within_window`: SDPA, band by band)."""
 
     is_compileable = False
 
@@ -289,6 +290,9 @@ class ReconstructionLayer(DynamicLayer):
                     value_norms(module, self.values[:, :, blk.lo : blk.hi]),
                 )
             q = query[:, :, blk.start : blk.end]
+            if scored is None and self.window is not None:  # a sliding layer only attends: SDPA, band by band
+                out[:, blk.start : blk.end] = self.within_window(module, q, own, scaling)
+                continue
             got, best = block_attention(q, (self.keys, self.values), own, scaling, scored, self.window, weights)
             out[:, blk.start : blk.end] = got
             if best is not None:
@@ -296,6 +300,16 @@ class ReconstructionLayer(DynamicLayer):
                 self.scores[..., blk.lo : blk.hi] = torch.maximum(held, best)
         self.own = None
         return out, None
+
+    def within_window(self, module, query: Tensor, own: tuple[Tensor, Tensor], scaling: float) -> Tensor:
+        """A sliding layer's attention for one block, as `block_attention` computes it without scores: the queries
+        over the held keys (the last P before the block) and the block's own, causally, within the window; through
+        SDPA, band by band over the concatenated keys (evalkit.attention.sdpa.sdpa)."""
+        keys, values = (torch.cat(pair, dim=2) for pair in zip((self.keys, self.values), own, strict=True))
+        m, p = query.shape[2], self.keys.shape[2]
+        mask = causal_tail_mask(m, p + m, query.device) & in_window(0, m, p, self.window, query.device)
+        got, _ = sdpa(module, query, keys, values, mask, scaling=scaling, sliding_window=self.window)
+        return got
 
 
 class ReadOnlyLayer(DynamicLayer):

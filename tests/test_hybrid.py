@@ -123,6 +123,8 @@ def test_bands_read_the_window_off_the_mask():
         (24, 32, 9, 32),
         (32, 40, 17, 40),
     ]
+    # queries that are the last 16 of 40 keys (a block of KVzip's pass): queries 24..31 attend keys 9..31
+    assert sdpa.bands(sliding_mask(40, 16)[..., 24:, :], 16) == [(0, 8, 9, 32), (8, 16, 17, 40)]
     # a causal mask is no band: a block whose rows attend keys before a - 15 (here from a = 16) is given every key,
     # so the output stays SDPA's
     i = torch.arange(24)

@@ -97,20 +97,20 @@ def evalkit_sdpa(module, query, key, value, attention_mask, **kwargs):
     return sdpa(module, query, key, value, attention_mask, **kwargs)
 
 
-BANDED_FROM = 4  # a sliding layer's prefill goes band by band from 4 windows of tokens (at 2 it saves little)
+BANDED_FROM = 4  # a sliding layer attends band by band from 4 windows of keys (at 2 it saves little)
 
 
 def sdpa(module, query, key, value, attention_mask, **kwargs):
-    """transformers' SDPA forward; for a sliding-window layer's one-shot prefill, a band at a time (`bands`)."""
+    """transformers' SDPA forward; for a sliding-window layer over many windows of keys (a one-shot prefill, KVzip's
+    pass), a band at a time (`bands`)."""
     window = kwargs.get("sliding_window")
-    t = query.shape[-2]
+    q, k = query.shape[-2], key.shape[-2]
     if (
         not window
-        or t != key.shape[-2]
-        or t < BANDED_FROM * window
+        or k < BANDED_FROM * window
         or attention_mask is None
         or attention_mask.dtype != torch.bool
-        or attention_mask.shape[-2:] != (t, t)
+        or attention_mask.shape[-2:] != (q, k)
     ):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     out = []
@@ -124,20 +124,21 @@ def sdpa(module, query, key, value, attention_mask, **kwargs):
 
 
 def bands(mask: Tensor, window: int) -> list[tuple[int, int, int, int]]:
-    """(a, b, start, stop) per block of half a window of queries a..b-1 of a (.., T, T) boolean mask: the keys
-    start..stop-1 hold every key the block's rows attend (a sliding window's: a - window + 1 .. b - 1). Read off the
-    mask, not assumed: a block whose rows attend a key outside the band is given every key (start = 0, stop = T).
-    Blocks of half a window measured fastest on the CPU (Gemma 3's shapes at 8k, one thread: 0.33 s against 0.43 s
-    for a whole window and 3.36 s for SDPA over the whole mask)."""
-    t, block = mask.shape[-1], max(1, window // 2)
+    """(a, b, start, stop) per block of half a window of queries a..b-1 of a (.., q, k) boolean mask whose queries are
+    the last q of the k keys: the keys start..stop-1 hold every key the block's rows attend (a sliding window's:
+    k - q + a - window + 1 .. k - q + b - 1). Read off the mask, not assumed: a block whose rows attend a key outside
+    the band is given every key (start = 0, stop = k). Blocks of half a window measured fastest on the CPU (Gemma 3's
+    shapes at 8k, one thread: 0.33 s against 0.43 s for a whole window and 3.36 s for SDPA over the whole mask)."""
+    q, k = mask.shape[-2:]
+    block, off = max(1, window // 2), k - q
     out = []
-    for a in range(0, t, block):
-        b = min(t, a + block)
-        start, rows = max(0, a - window + 1), mask[..., a:b, :]
-        if rows[..., :start].any() or rows[..., b:].any():
-            out.append((a, b, 0, t))
+    for a in range(0, q, block):
+        b = min(q, a + block)
+        start, stop, rows = max(0, off + a - window + 1), off + b, mask[..., a:b, :]
+        if rows[..., :start].any() or rows[..., stop:].any():
+            out.append((a, b, 0, k))
         else:
-            out.append((a, b, start, b))
+            out.append((a, b, start, stop))
     return out
 
 
