@@ -118,7 +118,7 @@ def main() -> None:
         xs = [f["tokens"] for f in by_length.values()]
         col = {k: [f[k] for f in by_length.values()] for k in ("mode", "floor", "peak_kv")}
         fitted = [slope(xs, col[k]) for k in ("mode", "floor", "peak_kv")]
-        print(f"| {mode} | " + " | ".join(f"{x:.2f}" for x in fitted) + " |")
+        print(f"| {mode} | " + " | ".join(f"{x:.2f}".replace("-0.00", "0.00") for x in fitted) + " |")
 
 
 if __name__ == "__main__":

@@ -279,8 +279,8 @@ def test_scores_stay_exact_when_a_key_outside_the_subset_takes_all_the_attention
 @pytest.mark.parametrize("chunk", [24, 64])
 def test_one_forward_on_a_hybrid_model_matches_eager_per_chunk_passes(chunk):
     """Gemma 3 (sliding-window layers beside a global one): the blocks of the single forward must attend within each
-    sliding layer's window as a pass of their own would; the global layer's scores equal eager attention's. Chunks
-    of 64 give a sliding layer 84 keys for a block (15 held, 69 own), over 4 windows of 16: SDPA band by band."""
+    sliding layer's window as a pass of their own would; the global layer's scores equal eager attention's. A block
+    gives a sliding layer 15 held keys and its own (29 or 69), over 2 windows of 16: SDPA band by band."""
     gemma = models.load(model_spec(OmegaConf.load(ROOT / "conf" / "model" / "tiny-random-gemma3.yaml")), "cpu")
     g = torch.Generator().manual_seed(3)
     context = torch.randint(3, 200, (1, 70), generator=g)

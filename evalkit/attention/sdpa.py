@@ -97,7 +97,7 @@ def evalkit_sdpa(module, query, key, value, attention_mask, **kwargs):
     return sdpa(module, query, key, value, attention_mask, **kwargs)
 
 
-BANDED_FROM = 4  # a sliding layer attends band by band from 4 windows of keys (at 2 it saves little)
+BANDED_FROM = 2  # a sliding layer attends band by band from 2 windows of keys (at 2: 0.03 s against SDPA's 0.06 s)
 
 
 def sdpa(module, query, key, value, attention_mask, **kwargs):
