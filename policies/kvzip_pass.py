@@ -125,7 +125,6 @@ def block_attention(
     own: tuple[Tensor, Tensor],
     scaling: float,
     scored: tuple[int, int, int] | None = None,
-    window: int | None = None,
     weights: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """One block's attention: query (B, Hq, m, D) over the past keys and values (B, Hkv, P, D), all earlier than the
@@ -135,9 +134,9 @@ def block_attention(
     gets from any query and any query head of its group, each query's softmax taken over the first `sinks` past keys,
     the keys [lo, hi) and the own keys it sees. `weights` (KVzip+): the norm of each query's hidden state (B, m), which
     divides those probabilities, and of each scored key's value through the output projection of each query head
-    (B, Hkv, G, hi - lo), which multiplies them. `window`: a sliding-window layer's, a query sees only the keys less
-    than `window` positions before it (the past keys are the last P before the block). Returns the output
-    (B, m, Hq, D) in the query's dtype, as transformers' attention functions do, and the scores or None."""
+    (B, Hkv, G, hi - lo), which multiplies them. Returns the output (B, m, Hq, D) in the query's dtype, as
+    transformers' attention functions do, and the scores or None. (A sliding-window layer's blocks, which are not
+    scored, attend through `ReconstructionLayer.within_window`.)"""
     (past_k, past_v), (own_k, own_v) = past, own
     b, hq, m, _ = query.shape
     hkv, p = past_k.shape[1], past_k.shape[2]
@@ -152,7 +151,7 @@ def block_attention(
             head = [queries[i, h].float() * scaling] + [x[i, h].float() for x in (past_k, past_v, own_k, own_v)]
             w = None if weights is None else (weights[0][i], weights[1][i, h])
             kept = None if best is None else best[i, h]
-            block_head(head, scratch, chunk, out[i, h], kept, scored, window, w)
+            block_head(head, scratch, chunk, out[i, h], kept, scored, w)
     return out.view(b, hq, m, -1).transpose(1, 2).to(query.dtype).contiguous(), best
 
 
@@ -163,7 +162,6 @@ def block_head(
     out: Tensor,
     best: Tensor | None,
     scored: tuple[int, int, int] | None,
-    window: int | None,
     weights: tuple[Tensor, Tensor] | None,
 ) -> None:
     """`block_attention` for one KV head: queries (G, m, D), already scaled, past and own keys and values (P or m, D);
@@ -179,7 +177,7 @@ def block_head(
         n = end - start
         rows = queries[:, start:end].reshape(group * n, d)
         probs = scratch[: group * n * (p + end)].view(group * n, p + end)
-        chunk_logits(rows, (past_t, own_t), (start, end), upper, window, probs)
+        chunk_logits(rows, (past_t, own_t), (start, end), upper, probs)
         torch.softmax(probs, dim=-1, out=probs)  # in place: the output's probabilities, over every key it sees
         out[:, start:end] = (probs[:, :p] @ past_v + probs[:, p:] @ own_v[:end]).view(group, n, -1)
         if best is None:
@@ -187,7 +185,7 @@ def block_head(
 
         def exact(low: Tensor, rows=rows, start=start, end=end) -> Tensor:
             logits = torch.empty(rows.shape[0], p + end, device=rows.device)
-            return chunk_logits(rows, (past_t, own_t), (start, end), upper, window, logits)[low]
+            return chunk_logits(rows, (past_t, own_t), (start, end), upper, logits)[low]
 
         norms = None if weights is None else (weights[0][start:end], weights[1])
         got = subset_probs(probs, p, scored, exact).view(group, n, -1)  # (G, n, hi - lo)
@@ -197,19 +195,17 @@ def block_head(
 
 
 def chunk_logits(
-    rows: Tensor, keys_t: tuple[Tensor, Tensor], span: tuple[int, int], upper: Tensor, window: int | None, out: Tensor
+    rows: Tensor, keys_t: tuple[Tensor, Tensor], span: tuple[int, int], upper: Tensor, out: Tensor
 ) -> Tensor:
     """Into `out` (G * n, P + end): the scaled queries `rows` (G * n, D), queries [start, end) of a block, against
     the past keys and the block's own keys up to `end` (both transposed, (D, P) and (D, m)); -inf where a query
-    cannot see the key (an own key after it; beyond a sliding window)."""
+    cannot see the key (an own key after it)."""
     (past_t, own_t), (start, end) = keys_t, span
     p, n = past_t.shape[1], end - start
     torch.matmul(rows, past_t, out=out[:, :p])
     torch.matmul(rows, own_t[:, :end], out=out[:, p:])
     grouped = out.view(-1, n, p + end)
     grouped[..., p + start :].masked_fill_(upper[:n, :n], float("-inf"))  # only the diagonal block has later keys
-    if window is not None:
-        grouped.masked_fill_(~in_window(start, end, p, window, rows.device), float("-inf"))
     return out
 
 
@@ -284,6 +280,10 @@ class ReconstructionLayer(DynamicLayer):
         out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], self.own[1].shape[-1])
         for blk in self.blocks:
             own = (self.own[0][:, :, blk.start : blk.end], self.own[1][:, :, blk.start : blk.end])
+            q = query[:, :, blk.start : blk.end]
+            if self.window is not None:  # a sliding layer only attends (no scores): SDPA, band by band
+                out[:, blk.start : blk.end] = self.within_window(module, q, own, scaling)
+                continue
             scored = None if self.scores is None else (min(self.sinks, blk.lo), blk.lo, blk.hi)
             weights = None
             if scored is not None and self.hidden_norms is not None:
@@ -291,11 +291,7 @@ class ReconstructionLayer(DynamicLayer):
                     self.hidden_norms[:, blk.start : blk.end],
                     value_norms(module, self.values[:, :, blk.lo : blk.hi]),
                 )
-            q = query[:, :, blk.start : blk.end]
-            if scored is None and self.window is not None:  # a sliding layer only attends: SDPA, band by band
-                out[:, blk.start : blk.end] = self.within_window(module, q, own, scaling)
-                continue
-            got, best = block_attention(q, (self.keys, self.values), own, scaling, scored, self.window, weights)
+            got, best = block_attention(q, (self.keys, self.values), own, scaling, scored, weights)
             out[:, blk.start : blk.end] = got
             if best is not None:
                 held = self.scores[..., blk.lo : blk.hi]

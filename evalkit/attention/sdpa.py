@@ -9,9 +9,10 @@ was built for, and lets a cache layer that attends over its own storage do so.
 
 A sliding-window layer prefilled in one shot (Gemma 3: 15 of 18 layers, a window of 512) is given by transformers the
 whole (T x T) mask, and SDPA on it computes every query against every key only to mask all but the window: quadratic
-work for a banded result (the floor of the scale benchmark grew with slope 1.9 to 32k because of it). `banded` hands
-SDPA one block of queries at a time with the keys its mask rows allow, checked on the mask itself, so the output is
-SDPA's over the same unmasked keys (equal up to float rounding) at a cost linear in the context.
+work for a banded result (the floor of the scale benchmark grew with slope 1.9 to 32k because of it). `sdpa` hands
+SDPA one block of queries at a time with the keys its mask rows allow (`bands`, checked on the mask itself), so the
+output is SDPA's over the same unmasked keys (equal up to float rounding) at a cost linear in the context; KVzip's
+pass attends its sliding layers the same way.
 
 transformers hands an attention function the forward's keywords, not the cache: every forward evalkit runs over one of
 its caches therefore names the cache in one keyword (`observe(recorder, cache)`, the recorder None where nothing is
