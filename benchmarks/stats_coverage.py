@@ -2,6 +2,7 @@
 whose loss rate sits at the flip limit) PASSes, and how often a variant at the planner's sample size does.
 
     nice -n 10 python benchmarks/stats_coverage.py [--draws 4000] [--quick] [--seed 0]
+    nice -n 10 python benchmarks/stats_coverage.py --kl-tails --draws 2000   # KL tails, through evalkit.gate.judge
 
 Contexts are drawn independently; within one, m questions share a random effect (a Dirichlet-multinomial with
 intra-context correlation icc, evalkit.gate.power.draw_contexts). 0/1 scores, or graded ones (a loss or gain moves a
@@ -28,19 +29,26 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
+from scipy.stats import binom
 
 from evalkit.gate import decide
 from evalkit.gate.checks import evaluate, kl_cap
 from evalkit.gate.contexts import group
-from evalkit.gate.power import betting_contexts, betting_power_counts, draw_contexts
+from evalkit.gate.power import betting_contexts, betting_power_counts, draw_contexts, kl_fail_contexts
 from evalkit.gate.thresholds import Thresholds
 from evalkit.records import Row, flip
 from evalkit.stats import betting, binary_bounds
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests: rows as evalkit writes them, and the gate's judge
+from tests.conftest import judge_rows  # noqa: E402
+from tests.test_gate import rows as paired_rows  # noqa: E402
 
 T = Thresholds()
 ALPHA = 1 - T.confidence
@@ -252,8 +260,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="the reduced grid CI runs")
     ap.add_argument("--documents", action="store_true", help="only the documents and KL section")
+    ap.add_argument("--kl-tails", action="store_true", help="only the KL tails, judged by the gate's own judge")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
+    if args.kl_tails:
+        bad = kl_tail_table(args.draws, args.seed)
+        print(f"\n{bad} rows out of bounds; {time.perf_counter() - t0:.0f} s")
+        return 1 if bad else 0
     if args.documents:
         bad = document_table(args.draws, args.seed) + kl_table(args.draws, args.seed)
         print(f"\n{bad} rows out of bounds; {time.perf_counter() - t0:.0f} s")
@@ -385,6 +398,120 @@ def kl_table(draws: int, seed: int) -> int:
             bad += not ok
             print(f"{shape:<16}{times:>8}{capped:>8.3f}" + "".join(f"{c:>16}" for c in cells) +
                   f"  {'yes' if ok else 'NO'}", flush=True)  # fmt: skip
+    return bad
+
+
+# --- KL tails above the cap, through the gate's own judge (python benchmarks/stats_coverage.py --kl-tails) ------------
+
+
+@dataclass(frozen=True)
+class Tail:
+    """One question per document: a share of rows at `at` nats, the rest at `rest` (every row alike): the gate's
+    verdict depends on the number of tail rows alone, so each count drawn is judged once and its verdict reused."""
+
+    share: float
+    at: float
+    rest: float
+
+    @property
+    def mean(self) -> float:
+        return self.share * self.at + (1 - self.share) * self.rest
+
+    def kl(self, n: int, k: int) -> list[float]:
+        return [self.at] * k + [self.rest] * (n - k)
+
+
+def at_twice(share: float, at: float) -> Tail:
+    """The tail with the rest raised so that the mean KL is twice max_mean_kl."""
+    return Tail(share, at, (2 * T.max_mean_kl - share * at) / (1 - share))
+
+
+# The issue's tails with a true mean KL at max_mean_kl (0.1): wrong PASSes where the tail's share is at
+# max_kl_tail_share (0.01), right ones (of what the gate bounds) where it is below
+TAILS = (Tail(0.01, 10.0, 0.0), Tail(0.005, 20.0, 0.0), Tail(0.002, 50.0, 0.0), Tail(0.01, 5.0, 0.05))
+TWICE = (Tail(0.06, 3.0, (0.2 - 0.18) / 0.94), *(at_twice(x.share, x.at) for x in TAILS))
+
+
+class Judged:
+    """The gate's status of a Tail run of n documents with k tail rows, by evalkit.gate.judge.judge (memoised)."""
+
+    def __init__(self, tail: Tail, t=T):
+        self.tail, self.t, self.seen = tail, t, {}
+
+    def __call__(self, n: int, k: int) -> str:
+        if (n, k) not in self.seen:
+            kl = self.tail.kl(n, k)
+            rows = [
+                {**r, "kl_mean": 0.0 if r["variant"] == "baseline" else kl[int(r["sample_id"])]}
+                for r in paired_rows([1] * n, [1] * n)
+            ]
+            self.seen[n, k] = judge_rows(rows, [], self.t).status
+        return self.seen[n, k]
+
+    def rate(self, n: int, status: str, draws: int, seed: int) -> tuple[float, float, float]:
+        """(share of `draws` seeded runs judged `status`, its Monte Carlo standard error, the exact chance: the sum
+        over the tail counts that judge() gives that status, each weighed by its binomial chance)."""
+        ks = np.random.default_rng(seed).binomial(n, self.tail.share, draws)
+        rate = float(np.mean([self(n, int(k)) == status for k in ks]))
+        top = int(binom.ppf(1 - 1e-9, n, self.tail.share))
+        exact = sum(float(binom.pmf(k, n, self.tail.share)) for k in range(top + 1) if self(n, k) == status)
+        return rate, math.sqrt(max(rate * (1 - rate), ALPHA * (1 - ALPHA)) / draws), exact
+
+    def edge(self, n: int, status: str) -> int:
+        """Where the verdict turns, by bisection over the tail count: the largest judged PASS (status PASS; -1 where
+        none is) or the smallest judged FAIL (n + 1 where none is). More tail rows never make a PASS easier nor a FAIL
+        harder (each moves every bet's wealth one way), so a caller may count the draws on either side (the tests,
+        which judge the counts beside the edge too)."""
+        lo, hi = (-1, n) if status == "PASS" else (0, n + 1)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if (self(n, mid) == status) == (status == "PASS"):
+                lo = mid
+            else:
+                hi = mid
+        return lo if status == "PASS" else hi
+
+    def first_pass(self) -> int:
+        """The fewest documents at which a run that drew no tail row PASSes (the verdict is monotone in n)."""
+        lo, hi = 1, 4096
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if self(mid, 0) == "PASS" else (mid + 1, hi)
+        return lo
+
+
+KL_TAIL_N = (112, 225, 378, 1000)  # the old gate's first PASS with the rest at 0, and at 0.05; the new one's at 0
+
+
+def kl_tail_table(draws: int, seed: int) -> int:
+    """PASS rates of the issue's KL tails at the limit, at n including the first n at which the rest PASS, and FAIL
+    rates at twice the limit at the planner's n; the rows out of bounds (a wrong PASS above 5% + 2 MC errors where
+    the tail's share is at max_kl_tail_share, FAIL power below 80% - 2 MC errors at the planner's n)."""
+    bad, fail_n = 0, kl_fail_contexts(T)
+    print(
+        f"\nKL tails (max_mean_kl={T.max_mean_kl}, cap {kl_cap(T):g} nats, max_kl_tail_share={T.max_kl_tail_share}), "
+        f"judged by evalkit.gate.judge.judge, {draws} draws: PASS rate +- MC se (exact)"
+    )
+    for i, tail in enumerate(TAILS):
+        judged_ = Judged(tail)
+        first = judged_.first_pass()
+        for n in sorted({*KL_TAIL_N, first}):
+            rate, se, exact = judged_.rate(n, "PASS", draws, seed + 100 * i + n)
+            wrong = tail.share >= T.max_kl_tail_share
+            ok = not wrong or rate <= ALPHA + 2 * se
+            bad += not ok
+            print(f"  {tail.share:.1%} at {tail.at:g} nats, rest {tail.rest:g} (mean {tail.mean:.3f}), n={n:>5}"
+                  f"{' (first PASS of the rest)' if n == first else '':<26}: {rate:.4f} +- {se:.4f} ({exact:.4f})"
+                  f"{'  [share at the limit]' if wrong else ''}  {'yes' if ok else 'NO'}", flush=True)  # fmt: skip
+    print(f"FAIL at twice the limit, at the planner's n ({fail_n}) and 1000: FAIL rate +- MC se (exact)")
+    for i, tail in enumerate(TWICE):
+        judged_ = Judged(tail)
+        for n in (fail_n, 1000):
+            rate, se, exact = judged_.rate(n, "FAIL", draws, seed + 7000 + 100 * i + n)
+            ok = n != fail_n or tail.at > kl_cap(T) or rate >= 0.8 - 2 * se
+            bad += not ok
+            print(f"  {tail.share:.1%} at {tail.at:g} nats, rest {tail.rest:.4f} (mean {tail.mean:.3f}), n={n:>5}: "
+                  f"{rate:.4f} +- {se:.4f} ({exact:.4f})  {'yes' if ok else 'NO'}", flush=True)  # fmt: skip
     return bad
 
 

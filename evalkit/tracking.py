@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import netrc
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from evalkit.errors import ConfigError
 from evalkit.records import finite, write_json
@@ -44,6 +46,29 @@ def resolved_mode(mode: str) -> str:
     if mode == "auto":
         return "online" if os.environ.get("WANDB_API_KEY") else "offline"
     return mode
+
+
+def has_credentials() -> bool:
+    """Whether W&B can log in without asking: WANDB_API_KEY, or the netrc entry `wandb login` writes for the host of
+    WANDB_BASE_URL (api.wandb.ai by default)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+    try:
+        entry = netrc.netrc(os.environ.get("NETRC")).authenticators(host)
+    except (OSError, netrc.NetrcParseError):  # no netrc file, or one that cannot be read: no key in it
+        return False
+    return bool(entry and entry[2])
+
+
+def check_online(mode: str) -> None:
+    """A ConfigError, before any sample runs, when logger.mode asks W&B to log online without credentials: W&B
+    would otherwise refuse only once the whole run is done, and the gate would never run."""
+    if resolved_mode(mode) == "online" and not has_credentials():
+        raise ConfigError(
+            "logger.mode=online but no W&B API key is set (WANDB_API_KEY, or `wandb login`): log in, or use "
+            "logger.mode=offline and upload later with `wandb sync`"
+        )
 
 
 def save_target(folder: Path, target: Target, runs: dict[str, str]) -> None:

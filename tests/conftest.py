@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import time
 from fractions import Fraction
@@ -41,6 +42,7 @@ from evalkit.engine.engine import prefill, reconstruction
 from evalkit.gate.judge import Verdict, judge
 from evalkit.kv.variant import Variant
 from evalkit.records import SAMPLES, Row, read_rows
+from evalkit.records.labels import registry
 from evalkit.tasks.prompt import Repeat
 
 if importlib.util.find_spec("triton") is not None:  # the Triton kernels, defined while TRITON_INTERPRET=1
@@ -390,11 +392,24 @@ def scored(score: float) -> dict:
 HAND_BUILT = {"run_id": "r1", "task": "needle", "protocol": "query_agnostic", "flip": None}  # what names a row
 
 
+def ran(row: dict) -> dict:
+    """The policy record of a hand-built variant row `NAME@BUDGET`: the class evalkit's conf/policy option NAME builds
+    (a user's class, tests.hand_built.NAME, for a name that is none of evalkit's), the budget its label says."""
+    policy = dict(row.get("policy") or {})
+    label = re.fullmatch(r"([^@]+)@(\d+|\d*\.\d+)", str(row.get("variant")))
+    if label is None or row.get("variant") == "baseline":
+        return policy
+    name, budget = label.groups()
+    cls = {v: k for k, v in registry().items()}.get(name, f"tests.hand_built.{name}")
+    return {**policy, "class": cls, "name": name, "budget": int(budget) if budget.isdigit() else float(budget)}
+
+
 def as_written(rows: list[dict]) -> list[dict]:
     """Hand-built rows completed with what every row of evalkit's engine carries and the gate re-derives: what names
     the row (HAND_BUILT: run r1, task needle, query_agnostic, no flip), a prediction that scores the row's score, the
-    tokens held (the bytes over the baseline's, of context_tokens, in one layer), bytes as deployed, a context (one per
-    sample). Fields a row already has are kept."""
+    tokens held (the bytes over the baseline's, of context_tokens, in one layer), bytes as deployed (the cache decoded
+    from: the context's, no question or answer counted), a context (one per sample), the policy that ran (ran). Fields
+    a row already has are kept, but the policy's class and budget, which its label derives."""
     out = []
     for r in rows:
         tokens = round(r.get("context_tokens", 100) * r["kv_bytes"] / r["kv_bytes_baseline"])
@@ -406,9 +421,11 @@ def as_written(rows: list[dict]) -> list[dict]:
             "tokens_allowed_per_layer": [tokens],
             "kv_bytes_deployed": r["kv_bytes"],
             "kv_bytes_baseline_deployed": r["kv_bytes_baseline"],
+            "decode_peak_kv_bytes_deployed": r["kv_bytes"],
+            "decode_peak_kv_bytes_baseline_deployed": r["kv_bytes_baseline"],
             "context_id": f"c-{r['sample_id']}",
         }
-        out.append({**HAND_BUILT, **engine, **scored(r["score"]), **r})
+        out.append({**HAND_BUILT, **engine, **scored(r["score"]), **r, "policy": ran(r)})
     return out
 
 

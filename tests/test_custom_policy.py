@@ -129,7 +129,14 @@ def test_own_policy_runs_alone_under_the_gate(user, tmp_path):
     assert "vnorm@0.25" in verdict["variants"]  # judged by its name
     (row,) = [r for r in rows(run_dir) if r["variant"] != "baseline"]
     # its name and fields
-    assert row["policy"] == {"name": "vnorm", "budget": 0.25, "decode": False, "decode_interval": 1, "recent": 8}
+    assert row["policy"] == {
+        "class": "my_policies.ValueNorm",  # what ran: the class its _target_ names
+        "name": "vnorm",
+        "budget": 0.25,
+        "decode": False,
+        "decode_interval": 1,
+        "recent": 8,
+    }
     assert row["context_tokens"] == 128
     assert row["tokens_held_per_layer"] == [32] * 3  # ceil(0.25 * 128) in each of the 3 layers
 
@@ -145,14 +152,26 @@ def test_own_policy_in_a_sweep_beside_builtin_ones_and_inside_a_wrapper(user, tm
         assert r["context_tokens"] == 128
         assert r["tokens_held_per_layer"] == [held.get(r["variant"], 128)] * 3, r["variant"]
     oldest = {r["cell"]["depth"]: r for r in got if r["variant"] == "oldest@0.5"}
-    assert oldest[0.0]["policy"] == {"name": "oldest", "budget": 0.5, "decode": False, "decode_interval": 1}
+    assert oldest[0.0]["policy"] == {
+        "class": "my_policies.Oldest",
+        "name": "oldest",
+        "budget": 0.5,
+        "decode": False,
+        "decode_interval": 1,
+    }
     # Oldest keeps positions 0..63: the needle (its sentence is shorter than 64 byte-level tokens) is held whole at
     # depth 0, at the start of the context, and not at all at depth 1, at its end, in every layer: the user's class
     # made the choice.
     assert oldest[0.0]["evidence_retained_per_layer"] == [1.0] * 3
     assert oldest[1.0]["evidence_retained_per_layer"] == [0.0] * 3
     wrapped = next(r for r in got if r["variant"] == "chunkkv(oldest)@40")
-    assert wrapped["policy"]["inner"] == {"name": "oldest", "budget": 40, "decode": False, "decode_interval": 1}
+    assert wrapped["policy"]["inner"] == {
+        "class": "my_policies.Oldest",  # a wrapper's inner policy is recorded as the policy is: its class too
+        "name": "oldest",
+        "budget": 40,
+        "decode": False,
+        "decode_interval": 1,
+    }
     assert next(r for r in got if r["variant"] == "vnorm@40")["policy"]["recent"] == 8
 
 

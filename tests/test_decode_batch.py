@@ -62,7 +62,7 @@ def check_batch_equals_alone(tiny, ids, prepared, only, steps):
     want = [greedy(tiny.model, r.cache, ids[:, CTX:], steps, set(), r.after_forward) for r in alone]
     got = decode_batch(tiny.model, together, ids[:, CTX:], steps, set())
     for a, b, ra, rb in zip(want, got, alone, together, strict=True):
-        assert a.tokens == b.tokens and a.peak_bytes == b.peak_bytes
+        assert a.tokens == b.tokens and a.peak_bytes == b.peak_bytes and a.peak_deployed == b.peak_deployed
         for x, y in zip(a.logits, b.logits, strict=True):
             torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
         assert kv_bytes(ra.cache) == kv_bytes(rb.cache)

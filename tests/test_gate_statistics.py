@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
+from scipy.stats import binom
 
 from evalkit.cli.gate import main
+from evalkit.gate.power import kl_fail_contexts
 from evalkit.gate.thresholds import Thresholds
 from tests.conftest import judge_rows
 from tests.test_gate import rows
+from tests.test_stats_coverage import bench_module
 
 THETAS = (1, 0.8, 0.6, 0.4)  # evalkit.stats.betting's bets, weighted 1/4 each
 
@@ -182,13 +186,21 @@ def _kl_rows(n: int, kl: float) -> list[dict]:
 def test_mean_kl_is_shown_below_the_limit_not_estimated():
     # a point estimate at the limit passed half the time; now the capped mean must be shown below max_mean_kl (0.1,
     # rows capped at 30 x 0.1 = 3 nats, values divided by the cap: the limit 1/30). Every row at 0.01 gains
-    # (0.1 - 0.01) / 3 = 0.03 per context on the bet: by hand the wealth reaches 20 at 125 contexts, not at 124
+    # (0.1 - 0.01) / 3 = 0.03 per context on the bet: by hand the wealth reaches 20 at 125 contexts, not at 124 (the
+    # tail check off: it alone asks for more)
     n = next(n for n in range(1, 1000) if mixture_wealth(n, 0.03, margin=1 / 30) >= 20)
     assert n == 125
-    assert judge_rows(_kl_rows(n, 0.01), [], Thresholds()).status == "PASS"
-    assert judge_rows(_kl_rows(n - 1, 0.01), [], Thresholds()).status == "INCONCLUSIVE"
+    capped_only = Thresholds(max_kl_tail_share=None)
+    assert judge_rows(_kl_rows(n, 0.01), [], capped_only).status == "PASS"
+    assert judge_rows(_kl_rows(n - 1, 0.01), [], capped_only).status == "INCONCLUSIVE"
+    # with the tail check (max_kl_tail_share 0.01), no row above the cap gains 0.01 / 0.99 a context on the bet "the
+    # share is below 0.01": by hand the wealth reaches 20 at 378 contexts
+    tail = next(n for n in range(1, 1000) if mixture_wealth(n, 0.01, margin=0.01) >= 20)
+    assert tail == 378
+    assert judge_rows(_kl_rows(tail, 0.01), [], Thresholds()).status == "PASS"
+    assert judge_rows(_kl_rows(tail - 1, 0.01), [], Thresholds()).status == "INCONCLUSIVE"
     at_limit = judge_rows(_kl_rows(n, 0.1), [], Thresholds())
-    assert at_limit.status == "INCONCLUSIVE" and "the mean KL may be as large as" in "\n".join(at_limit.reasons)
+    assert at_limit.status == "INCONCLUSIVE" and "the capped mean KL may be as large as" in "\n".join(at_limit.reasons)
     over = judge_rows(_kl_rows(60, 0.5), [], Thresholds())
     assert over.status == "FAIL" and "mean KL at least" in "\n".join(over.reasons)
 
@@ -228,3 +240,48 @@ def test_one_p_value_per_variant_the_largest_of_its_checks_corrected_across_vari
     for s in g.values():
         assert s["p_pass"] == pytest.approx(max(c["p_holds"] for c in s["checks"].values()))
     assert g["knorm@0.25"]["p_pass"] > g["snapkv@0.25"]["p_pass"]
+
+
+# --- KL tails above the cap, and the KL's FAIL, through the gate's own judge (benchmarks/stats_coverage.py) ---
+
+
+def test_a_kl_tail_at_the_share_limit_rarely_passes():
+    """1% of rows at 10 nats, the rest at 0: the true mean KL is the limit (0.1), the capped mean 0.03. Before, only a
+    run that drew no tail row could PASS, and one did from 112 documents: 0.99^112 = 32%. Now its share of rows above
+    the cap sits at max_kl_tail_share (0.01), so a run must show the tail rare. At the first n at which the rest PASS
+    (378, by hand in test_mean_kl_is_shown_below_the_limit_not_estimated) and at 1000, judge() gives the largest tail
+    count that PASSes; 300 seeded runs each PASS at most 5% plus two Monte Carlo errors (1.26% at 300 draws), and the
+    exact binomial chance of that region at most 5%."""
+    bench = bench_module()
+    judged = bench.Judged(bench.Tail(0.01, 10.0, 0.0))
+    assert judged(378, 0) == "PASS" and judged(377, 0) == "INCONCLUSIVE"  # the positive control: no tail, a PASS
+    assert 0.99**112 > 0.3  # what the old gate let through
+    for n in (378, 1000):
+        edge = judged.edge(n, "PASS")
+        assert judged(n, edge + 1) != "PASS" and judged(n, edge + 3) != "PASS"
+        drawn = np.random.default_rng(n).binomial(n, 0.01, 300)
+        assert judged(n, int(drawn.max())) != "PASS" or drawn.max() <= edge
+        rate = float(np.mean(drawn <= edge))
+        assert rate <= 0.05 + 2 * math.sqrt(0.05 * 0.95 / 300), (n, edge, rate)
+        assert binom.cdf(edge, n, 0.01) <= 0.05, (n, edge)
+
+
+def test_kl_at_twice_the_limit_fails_with_power_at_the_planners_n():
+    """6% of rows at 3 nats, the rest at 0.021: a mean KL of 0.2, twice the limit. Before, its FAIL fired 0.25% of
+    the time at 59 documents and never from 300 (bold bets "above" lose most of their stake on every small row). At
+    the planner's count for a FAIL at twice the limit (python -m evalkit.gate --plan), judge() gives the fewest rows
+    at 3 nats that FAIL; of 200 seeded runs at least 75% FAIL (the planner sizes for 80% on the rows most spread
+    below the cap; these are less spread), and the exact binomial chance is at least 80%. The control: no KL at all
+    PASSes there."""
+    bench = bench_module()
+    n = kl_fail_contexts(Thresholds())
+    assert 600 <= n <= 800, n
+    tail = bench.TWICE[0]
+    judged = bench.Judged(tail)
+    assert tail.mean == pytest.approx(0.2)
+    edge = judged.edge(n, "FAIL")
+    assert judged(n, edge - 1) != "FAIL" and judged(n, edge + 3) == "FAIL"
+    drawn = np.random.default_rng(2).binomial(n, tail.share, 200)
+    rate = float(np.mean(drawn >= edge))
+    assert rate >= 0.75 and binom.sf(edge - 1, n, tail.share) >= 0.8, (n, edge, rate)
+    assert bench.Judged(bench.Tail(0.0, 3.0, 0.0))(n, 0) == "PASS"

@@ -149,7 +149,11 @@ def finch_chunked(ratio: str) -> Finch:
 
 # the prompt's parts the second passes read: KVzip's repeat prompt, and Finch's question (the last ids)
 PARTS = Repeat(**{**FIXTURE["header"]["repeat"], "question": FIXTURE["header"]["finch_question"]})
-DIGEST_RTOL = 1e-4  # float32 tensors summed in float64: equal tensors agree to ~1e-6 (benchmarks/peer_kvpress.py)
+# float32 tensors summed in float64: equal tensors agree to ~1e-6 on the CPU that wrote the fixture
+# (benchmarks/peer_kvpress.py); the same code on another CPU (AMD EPYC, 2026-12-07) prefilled SmolLM2 to within 7.1e-4
+# of it (key_rerotation over snapkv at 0.75: re-rotation adds its own rounding), as HEAD did there too. A held tensor
+# that is not kvpress's (the SnapKV control, a wrong rotation) is 1.3-2.0 apart: 2e-3 keeps them 600x apart
+DIGEST_RTOL = 2e-3
 KVZIP = {"kvzip": {}, "kvzip_layerwise": {"layerwise": True}, "kvzip_plus": {"plus": True}}
 # ranked over all layers as KVzip ranks, each also held to kvpress's count (`*`): Fast KVzip (seeded gates), KVgrad
 # (its pass and gradients run here too, chunks of 512: two for the fixture's prompt), KVCompose (its repeat pass;

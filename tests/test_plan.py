@@ -375,8 +375,10 @@ def test_tiny_gemma3_run_matches_the_capped_layers(tiny_runs):
 
 
 def test_plan_runs_show_each_variant_beside_its_verdict(tiny_runs, tmp_path):
-    """plan.runs=[two gated runs]: each variant's row uses its measured ratio (streaming_llm@0.5 holds about half the
-    full-attention layers' bytes) and carries the gate's status from the run's verdict.json."""
+    """plan.runs=[two gated runs]: each variant's row uses its measured ratio, the one the gate judges (the cache its
+    answer was decoded from at its largest over the full cache's: streaming_llm@0.5 holds about half the
+    full-attention layers' context, and the question and answer beside it) and carries the gate's status from the
+    run's verdict.json."""
     runs = [str(tiny_runs["tiny-random"]), str(tiny_runs["tiny-random-gemma3"])]
     res = run_plan("model=tiny-random", f"plan.runs=[{','.join(runs)}]", f"plan.out={tmp_path}")
     assert res.returncode == 0, res.stderr
@@ -387,7 +389,8 @@ def test_plan_runs_show_each_variant_beside_its_verdict(tiny_runs, tmp_path):
         verdict = json.loads((Path(folder) / "verdict.json").read_text())
         assert r["run"] == folder and r["status"] in (verdict["verdict"], "CANNOT JUDGE")
         row = next(x for x in _rows(Path(folder)) if x["variant"] != "baseline")
-        ratio = row["kv_bytes_deployed"] / row["kv_bytes_baseline_deployed"]
+        ratio = row["decode_peak_kv_bytes_deployed"] / row["decode_peak_kv_bytes_baseline_deployed"]
+        assert ratio > row["kv_bytes_deployed"] / row["kv_bytes_baseline_deployed"]  # not the context's
         assert r["kv_bytes_per_sequence"] == pytest.approx(doc["capacity"][1]["kv_bytes_per_sequence"] * ratio)
     assert "streaming_llm@0.5" in (tmp_path / "plan.md").read_text()
 

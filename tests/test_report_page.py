@@ -178,6 +178,11 @@ def test_the_verdict_is_the_gates_verdict_json_for_these_runs_with_its_advice_an
                           "cell L128-d0.5: the baseline scores 0.20 there, below 0.5"]}  # fmt: skip
     doc["digest"] = digest(read_runs([run]).rows, thresholds(doc["thresholds"], "test"))  # it judged these rows
     (run / "verdict.json").write_text(json.dumps(doc))
+    # and its look records that verdict (evalkit.gate.shown): looks 1 to 3, the last with its verdict and reasons
+    said = {k: doc[k] for k in ("verdict", "reasons", "digest")}
+    (run / "looks.jsonl").write_text(
+        "".join(json.dumps({"look": n, "thresholds": {}, "variants": {}, **said}) + "\n" for n in (1, 2, 3))
+    )
     assert report_main([str(run), "--out", str(tmp_path / "out")]) == 0
     page = read_page(tmp_path / "out" / "report.html")
     assert page.text["verdict-status"] == "INCONCLUSIVE" and page.text["verdict-looks"] == "3"

@@ -239,6 +239,7 @@ class LlamaCpp:
             "kv_bytes_deployed": held,  # llama.cpp holds the cache as the deployed engine does: these are its bytes
             "kv_bytes_final": final,
             "peak_kv_bytes": final,  # nothing is evicted: the cache only grows while the answer is decoded
+            "decode_peak_kv_bytes_deployed": final,  # the cache decoded from grows to its largest at the end
             "kv_bytes_source": dec.held[2],
             "engine_state_bytes": dec.held[1],
             "prefill_peak_kv_bytes": held,

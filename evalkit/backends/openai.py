@@ -356,6 +356,7 @@ class OpenAI:
             "kv_bytes_deployed": held,
             "kv_bytes_final": final,
             "peak_kv_bytes": final,
+            "decode_peak_kv_bytes_deployed": final,  # the cache decoded from grows to its largest at the end
             "kv_bytes_source": f"{DECLARED}: {dtype}, {per_element(dtype):g} bytes per value (evalkit.plan)",
             "prefill_peak_kv_bytes": held,
             "prefill_peak_tokens": prompt,

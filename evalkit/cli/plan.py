@@ -50,7 +50,11 @@ def plan_settings(cfg: DictConfig) -> Settings:
 
 
 def run(argv: list[str]) -> int:
-    cfg = compose(argv)
+    return plan_from(compose(argv))
+
+
+def plan_from(cfg: DictConfig) -> int:
+    """The plan a composed config asks for: printed, written to plan.out, and logged to W&B with logger=wandb."""
     s = plan_settings(cfg)
     p = make_plan(ModelSpec.from_mapping(OmegaConf.to_container(cfg.model, resolve=True)), s)
     out = Path(s.out) if s.out else Path(str(cfg.results_root)) / "plan" / safe_name(p["model"])

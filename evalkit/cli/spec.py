@@ -21,6 +21,7 @@ from evalkit.kv import contract
 from evalkit.kv.variant import Variant
 from evalkit.modelspec import ModelSpec
 from evalkit.tasks import Task
+from evalkit.tracking import check_online
 
 
 @dataclass(frozen=True)
@@ -89,15 +90,19 @@ def gate_spec(node: DictConfig) -> GateSpec | None:
 
 
 def logger_spec(node: DictConfig | None) -> LoggerSpec:
+    """logger=NAME; for wandb, its mode checked and, online, its credentials, before any sample runs."""
     if node is None:
         return LoggerSpec()
-    return LoggerSpec(
+    spec = LoggerSpec(
         str(node.get("name", "none")),
         node.get("project"),
         node.get("group"),
         node.get("entity"),
         node.get("mode") or "auto",
     )
+    if spec.name == "wandb":
+        check_online(spec.mode)
+    return spec
 
 
 def run_spec(cfg: DictConfig) -> RunSpec:

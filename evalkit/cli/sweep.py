@@ -60,7 +60,10 @@ class MergeJobs(Callback):
 
     @staticmethod
     def _report(sweep: Path) -> None:
-        """The merged report, which shows the gate's verdict.json (it never judges)."""
+        """The merged report, which shows the gate's verdict.json (it never judges). A bug in it is printed with its
+        traceback and the request for a report, but the exit code stays the gate's: the report never replaces the
+        verdict (exit 3 only where no gate ran)."""
+        global exit_code
         from evalkit.report.build import report
 
         try:
@@ -68,3 +71,6 @@ class MergeJobs(Callback):
             print(f"evalkit: merged report of the sweep: {written[0]}")
         except ConfigError as err:  # no job wrote records (all failed or were interrupted before a sample)
             print(f"evalkit: no merged report: {err}")
+        except Exception:  # noqa: BLE001 - a bug in the report: said, but the gate's exit code stands
+            code = internal(traceback.format_exc())
+            exit_code = code if exit_code is None else exit_code

@@ -11,7 +11,7 @@ exactly those of decoding the row alone (`greedy`), which tests check.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -19,26 +19,33 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from evalkit.attention.observation import StepRecorder
 from evalkit.attention.sdpa import causal_tail_mask, evalkit_sdpa, observe, require_named
-from evalkit.kv.cache import kv_bytes
+from evalkit.kv.cache import deployed_bytes, kv_bytes
 
 
 @dataclass
 class Decoded:
-    tokens: list[int]
-    logits: list[Tensor]  # (vocab,) float32 logits that chose each generated token
-    peak_bytes: int  # largest KV bytes held at any point of the decode
+    tokens: list[int] = field(default_factory=list)
+    logits: list[Tensor] = field(default_factory=list)  # (vocab,) float32 logits that chose each generated token
+    peak_bytes: int = 0  # largest KV bytes held at any point of the decode
+    peak_deployed: int = 0  # the same, as a deployment holds them (cache.deployed_bytes)
+
+    def saw(self, cache: Cache) -> None:
+        """Count what `cache` holds now (after a forward, before any eviction) towards the peaks."""
+        self.peak_bytes = max(self.peak_bytes, kv_bytes(cache))
+        self.peak_deployed = max(self.peak_deployed, deployed_bytes(cache))
 
 
 def step(
-    model: torch.nn.Module, cache: Cache, ids: Tensor, after_forward: Callable[[], None] | None
-) -> tuple[Tensor, int]:
+    model: torch.nn.Module, cache: Cache, ids: Tensor, after_forward: Callable[[], None] | None, result: Decoded
+) -> Tensor:
     """One forward of `ids` (1, q) over `cache`, observed (H2O's running mass, the sliding window of queries); then
-    `after_forward` (eviction). Returns the last position's float32 logits and the KV bytes held before eviction."""
+    `after_forward` (eviction). Returns the last position's float32 logits; what the cache held before eviction counts
+    towards `result`'s peaks."""
     out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1, **observe(StepRecorder(), cache))
-    held = kv_bytes(cache)  # before eviction: what the step really held
+    result.saw(cache)  # before eviction: what the step really held
     if after_forward is not None:
         after_forward()
-    return out.logits[0, -1].float(), held
+    return out.logits[0, -1].float()
 
 
 @torch.inference_mode()
@@ -51,10 +58,9 @@ def greedy(
     after_forward: Callable[[], None] | None = None,
 ) -> Decoded:
     """Feed `ids` (the question) then decode greedily; `after_forward` runs after every forward (eviction)."""
-    result = Decoded([], [], 0)
+    result = Decoded()
     for _ in range(max_new_tokens):
-        logits, held = step(model, cache, ids, after_forward)
-        result.peak_bytes = max(result.peak_bytes, held)
+        logits = step(model, cache, ids, after_forward, result)
         result.tokens.append(int(logits.argmax()))
         result.logits.append(logits)
         if result.tokens[-1] in stop_ids:
@@ -71,10 +77,9 @@ def teacher_forced(
 
     One token a step, so policies that evict while decoding do so exactly as they would while generating.
     """
-    result = Decoded([], [], 0)
+    result = Decoded()
     for j in range(tokens.shape[1] - 1):
-        logits, held = step(model, cache, tokens[:, j : j + 1], after_forward)
-        result.peak_bytes = max(result.peak_bytes, held)
+        logits = step(model, cache, tokens[:, j : j + 1], after_forward, result)
         result.logits.append(logits)
     return result
 
@@ -148,7 +153,7 @@ def decode_batch(
     """Feed `ids` (1, q), the question, to every row's cache, then decode greedily, all rows in one batch per
     forward; a row leaves the batch at its stop token or after `max_new_tokens`. Each row's result is that of
     `greedy` on its cache alone (the same tokens, logits equal within float tolerance, the same peak)."""
-    results = [Decoded([], [], 0) for _ in rows]
+    results = [Decoded() for _ in rows]
     active = list(range(len(rows)))
     step_ids = ids.expand(len(rows), -1)
     for _ in range(max_new_tokens):
@@ -158,7 +163,7 @@ def decode_batch(
         still, next_ids = [], []
         for j, r in enumerate(active):
             res = results[r]
-            res.peak_bytes = max(res.peak_bytes, kv_bytes(rows[r].cache))  # before eviction: what the step held
+            res.saw(rows[r].cache)  # before eviction: what the step held
             if rows[r].after_forward is not None:
                 rows[r].after_forward()
             step = out.logits[j, -1].float()

@@ -4,7 +4,6 @@ variant decoded in one batch (decode), each outcome a Result with its row fields
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Generator
 from typing import Any
@@ -17,7 +16,7 @@ from evalkit.engine.rows import budget_clipped, hf_engine, kv_fields, prediction
 from evalkit.kv import contract
 from evalkit.kv.variant import Variant
 from evalkit.modelspec import ModelSpec
-from evalkit.records import BASELINE, Job, Result
+from evalkit.records import Job, Result
 from evalkit.tasks import Task
 
 
@@ -74,8 +73,6 @@ class HFEngine:
         for variant, outcome, (score, extra) in decoded:
             fields = {
                 **hf_engine(),
-                "policy": dataclasses.asdict(variant.policy) if variant is not None else {"name": BASELINE},
-                "quant": dataclasses.asdict(variant.quant) if variant is not None and variant.quant else None,
                 **kv_fields(outcome, variant, prompt.n_context),
                 "evidence_retained_per_layer": outcome.evidence_retained,
                 "budget_clipped": budget_clipped(variant, prompt),

@@ -42,6 +42,9 @@ class Outcome:
     kv_bytes_deployed: int  # as a deployment holds them: dense in fp16/bf16, quantized packed (cache.deployed_bytes)
     kv_bytes_final: int  # held when decoding ended
     peak_kv_bytes: int  # the most held at any point: prefill, compression or decode
+    # the most the cache decoded from held as deployed (cache.deployed_bytes): after compression, the question and
+    # every generated token, before each eviction
+    decode_peak_kv_bytes_deployed: int
     prefill_peak_kv_bytes: int  # the most held while the context went through the model
     prefill_peak_tokens: int  # the most tokens an evicting layer held (per KV head) during the prefill
     tokens_held: list[int | float]  # per layer and KV head (a ragged layer: the mean), right after compression
@@ -104,6 +107,7 @@ def outcome(
         kv_bytes_deployed=held.deployed,
         kv_bytes_final=kv_bytes(cache),
         peak_kv_bytes=max(dec.peak_bytes, held.kv_bytes, prefill_peak[0]),  # before every eviction: what was held
+        decode_peak_kv_bytes_deployed=max(dec.peak_deployed, held.deployed),
         prefill_peak_kv_bytes=prefill_peak[0],
         prefill_peak_tokens=prefill_peak[1],
         tokens_held=held.tokens,

@@ -11,6 +11,7 @@ import transformers
 from evalkit.engine import models
 from evalkit.engine.engine import Outcome
 from evalkit.kv.variant import Variant
+from evalkit.records import BASELINE
 from evalkit.tasks.prompt import Prompt
 
 
@@ -29,6 +30,9 @@ def kv_fields(outcome: Outcome, variant: Variant | None, n_context: int) -> dict
     lm-eval's (evalkit.lmeval.model)."""
     chunk = variant.chunk if variant is not None else None
     return {
+        # what ran: the policy's class and resolved settings, which the variant's label derives from
+        "policy": variant.record() if variant is not None else {"name": BASELINE},
+        "quant": variant.quant_record() if variant is not None else None,
         "kv_bytes": outcome.kv_bytes,
         "kv_bytes_fp16_same_tokens": outcome.kv_bytes_fp16,
         # as a deployment holds them (fp16/bf16 dense, quantized packed): what ratios, the gate and capacity use
@@ -36,6 +40,9 @@ def kv_fields(outcome: Outcome, variant: Variant | None, n_context: int) -> dict
         "attention_path": outcome.attention_path,
         "kv_bytes_final": outcome.kv_bytes_final,
         "peak_kv_bytes": outcome.peak_kv_bytes,
+        # the cache the answer was decoded from, as deployed, at its largest: the compressed context, the question
+        # and every generated token (before each eviction); what min_compression and every ratio shown judge
+        "decode_peak_kv_bytes_deployed": outcome.decode_peak_kv_bytes_deployed,
         "prefill": {"mode": "chunked", "chunk": chunk} if chunk else {"mode": "oneshot"},
         "prefill_peak_kv_bytes": outcome.prefill_peak_kv_bytes,
         "prefill_peak_tokens": outcome.prefill_peak_tokens,
@@ -52,7 +59,11 @@ def kv_fields(outcome: Outcome, variant: Variant | None, n_context: int) -> dict
 
 def baseline_fields(baseline: Outcome) -> dict[str, int]:
     """The baseline's bytes on the same context, carried by every row of a sample."""
-    return {"kv_bytes_baseline": baseline.kv_bytes, "kv_bytes_baseline_deployed": baseline.kv_bytes_deployed}
+    return {
+        "kv_bytes_baseline": baseline.kv_bytes,
+        "kv_bytes_baseline_deployed": baseline.kv_bytes_deployed,
+        "decode_peak_kv_bytes_baseline_deployed": baseline.decode_peak_kv_bytes_deployed,
+    }
 
 
 def budget_clipped(variant: Variant | None, prompt: Prompt) -> bool | None:

@@ -1,4 +1,5 @@
-"""The evidence on one variant: for each criterion (the accuracy drop, the flip rate, the KL) a p-value for "holds"
+"""The evidence on one variant: for each criterion (the accuracy drop, the flip rate, the capped mean KL and the share
+of KL rows above the cap) a p-value for "holds"
 (a PASS needs every one: an intersection-union test) and one for "broken" (a FAIL), with the bounds they agree with.
 
 Every judgement, the first included, is the anytime-valid betting test of evalkit.stats.betting on the per-context means
@@ -8,6 +9,7 @@ supermartingale, and judging again (after more samples, in a fresh folder, from 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,7 +22,7 @@ from evalkit.stats import betting
 class Check:
     """One criterion of one variant."""
 
-    what: str  # drop, flips, kl
+    what: str  # drop, flips, kl (the capped mean KL), kl_tail (the share of KL rows above the cap)
     limit: float
     p_holds: float  # small: shown within the limit
     p_broken: float  # small: shown beyond it
@@ -54,47 +56,50 @@ def evaluate(name: str, ctx: Contexts, t, floor: int) -> Evidence:
         checks.append(_bet("drop", ctx.drop, t.max_drop, -1.0, 1.0, t))
     if t.max_flip_rate is not None:
         checks.append(_bet("flips", ctx.lost, t.max_flip_rate, 0.0, 1.0, t))
-    kl = _kl_check(ctx, t)
-    if kl is not None:
-        checks.append(kl)
+    checks += _kl_checks(ctx, t)
     p_pass = max([c.p_holds for c in checks], default=0.0)
     if ctx.n < floor or ctx.n == 0:
         p_pass = 1.0
     return Evidence(name, ctx, checks, p_pass, floor)
 
 
-def _kl_check(ctx: Contexts, t) -> Check | None:
+def _kl_checks(ctx: Contexts, t) -> list[Check]:
+    """The KL, where the rows carry it: its mean with each row capped (kl), and the share of rows above the cap
+    (kl_tail), which the capped mean cannot see: 1% of rows at 10 nats has a true mean at max_mean_kl=0.1 and a
+    capped one of 0.03. A FAIL on the mean bounds the mean KL itself from below, uncapped: a lower bound of the mean
+    of values >= 0 needs no upper end, so a row above the cap is evidence of a FAIL, not thrown away."""
     cap = kl_cap(t)
     if cap is None or ctx.kl is None:
-        return None
-    check = _bet("kl", ctx.kl, t.max_mean_kl / cap, 0.0, 1.0, t)
-    check.limit, check.lower, check.upper = t.max_mean_kl, check.lower * cap, check.upper * cap
-    rows = int(round(float(np.sum(ctx.kl_above * ctx.questions)))) if ctx.kl_above is not None else 0
-    check.extra = {"cap": cap, "rows_above_cap": rows, "share_above_cap": rows / max(int(np.sum(ctx.questions)), 1)}
-    if rows:  # no number of rows bounds a mean beyond the cap: a row there fails its context, and the check can't hold
-        check.p_holds = 1.0
-    return check
+        return []
+    rows = int(round(float(np.sum(ctx.kl_above * ctx.questions))))
+    extra = {"cap": cap, "rows_above_cap": rows, "share_above_cap": rows / max(int(np.sum(ctx.questions)), 1)}
+    kl = _bet("kl", ctx.kl, t.max_mean_kl / cap, 0.0, 1.0, t, fail=(ctx.kl_raw, t.max_mean_kl, 0.0, math.inf))
+    kl.limit, kl.upper = t.max_mean_kl, kl.upper * cap
+    kl.extra = {**extra, "bounds_of": ["mean KL", f"mean of min(KL, {cap:g} nats)"]}
+    if t.max_kl_tail_share is None:
+        return [kl]
+    share = t.max_kl_tail_share
+    tail = _bet("kl_tail", ctx.kl_above, share, 0.0, 1.0, t, fail=(ctx.kl_above, share, 0.0, 1.0))
+    tail.extra = extra
+    return [kl, tail]
 
 
 def kl_words(c: Check) -> str:
-    """How the KL was counted, for the gate's messages: the cap and the rows above it."""
+    """How the capped mean KL was counted, for the gate's messages: the cap and the rows above it."""
     above, share = c.extra["rows_above_cap"], c.extra["share_above_cap"]
-    counted = (
-        f"{above} rows above it ({share:.1%}): a mean beyond the cap is bounded by no number of rows, so a row above "
-        "it fails its context and the KL cannot be shown to hold"
-        if above
-        else "none above it"
-    )
-    return f"each row capped at {c.extra['cap']:g} nats; {counted}"
+    counted = f"{above} rows above it ({share:.1%}), judged by max_kl_tail_share" if above else "none above it"
+    return f"each row counted up to {c.extra['cap']:g} nats; {counted}"
 
 
-def _bet(what: str, x: np.ndarray, limit: float, lo: float, hi: float, t) -> Check:
-    """A check by betting: p-values 1 / wealth, bounds at the gate's error rate."""
+def _bet(what: str, x: np.ndarray, limit: float, lo: float, hi: float, t, fail: tuple | None = None) -> Check:
+    """A check by betting: p-values 1 / wealth, bounds at the gate's error rate. `fail`: (values, limit, lo, hi) of
+    the FAIL side (p_broken, lower), bet on with betting.TAIL_BETS, where it is not the PASS side's (the KL's)."""
     alpha = 1 - t.confidence
     if x.size == 0:
         return Check(what, limit, 1.0, 1.0, lo, hi, "betting")
     p_holds = betting.p_value(x, limit, lo, hi, below=True)
-    p_broken = betting.p_value(x, limit, lo, hi, below=False)
     upper = betting.bound(x, alpha, lo, hi, upper=True)
-    lower = betting.bound(x, alpha, lo, hi, upper=False)
+    fx, flimit, flo, fhi, bets = (x, limit, lo, hi, betting.BETS) if fail is None else (*fail, betting.TAIL_BETS)
+    p_broken = betting.p_value(fx, flimit, flo, fhi, below=False, bets=bets)
+    lower = betting.bound(fx, alpha, flo, fhi, upper=False, bets=bets)
     return Check(what, limit, p_holds, p_broken, lower, upper, "betting")

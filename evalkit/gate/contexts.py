@@ -22,8 +22,9 @@ from evalkit.records.summary import cell_key
 
 GRADED_FLIP_DELTA = 0.1  # the default gate.graded_flip_delta: a graded score must fall by more than this to count
 # A row's KL counts up to this many times gate.max_mean_kl (3 nats at the default), so that the judged quantity is
-# bounded (evalkit.stats.betting): the gate bounds the mean of min(KL, cap), which is the mean KL while no row exceeds
-# the cap; rows above it are counted and reported. At 10 x, 3% of rows at 3 nats (a true mean at the limit) counted
+# bounded (evalkit.stats.betting): a PASS bounds the mean of min(KL, cap), which is the mean KL while no row exceeds
+# the cap, and the share of rows above it (gate.max_kl_tail_share); a FAIL bounds the mean KL itself from below, which
+# needs no cap (KL >= 0). At 10 x, 3% of rows at 3 nats (a true mean at the limit) counted
 # as 1 nat each and PASSed 96% of the time at 300 documents.
 KL_CAP_FACTOR = 30
 
@@ -43,6 +44,7 @@ class Contexts:
     kl: np.ndarray | None  # KL at the answer tokens, capped and divided by the cap: in [0, 1]; None without KL rows
     binary: bool  # every score 0 or 1
     kl_above: np.ndarray | None = None  # share of its rows whose KL is above the cap (None without KL rows)
+    kl_raw: np.ndarray | None = None  # mean KL of its rows in nats, uncapped (None without KL rows)
 
     @property
     def n(self) -> int:
@@ -88,7 +90,7 @@ def group(rows: list[Row], flip_delta: float = GRADED_FLIP_DELTA, kl_cap: float 
     base = np.array([float(r.baseline_score) for r in rows])
     pol = np.array([float(r.score) for r in rows])
     diff = base - pol
-    kl = above = None
+    kl = above = raw = None
     if kl_cap is not None and rows and all(_finite(r.get("kl_mean")) for r in rows):
         raw = np.maximum(np.array([float(r["kl_mean"]) for r in rows]), 0.0)
         kl, above = np.minimum(raw, kl_cap) / kl_cap, (raw > kl_cap).astype(float)
@@ -108,6 +110,7 @@ def group(rows: list[Row], flip_delta: float = GRADED_FLIP_DELTA, kl_cap: float 
         kl=None if kl is None else mean(kl),
         binary=bool(np.all(np.isin(base, (0.0, 1.0))) and np.all(np.isin(pol, (0.0, 1.0)))),
         kl_above=None if above is None else mean(above),
+        kl_raw=None if raw is None else mean(raw),
     )
 
 

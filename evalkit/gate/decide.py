@@ -3,11 +3,12 @@ shown to fail, counted in contexts (evalkit.gate.contexts), with the error rate 
 every look (each judgement is the anytime-valid betting test, evalkit.gate.checks: judging again spends nothing).
 
 A variant PASSes when every check (evalkit.gate.checks: the drop below `max_drop`, the flip rate below `max_flip_rate`,
-the capped KL below `max_mean_kl`) is shown to hold: its p-value is the largest of its checks' (an
-intersection-union test, no correction among them), and the variants' p-values are corrected together (Holm or
-Bonferroni, `gate.multiplicity`). A variant FAILs when a check is shown broken (every claim of a broken check,
-over all variants and checks, corrected together) or a cell is shown below `min_cell_accuracy` (the cells
-corrected together); INCONCLUSIVE otherwise, with the contexts that would settle it (evalkit.gate.power).
+the capped mean KL below `max_mean_kl`, the share of KL rows above the cap below `max_kl_tail_share`) is shown to
+hold: its p-value is the largest of its checks' (an intersection-union test, no correction among them), and the
+variants' p-values are corrected together (Holm or Bonferroni, `gate.multiplicity`). A variant FAILs when a check is
+shown broken (every claim of a broken check, over all variants and checks, corrected together) or a cell is shown
+below `min_cell_accuracy` (the cells corrected together); INCONCLUSIVE otherwise, with the contexts that would settle
+it (evalkit.gate.power).
 """
 
 from __future__ import annotations
@@ -158,7 +159,18 @@ def fail_message(name: str, e: Evidence, c, t, k: int, look: int) -> str:
             f"{name}: {lost} of {_units(ctx, 'samples')} {_flipped(e, t)} ({lost / q:.0%}; at least {c.lower:.3f} "
             f"per context, {how}): shown over the {c.limit:.0%} flip-rate limit"
         )
-    return f"{name}: mean KL at least {c.lower:.4f} nats ({how}; {kl_words(c)}): over {c.limit}"
+    if c.what == "kl_tail":
+        return (
+            f"{name}: {_tail(e, c)} ({c.extra['share_above_cap']:.1%}; at least {c.lower:.3f} per context, {how}): "
+            f"shown over max_kl_tail_share={c.limit}"
+        )
+    return f"{name}: mean KL at least {c.lower:.4f} nats ({how}; every row counted in full): over {c.limit}"
+
+
+def _tail(e: Evidence, c) -> str:
+    """The KL rows above the cap, for the kl_tail check's messages."""
+    rows, cap = c.extra["rows_above_cap"], c.extra["cap"]
+    return f"{rows} of {int(np.sum(e.contexts.questions))} KL rows above the {cap:g}-nat cap"
 
 
 def open_messages(name: str, e: Evidence, t, k: int, look: int) -> list[str]:
@@ -182,9 +194,15 @@ def open_messages(name: str, e: Evidence, t, k: int, look: int) -> list[str]:
                 f"{name}: {ctx.lost_questions} of {_units(ctx, 'samples')} {_flipped(e, t)}: the flip rate may be as "
                 f"large as {c.upper:.3f} ({how}), not shown below {c.limit:.0%}"
             )
+        elif c.what == "kl_tail":
+            out.append(
+                f"{name}: {_tail(e, c)}: their share may be as large as {c.upper:.3f} ({how}), not shown below "
+                f"max_kl_tail_share={c.limit} (the capped mean does not bound rows beyond the cap: a PASS shows "
+                "them rare)"
+            )
         else:
             out.append(
-                f"{name}: the mean KL may be as large as {c.upper:.4f} nats ({how}; {kl_words(c)}), not shown "
+                f"{name}: the capped mean KL may be as large as {c.upper:.4f} nats ({how}; {kl_words(c)}), not shown "
                 f"below max_mean_kl={c.limit}"
             )
     if ctx.n < e.floor:

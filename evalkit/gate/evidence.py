@@ -19,6 +19,11 @@ The gate believes no number a row claims that it can derive from another row or 
   baseline row's;
 - a row of evalkit's engine carries its context, tokens and deployed bytes, and a variant's rows carry a KL on every
   row or on none: a deleted field is refused, never a check dropped;
+- every row carries the deployed bytes of the cache its answer was decoded from and its baseline's (rows written
+  before are refused, with the command to rerun), and the baseline's equal what the baseline row holds;
+- a variant row of evalkit's engine records the class of the policy that ran, and its label is the one that class,
+  its settings, storage and prefill derive (evalkit.records.labels): `policy=none policy.name=snapkv` runs as
+  `none[snapkv]@...`, and a row relabelled by hand is refused;
 - run.json carries the resolved config, the model fingerprint and the library versions, and every field the gate
   reads there is of its kind (an object where one is read: `model`, `config.task`, `data.files`, `engine.endpoints`);
 - a task's kind (teacher-forced, scored by lm-eval) is its class (`_target_`), never a flag in run.json;
@@ -35,8 +40,9 @@ from __future__ import annotations
 from typing import Any
 
 from evalkit import scoring
-from evalkit.records import Row
+from evalkit.records import BASELINE, Row
 from evalkit.records.checks import EDITED, shared_endpoints
+from evalkit.records.labels import row_label
 
 RUN_NEEDS = (
     ("config", dict),
@@ -64,6 +70,7 @@ def undocumented(rows: list[Row], where: str) -> list[str]:
 # claims could not be set against the tokens it held, nor its context against the baseline's
 HF_FIELDS = (
     "compression_asked",
+    "policy",
     "tokens_held_per_layer",
     "tokens_allowed_per_layer",
     "kv_bytes_deployed",
@@ -71,6 +78,12 @@ HF_FIELDS = (
     "context_id",
 )
 MISSING = "a field the gate judges was deleted: restore the run's own rows, or rerun it"
+# What every engine's rows record since the gate judges the cache decoded from: rows written before are refused
+DECODED_FIELDS = ("decode_peak_kv_bytes_deployed", "decode_peak_kv_bytes_baseline_deployed")
+OLDER = (
+    "was written before evalkit recorded {what}, which the gate judges; rerun it into a new folder with this evalkit "
+    "(python -m evalkit ... resume=false)"
+)
 
 
 def backend_of(info: dict) -> str:
@@ -114,9 +127,28 @@ def _engine(r: Row, engine: str) -> str | None:
             f"has engine_version={r['engine_version']!r}, evalkit's own engine, but its run.json ran backend "
             f"{engine!r}; {EDITED}"
         )
+    if any(r.get(k) is None for k in DECODED_FIELDS):
+        decoded = ", ".join(DECODED_FIELDS)
+        return OLDER.format(what=f"the bytes of the cache each answer was decoded from ({decoded})")
     missing = [k for k in HF_FIELDS if r.get(k) is None] if engine == "hf" else []
     if missing:
         return f"has no {', '.join(missing)} (every row evalkit's engine writes has them); {MISSING}"
+    return _ran(r) if engine == "hf" else None
+
+
+def _ran(r: Row) -> str | None:
+    """A row of evalkit's engine names the policy that ran: its record carries the class, and its label is the one
+    that class, its settings, storage and prefill derive (evalkit.records.labels), not a name typed beside them."""
+    if r.variant == BASELINE:
+        return None
+    if not isinstance(r["policy"], dict) or not isinstance(r["policy"].get("class"), str):
+        return OLDER.format(what="the class of the policy that ran (policy.class)")
+    derived = row_label(r)
+    if derived != r.variant:
+        return (
+            f"is labelled {r.variant!r} but records {r['policy']['class']} at budget {r['policy'].get('budget')!r}, "
+            f"which is {derived!r}: a label is derived from the policy that ran; {EDITED}"
+        )
     return None
 
 
@@ -144,17 +176,31 @@ def _kl(r: Row, needed: bool) -> str | None:
     return None
 
 
-# run.json's fields the gate reads beyond RUN_NEEDS, each with what it must be when present
+def _texts(v: Any) -> bool:
+    return isinstance(v, dict) and all(isinstance(x, str) for x in v.values())
+
+
+# run.json's fields the gate reads beyond RUN_NEEDS, each with what it must be when present: names it compares, sets
+# and sorts are strings (a list is unhashable, a number sorts against no string)
 KINDS = (
+    ("run_id", lambda v: isinstance(v, str), "a string"),
+    ("protocol", lambda v: isinstance(v, str), "a string"),
+    ("command", lambda v: isinstance(v, list), "a list, the command line"),
+    ("versions", _texts, "an object of version strings"),
     ("model", lambda v: isinstance(v, dict), "an object"),
+    ("model.name", lambda v: isinstance(v, str), "a string"),
+    ("config.model", lambda v: isinstance(v, dict), "an object"),
+    ("config.model.name", lambda v: isinstance(v, str), "a string"),
+    ("config.task.name", lambda v: isinstance(v, str), "a string"),
+    ("config.backend.name", lambda v: isinstance(v, str), "a string"),
     ("model.weights_bytes", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, "bytes"),
     ("config.task", lambda v: isinstance(v, dict), "an object"),
     ("config.backend", lambda v: isinstance(v, dict), "an object"),
     ("engine", lambda v: isinstance(v, dict), "an object"),
     ("engine.endpoints", lambda v: isinstance(v, dict), "an object, a server per variant"),
     ("data", lambda v: isinstance(v, dict), "an object"),
-    ("data.files", lambda v: isinstance(v, dict), "an object, a digest per input file"),
-    ("data.samples", lambda v: isinstance(v, dict), "an object, a digest per sample"),
+    ("data.files", _texts, "an object, a digest per input file"),
+    ("data.samples", _texts, "an object, a digest per sample"),
 )
 
 
@@ -169,8 +215,15 @@ def _at(info: dict, dotted: str) -> Any:
 def _kinds(info: dict) -> list[str]:
     kinds = ((dotted, _at(info, dotted), fits, what) for dotted, fits, what in KINDS)
     return [
-        f"{dotted} is {node!r}, not {what}" for dotted, node, fits, what in kinds if node is not None and not fits(node)
+        f"{dotted} is {_shown(node)}, not {what}"
+        for dotted, node, fits, what in kinds
+        if node is not None and not fits(node)
     ]
+
+
+def _shown(value: Any, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else f"{text[: width - 3]}..."
 
 
 def run_problems(info: dict, path: str) -> list[str]:

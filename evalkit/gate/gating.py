@@ -61,7 +61,9 @@ def _judged(run_dirs: list[Path], folders: list[Path], thresholds: Thresholds) -
     verdict = judge(records.rows, records.infos, thresholds, records.problems, recorded, records.partial)
     verdict.runs = [str(d) for d in run_dirs]
     if verdict.status != "CANNOT JUDGE":
-        verdict.not_judged += looks.append(folders, verdict.look, verdict.history)
+        # the look records the verdict's reasons beside its status: a report shows verdict.json only where they agree
+        verdict.look["reasons"] = list(verdict.reasons)
+        verdict.not_judged += looks.append(folders, verdict.look, verdict.history, recorded)
     return verdict, records.infos
 
 

@@ -25,6 +25,7 @@ from evalkit.gate.reading import check_rows
 from evalkit.gate.summary import chunked_vs_oneshot, is_baseline, label_order
 from evalkit.gate.thresholds import Thresholds, non_default
 from evalkit.records import BASELINE, Row
+from evalkit.records.labels import compression_asked
 from evalkit.records.summary import summarize
 
 
@@ -50,19 +51,6 @@ class Verdict:
     @property
     def passed(self) -> bool:
         return self.status == "PASS"
-
-
-def _compression_asked(row: Row) -> bool:
-    """Whether a row's variant asked for a smaller cache: quantized storage, or what its policy says of itself
-    (`compression_asked`, KVPolicy.compresses: a threshold or pruned channels ask at a budget of 1.0); rows of other
-    engines (no such field): a policy other than the full cache whose budget is not the whole context (1.0)."""
-    if row.get("quant"):
-        return True
-    if "compression_asked" in row:
-        return bool(row["compression_asked"])
-    policy = row.get("policy") if isinstance(row.get("policy"), dict) else {}
-    budget = policy.get("budget")
-    return policy.get("name") not in (None, "none", BASELINE) and not (isinstance(budget, float) and budget == 1.0)
 
 
 def baseline_problems(summary: dict[str, Any], t: Thresholds) -> tuple[list[str], list[str]]:
@@ -215,7 +203,7 @@ def record_reasons(name: str, rows: list[Row], s: dict[str, Any], t: Thresholds)
             f"{name}: the chunked prefill held {r['prefill_peak_tokens']} tokens in a layer, over its bound of "
             f"{r['prefill_bound_tokens']} (budget + chunk), on {len(over)} samples"
         )
-    if any(_compression_asked(r) for r in rows) and s["kv_ratio"] >= t.min_compression:
+    if any(compression_asked(r) for r in rows) and s["kv_ratio"] >= t.min_compression:
         clipped = s.get("budget_clipped")
         note = f" (its budget exceeds the context of {clipped} of {s['n']} samples: budget_clipped)" if clipped else ""
         reasons.append(

@@ -10,8 +10,10 @@ A record that does not match the rows it describes (malformed, numbered out of o
 the rows hold, or claiming these very rows at other counts or thresholds) makes the records CANNOT JUDGE: the file
 was edited. Older runs kept their looks in run.json["looks"]; those are read (checked the same way) for the number.
 
-A record: {"look", "at", "digest", "verdict", "thresholds", "runs", "variants": {name: {"contexts", "questions",
-"cells": {cell: contexts}}}}.
+A record: {"look", "at", "digest", "verdict", "reasons", "thresholds", "runs", "variants": {name: {"contexts",
+"questions", "cells": {cell: contexts}}}}. Its verdict and reasons are verdict.json's: the report and the planner show
+a verdict.json only where they agree with the last look (evalkit.gate.shown). Each folder numbers its own looks
+1, 2, 3, with no gap or repeat.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from evalkit.records import Row, to_json
+from evalkit.records import Row, loads, to_json
 
 LOOKS_FILE = "looks.jsonl"
 LEGACY = "looks"  # the list an older run.json held
@@ -85,7 +87,7 @@ def read(folders: list[Path], infos: list[dict]) -> Recorded:
 
 def _parse(line: str) -> Any:
     try:
-        return json.loads(line)
+        return loads(line)
     except ValueError:
         return line
 
@@ -95,8 +97,9 @@ def _take(into: list[tuple[str, dict]], problems: list[str], records: list[tuple
     for at, record in records:
         why = malformed(record)
         previous = into[-1][1]["look"] if into else 0
-        if why is None and record["look"] <= previous:
-            why = f"look {record['look']} follows look {previous}: looks are numbered in order"
+        if why is None and record["look"] != previous + 1:
+            shown = str(record["look"]) if record["look"] < 10**12 else f"of {len(str(record['look']))} digits"
+            why = f"look {shown} follows look {previous}: a run's looks are numbered 1, 2, 3, with no gap or repeat"
         if why:
             problems.append(f"{at}: look record {why}; {FIX}")
         else:
@@ -132,8 +135,9 @@ def malformed(record: Any) -> str | None:
 
 def history(recorded: Recorded, key: str) -> History:
     """This judgement's number: the last recorded look again when every folder's last look judged these rows at
-    these thresholds, else one more than the largest recorded."""
-    if recorded.last and all(x is not None and x[1]["digest"] == key for x in recorded.last):
+    these thresholds (and recorded its reasons: a look an older gate wrote without them is taken again, so that the
+    last look says what verdict.json says), else one more than the largest recorded."""
+    if recorded.last and all(x is not None and x[1]["digest"] == key and "reasons" in x[1] for x in recorded.last):
         return History(max(x[1]["look"] for x in recorded.last if x is not None), True)
     return History(1 + max((r["look"] for _, r in recorded.looks), default=0))
 
@@ -180,14 +184,19 @@ def entry(h: History, key: str, verdict: str, t, runs: list[str], variants: dict
     }
 
 
-def append(folders: list[Path], look: dict[str, Any], h: History) -> list[str]:
+def append(folders: list[Path], look: dict[str, Any], h: History, recorded: Recorded | None = None) -> list[str]:
     """Append `look` to every folder's looks.jsonl (one line, flushed to disk; nothing when it repeats the last look).
-    The caller holds the folders' locks. Returns a line for every folder where it could not be written."""
+    Each folder's line is numbered after that folder's own last look (`recorded`, read from `folders` in this order),
+    so a folder's looks run 1, 2, 3 even when it is judged beside a folder judged more often. The caller holds the
+    folders' locks. Returns a line for every folder where it could not be written."""
     if h.repeat:
         return []
-    line = to_json(look) + "\n"
+    known = recorded is not None and len(recorded.last) == len(folders)
     problems = []
-    for folder in folders:
+    for i, folder in enumerate(folders):
+        before = recorded.last[i] if known else None
+        number = (before[1]["look"] if before else 0) + 1 if known else look["look"]
+        line = to_json({**look, "look": number}) + "\n"
         path = folder / LOOKS_FILE
         try:
             with open(path, "a") as f:

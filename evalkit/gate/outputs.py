@@ -17,6 +17,25 @@ VERDICT, REPORT = "verdict.json", "report.md"
 SCHEMA = "evalkit.verdict/1"  # verdict.json's version: docs/verdict.schema.json describes it
 
 
+DESCRIPTIVE = "descriptive"  # a fixed-n interval shown beside the gate's bound: not what the gate decided on
+
+
+def drop_bound(s: dict[str, Any]) -> dict[str, Any] | None:
+    """The drop bound the gate decided on for a variant (`s`: its entry in a verdict): {"bounds": [lower, upper],
+    "method"} from its drop check, one-sided each at the gate's confidence, counted in contexts. None where the gate
+    did not judge the drop (the baseline, CANNOT JUDGE, gate.max_drop null): only a descriptive interval is left."""
+    check = ((s.get("gate") or {}).get("checks") or {}).get("drop") if isinstance(s, dict) else None
+    bounds = check.get("bounds") if isinstance(check, dict) else None
+    if not isinstance(bounds, (list, tuple)) or len(bounds) != 2:
+        return None
+    return {"bounds": list(bounds), "method": str(check.get("method"))}
+
+
+def signed(x: Any, digits: int = 3) -> str:
+    """A bound as the outputs print it (+0.203), or `none` where there is none (null in verdict.json, NaN)."""
+    return f"{x:+.{digits}f}" if isinstance(x, (int, float)) and x == x else "none"
+
+
 def output_folder(out: Path) -> Path:
     """`out`, created if missing; a ConfigError when it is a file or cannot be created."""
     if out.exists() and not out.is_dir():
@@ -62,33 +81,41 @@ def verdict_doc(verdict: Verdict, t: Thresholds) -> dict[str, Any]:
 def headline(verdict: Verdict) -> str:
     """The verdict's first line: the status, and for a PASS on KV bytes no engine observed, or at thresholds other
     than the defaults, that it is one."""
-    if verdict.status != "PASS":
-        return verdict.status
+    return headline_text(verdict.status, verdict.declared, verdict.non_default)
+
+
+def headline_text(status: str, declared: list[str], non_default: list[str]) -> str:
+    """headline() from a verdict's fields (verdict.json's `verdict`, `declared_bytes`, `non_default_thresholds`: the
+    report prints the console's words)."""
+    if status != "PASS":
+        return status
     text = "PASS"
-    if verdict.declared:
+    if declared:
         text += (
-            f" on declared KV bytes ({', '.join(verdict.declared)}: the bytes follow from the KV dtype declared "
+            f" on declared KV bytes ({', '.join(declared)}: the bytes follow from the KV dtype declared "
             "for each server, never observed)"
         )
-    if verdict.non_default:
-        text += f" at thresholds other than the defaults ({len(verdict.non_default)} changed, below)"
+    if non_default:
+        text += f" at thresholds other than the defaults ({len(non_default)} changed, below)"
     return text
 
 
 def notes(verdict: Verdict) -> list[str]:
     """What the verdict stands on that a reader must know: unfinished runs, bytes declared rather than observed,
     thresholds other than the defaults."""
+    return note_lines(verdict.partial, verdict.declared, verdict.non_default)
+
+
+def note_lines(partial: list[str], declared: list[str], non_default: list[str]) -> list[str]:
+    """notes() from a verdict's fields (verdict.json's `unfinished`, `declared_bytes`, `non_default_thresholds`)."""
     changed = (
-        ["thresholds other than the defaults (conf/gate/default.yaml): " + "; ".join(verdict.non_default)]
-        if verdict.non_default
+        ["thresholds other than the defaults (conf/gate/default.yaml): " + "; ".join(non_default)]
+        if non_default
         else []
     )
     return (
-        verdict.partial
-        + [
-            f"{name}: KV bytes declared from the server's KV dtype (backend=openai), not observed"
-            for name in verdict.declared
-        ]
+        list(partial)
+        + [f"{name}: KV bytes declared from the server's KV dtype (backend=openai), not observed" for name in declared]
         + changed
     )
 
@@ -132,25 +159,31 @@ def tables(verdict: Verdict, t: Thresholds) -> list[str]:
     lines = [
         "",
         f"Drop bounds: the gate's, one-sided {t.confidence:.0%} each, counted in contexts, by the anytime-valid betting"
-        f" test that judges every look; status after {t.multiplicity} across variants, with the look that reached it.",
+        f" test that judges every look; status after {t.multiplicity} across variants, with the look that reached it."
+        f" A bound whose method says {DESCRIPTIVE} is a fixed-n interval the gate did not decide on.",
         "",
-        "KV ratio: the variant's KV bytes over the full cache's, both as a deployment holds them (dense in fp16/bf16, "
-        "quantized packed); KV measured: bytes held here, in the model's own dtype.",
+        "KV ratio: the KV bytes of the cache each answer was decoded from, at its largest (the compressed context, the "
+        "question and the answer), over the full cache's on the same request, both as a deployment holds them (dense "
+        "in fp16/bf16, quantized packed): the figure gate.min_compression judges; context only: the compressed "
+        "context right after compression over the full context's (not judged); KV measured: bytes held here, in the "
+        "model's own dtype.",
         "",
         "| variant | status | n | baseline | policy | drop [bounds] | method | McNemar p | lost | gained | KV ratio "
-        "(fp16) | KV measured |",
-        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+        "(fp16) | context only | KV measured |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, s in verdict.variants.items():
         p, g = s["paired"], s.get("gate") or {}
-        drop = (g.get("checks") or {}).get("drop") or {"bounds": p["drop_bounds"], "method": p["method"]}
+        # the gate's bound; where it judged no drop (the baseline, CANNOT JUDGE), the fixed-n one, said descriptive
+        drop = drop_bound(s) or {"bounds": p["drop_bounds"], "method": f"{p['method']} ({DESCRIPTIVE})"}
         lo, hi = drop["bounds"]
         status = f"{g['status']} (look {g['look']})" if g else "-"
         n = s["n"] if not g or g["contexts"] == s["n"] else f"{s['n']} ({g['contexts']} contexts)"
         lines.append(
             f"| {name} | {status} | {n} | {p['baseline']:.2f} | {p['policy']:.2f} | {p['drop']:+.3f} "
-            f"[{lo:+.3f}, {hi:+.3f}] | {drop['method']} | {p['mcnemar_p']:.3g} | {s['lost']} | {s['gained']} | "
-            f"{s['kv_ratio']:.3f}x | {fmt_bytes(s['kv_bytes'], 'MiB')} ({s['kv_ratio_measured']:.3f}x) |"
+            f"[{signed(lo)}, {signed(hi)}] | {drop['method']} | {p['mcnemar_p']:.3g} | {s['lost']} | {s['gained']} | "
+            f"{s['kv_ratio']:.3f}x | {s['kv_ratio_context']:.3f}x | {fmt_bytes(s['kv_bytes'], 'MiB')} "
+            f"({s['kv_ratio_measured']:.3f}x) |"
         )
     gib, ctx = t.capacity["gpu_gib"], t.capacity["context"]
     lines += [
@@ -213,11 +246,28 @@ def cell_table(cells: list[dict[str, Any]], t: Thresholds) -> list[str]:
     return lines
 
 
+def bound_lines(variants: dict[str, Any]) -> list[str]:
+    """Each judged variant's status and the drop bound the gate decided on, with its method: the console's one drop
+    bound per variant (the run's table above it prints a fixed-n interval, labelled descriptive)."""
+    out = []
+    for name, s in variants.items():
+        bound = drop_bound(s)
+        if bound is not None:
+            lo, hi = bound["bounds"]
+            level = (s.get("gate") or {}).get("level")
+            each = f", one-sided {level:.0%} each" if isinstance(level, float) else ""
+            drop = f"drop [{signed(lo)}, {signed(hi)}] ({bound['method']}{each})"
+            out.append(f"{name}: {s['gate'].get('status')}, {drop}")
+    return out
+
+
 def print_verdict(verdict: Verdict) -> None:
     look = verdict.look.get("look")
     print(f"\nevalkit gate: {headline(verdict)}" + (f" (look {look} of this run)" if look else ""))
     for note in notes(verdict):
         print(f"  - note: {note}")
+    for line in bound_lines(verdict.variants):
+        print(f"  - {line}")
     for reason in verdict.reasons:
         print(f"  - {reason}")
     for cell in verdict.not_judged:

@@ -1,63 +1,174 @@
 """What a CI system reads of a verdict: JUnit XML (one test case per variant and check, so Jenkins', GitLab's and
 GitHub's test views show which variant failed and why) and a Markdown summary for GitHub's step summary.
 
-Both are built from the verdict document (outputs.verdict_doc, what verdict.json holds) and decide nothing: a check
-is a failure where the gate found it broken, skipped where it was not shown either way (INCONCLUSIVE), an error
-where the records could not be judged.
+Both are built from the verdict document (outputs.verdict_doc, what verdict.json holds) and decide nothing. A case
+passes only where the gate showed its check to hold: a check shown broken is a failure, one shown neither way
+(INCONCLUSIVE) a failure too, and records that could not be judged an error. Nothing is skipped, so nothing that is
+not a PASS is green. Cases are named by what they test, never by the outcome: `evalkit.<task>.<variant>` (dots and
+other characters a CI system reads as structure made `_`) and the check, so a PASS turning FAIL is one case failing.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
 from evalkit.errors import ConfigError
 from evalkit.gate.decide import SHOWN_TO_FAIL
+from evalkit.gate.outputs import drop_bound, signed
 from evalkit.gate.summary import is_baseline
 
 SUITE = "evalkit.gate"
+WHOLE = ("evalkit", "verdict")  # the case of the verdict as a whole: the same name whatever the status
+LIMITS = {"drop": "max_drop", "flips": "max_flip_rate", "kl": "max_mean_kl", "kl_tail": "max_kl_tail_share"}
+# The gate's reasons of a variant by the check they concern (its reasons start "<variant>: "; decide.fail_message,
+# open_messages, judge.cell_reasons and record_reasons word them), first match wins; a reason that names none of
+# these falls to the variant's own `status` case, so that no reason is left without a failing case.
+CONCERNS = (
+    ("status", ("each document weighed by its questions",)),  # documents' figures hold, questions' do not
+    ("cells", ("cell ",)),
+    ("prefill_bound", ("chunked prefill held",)),
+    ("compression", ("compression was asked",)),
+    ("samples", ("fewer than gate.min_samples",)),
+    ("drop", ("accuracy drop", "the drop may be")),
+    ("flips", ("flip-rate limit", "the flip rate may be", "flip rate")),
+    ("kl_tail", ("over max_kl_tail_share", "below max_kl_tail_share")),  # before kl: its words name the tail too
+    ("kl", ("mean KL",)),
+)
+RECORD_CHECKS = ("samples", "prefill_bound", "compression", "runs")  # a case each for every judged variant
+# What XML 1.0 cannot hold (control characters, lone surrogates, U+FFFE/U+FFFF): removed from every name and message
+ILLEGAL = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+UNSAFE = re.compile(r"[^A-Za-z0-9_@+=-]")  # a classname part keeps these; `.` would split it into packages
 
 
-def _reasons_of(doc: dict[str, Any], name: str) -> list[str]:
-    return [r for r in doc.get("reasons") or [] if r.startswith(f"{name}: ")]
+def _safe(text: Any) -> str:
+    return UNSAFE.sub("_", str(text)) or "_"
 
 
-def cases(doc: dict[str, Any]) -> list[tuple[str, str, str, str]]:
-    """(classname, name, outcome, message) per variant and check, and one for the verdict as a whole; outcome is
-    passed, failure, skipped or error."""
-    out = []
+def _num(x: Any) -> str:
+    """A number in a message: 4 significant digits (`none` where there is none)."""
+    return f"{x:.4g}" if isinstance(x, (int, float)) and x == x else "none"
+
+
+def _concern(name: str, reason: str) -> str:
+    """The check a reason of variant `name` concerns (`status`: none of them)."""
+    text = reason[len(name) + 2 :]
+    return next((check for check, words in CONCERNS if any(w in text for w in words)), "status")
+
+
+def classnames(doc: dict[str, Any]) -> dict[str, str]:
+    """Each variant's classname: `evalkit.<task>.<variant>`, the parts made safe; where two variants would share
+    one, each gets a short digest of its own name, so that no two variants' cases merge."""
+    out = {}
     for name, s in (doc.get("variants") or {}).items():
-        g = s.get("gate")
-        if is_baseline(s.get("variant", name)) or not g:
-            continue
-        why = "; ".join(_reasons_of(doc, name))
+        task = str(((s.get("run") or {}) if isinstance(s, dict) else {}).get("task") or "")
+        label = name[len(task) + 1 :] if task and name.startswith(f"{task}/") else name
+        out[name] = ".".join(["evalkit", *([_safe(task)] if task else []), _safe(label)])
+    seen: dict[str, int] = {}
+    for c in out.values():
+        seen[c] = seen.get(c, 0) + 1
+    return {n: c if seen[c] == 1 else f"{c}_{hashlib.sha256(n.encode()).hexdigest()[:6]}" for n, c in out.items()}
+
+
+def _outcome(status: str) -> str:
+    """A case's outcome from a status: PASS passes, FAIL and INCONCLUSIVE fail, anything else is an error."""
+    return {"PASS": "passed", "FAIL": "failure", "INCONCLUSIVE": "failure"}.get(status, "error")
+
+
+def cases(doc: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    """(classname, name, outcome, type, message) per judged variant and check, and one for the verdict as a whole;
+    outcome is passed, failure or error; type the status behind it (FAIL, INCONCLUSIVE, CANNOT JUDGE)."""
+    reasons = [str(r) for r in doc.get("reasons") or []]
+    variants = {n: s for n, s in (doc.get("variants") or {}).items() if isinstance(s, dict)}
+    judged = {n: s for n, s in variants.items() if s.get("gate") and not is_baseline(s.get("variant", n))}
+    mine = {n: [r for r in reasons if r.startswith(f"{n}: ")] for n in judged}
+    whole = [r for r in reasons if not any(r in rs for rs in mine.values())]  # the runs', not one variant's
+    classname, out = classnames(doc), []
+    for name, s in judged.items():
+        g, by_check = s["gate"], {}
+        for r in mine[name]:
+            by_check.setdefault(_concern(name, r), []).append(r)
         for what, c in (g.get("checks") or {}).items():
-            outcome = "failure" if c.get("broken") else "passed" if c.get("holds") else "skipped"
-            lo, hi = c.get("bounds") or (None, None)
-            message = f"{what}: bounds [{lo}, {hi}] ({c.get('method')})" + (f"; {why}" if why else "")
-            out.append((name, what, outcome, message))
-        cells = [c for c in doc.get("cells") or [] if c.get("variant") == name]
-        failed = [c for c in cells if c.get("status") == SHOWN_TO_FAIL]
-        judged = [c for c in cells if not str(c.get("status", "")).startswith("not judged")]
+            out.append((classname[name], what, *_check(what, c, doc, by_check.get(what, []))))
+        cells = [c for c in doc.get("cells") or [] if isinstance(c, dict) and c.get("variant") == name]
         if cells:
-            outcome = "failure" if failed else "passed" if judged else "skipped"
-            message = (
-                "; ".join(f"cell {c['cell']}: accuracy {c['policy']:.2f}, shown below the limit" for c in failed)
-                or f"{len(judged)} of {len(cells)} cells judged, none shown to fail"
-            )
-            out.append((name, "cells", outcome, message))
-    status = doc.get("verdict")
-    outcome = {"PASS": "passed", "FAIL": "failure", "INCONCLUSIVE": "skipped"}.get(status, "error")
-    message = "; ".join([*(doc.get("reasons") or []), *([doc["advice"]] if doc.get("advice") else [])])
-    out.append(("verdict", str(status), outcome, message or "every threshold shown to hold"))
+            out.append((classname[name], "cells", *_cells(cells, g.get("status"), by_check.get("cells", []))))
+        for what in RECORD_CHECKS:
+            # the runs' reasons (mixed runs: FAIL; unfinished: INCONCLUSIVE) hold back every variant
+            own, kind = (whole, str(doc.get("verdict"))) if what == "runs" else (by_check.get(what, []), "FAIL")
+            out.append((classname[name], what, *((_outcome(kind), kind, "; ".join(own)) if own else _held(what))))
+        own_cases = [c for c in out if c[0] == classname[name]]
+        status = _status(str(g.get("status")), [c[3] for c in own_cases])
+        short = [c[1] for c in own_cases if c[2] != "passed"]
+        said = f"checks not shown to hold: {', '.join(short)}" if short else "every check shown to hold"
+        message = "; ".join([f"{status}: {said}", *by_check.get("status", [])])
+        out.append((classname[name], "status", _outcome(status), status, message))
+    status = str(doc.get("verdict"))
+    failing = [n for n, s in judged.items() if s["gate"].get("status") != "PASS" or mine[n]]
+    message = "; ".join(
+        [
+            status,
+            *([f"variants not passing: {', '.join(failing)}"] if failing else []),
+            *whole,
+            *([str(doc["advice"])] if doc.get("advice") else []),
+        ]
+    )
+    out.append((*WHOLE, _outcome(status), status, message))
     return out
+
+
+def _status(decided: str, kinds: list[str]) -> str:
+    """A variant's status over all its cases: FAIL where any check is shown broken (its cells and records too, which
+    the statistical decision leaves out), else not PASS where any case is short of one."""
+    if decided == "FAIL" or "FAIL" in kinds:
+        return "FAIL"
+    return next((k for k in kinds if k != "PASS"), decided) if decided == "PASS" else decided
+
+
+def _held(what: str) -> tuple[str, str, str]:
+    words = {
+        "samples": "at least gate.min_samples contexts",
+        "prefill_bound": "no chunked prefill over its bound (budget + chunk)",
+        "compression": "no compression asked, or its KV bytes below min_compression of the full cache's",
+        "runs": "the runs are one configuration (protocol, library versions, model weights), and finished",
+    }
+    return "passed", "PASS", words[what]
+
+
+def _check(what: str, c: dict[str, Any], doc: dict[str, Any], own: list[str]) -> tuple[str, str, str]:
+    """A statistical check's case: passed where shown to hold, a failure where shown broken or shown neither way."""
+    lo, hi = c.get("bounds") or (None, None)
+    limit = (doc.get("thresholds") or {}).get(LIMITS.get(what, ""))
+    status = "FAIL" if c.get("broken") else "PASS" if c.get("holds") else "INCONCLUSIVE"
+    said = {"FAIL": "shown over", "PASS": "shown within", "INCONCLUSIVE": "not shown within"}[status]
+    head = f"{what} {said} the limit {_num(limit)}: bounds [{_num(lo)}, {_num(hi)}] ({c.get('method')})"
+    return _outcome(status), status, "; ".join([head, *own])
+
+
+def _cells(cells: list[dict], status: Any, own: list[str]) -> tuple[str, str, str]:
+    """The cells' case: a failure where a cell is shown below min_cell_accuracy; passed only where the variant PASSes
+    (a cell can be shown to fail, never to hold: with the variant short of a PASS, no cell is vouched for)."""
+    failed = [c for c in cells if c.get("status") == SHOWN_TO_FAIL]
+    judged = [c for c in cells if not str(c.get("status", "")).startswith("not judged")]
+    if failed:
+        return "failure", "FAIL", "; ".join(own) or "; ".join(f"cell {c.get('cell')}: shown to fail" for c in failed)
+    seen = f"{len(judged)} of {len(cells)} cells judged, none shown to fail"
+    if status == "PASS":
+        return "passed", "PASS", seen
+    return _outcome(str(status)), str(status), f"{seen}, but the variant is {status}, so no cell is vouched for"
+
+
+def _clean(text: Any) -> str:
+    return ILLEGAL.sub("", str(text))
 
 
 def junit_xml(doc: dict[str, Any]) -> str:
     """The verdict as a JUnit XML document (one <testsuite>, a <testcase> per variant and check)."""
     rows = cases(doc)
-    count = {k: sum(1 for r in rows if r[2] == k) for k in ("failure", "skipped", "error")}
+    count = {k: sum(1 for r in rows if r[2] == k) for k in ("failure", "error")}
     suites = ET.Element("testsuites", name=SUITE)
     suite = ET.SubElement(
         suites,
@@ -66,12 +177,13 @@ def junit_xml(doc: dict[str, Any]) -> str:
         tests=str(len(rows)),
         failures=str(count["failure"]),
         errors=str(count["error"]),
-        skipped=str(count["skipped"]),
+        skipped="0",
     )
-    for classname, name, outcome, message in rows:
-        case = ET.SubElement(suite, "testcase", classname=classname, name=name)
+    for classname, name, outcome, kind, message in rows:
+        case = ET.SubElement(suite, "testcase", classname=_clean(classname), name=_clean(name))
         if outcome != "passed":
-            ET.SubElement(case, outcome, message=message[:2000]).text = message
+            text = _clean(message)
+            ET.SubElement(case, outcome, message=text[:2000], type=_clean(kind)).text = text
     return ET.tostring(suites, encoding="unicode", xml_declaration=True) + "\n"
 
 
@@ -91,16 +203,19 @@ def step_summary(doc: dict[str, Any]) -> str:
     rows = [(n, s) for n, s in (doc.get("variants") or {}).items() if not is_baseline(s.get("variant", n))]
     if rows:
         lines += [
-            "| variant | status | n | accuracy (baseline) | drop | lost | gained | KV ratio |",
-            "|---|---|---:|---|---:|---:|---:|---:|",
+            "| variant | status | n | accuracy (baseline) | drop | drop bounds (the gate's) | lost | gained "
+            "| KV ratio |",
+            "|---|---|---:|---|---:|---|---:|---:|---:|",
         ]
         for name, s in rows:
-            p, g = s.get("paired") or {}, s.get("gate") or {}
+            p, g, bound = s.get("paired") or {}, s.get("gate") or {}, drop_bound(s)
             ratio = s.get("kv_ratio")
+            shown = "-" if bound is None else f"[{signed(bound['bounds'][0])}, {signed(bound['bounds'][1])}] "
+            shown += "" if bound is None else _cell(bound["method"])
             lines.append(
                 f"| `{_cell(name)}` | {g.get('status', '-')} | {s.get('n')} | {p.get('policy', 0):.2f} "
-                f"({p.get('baseline', 0):.2f}) | {p.get('drop', 0):+.3f} | {p.get('lost')} | {p.get('gained')} | "
-                f"{'-' if ratio is None else f'{ratio:.3f}'} |"
+                f"({p.get('baseline', 0):.2f}) | {p.get('drop', 0):+.3f} | {shown} | {p.get('lost')} | "
+                f"{p.get('gained')} | {'-' if ratio is None else f'{ratio:.3f}'} |"
             )
         lines.append("")
     lines += [f"- {_cell(r)}" for r in doc.get("reasons") or []]
@@ -112,14 +227,16 @@ def step_summary(doc: dict[str, Any]) -> str:
 
 
 def write_ci(doc: dict[str, Any], junit: Path | None, summary: Path | None) -> None:
-    """Write the JUnit file (replaced) and append the summary (GitHub's $GITHUB_STEP_SUMMARY is appended to)."""
-    try:
-        if junit is not None:
-            junit.write_text(junit_xml(doc))
-        if summary is not None:
-            with summary.open("a") as f:
-                f.write(step_summary(doc))
-    except OSError as err:
-        raise ConfigError(
-            f"could not write {err.filename} ({err.strerror or err}): give --junit / --summary a writable path"
-        ) from None
+    """Write the JUnit file (replaced) and append the summary (GitHub's $GITHUB_STEP_SUMMARY is appended to), each
+    folder created where missing (as pytest's --junitxml does); a ConfigError naming the path that failed."""
+    for path, text, mode in ((junit, junit_xml, "w"), (summary, step_summary, "a")):
+        if path is None:
+            continue
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open(mode) as f:
+                f.write(text(doc))
+        except OSError as err:
+            raise ConfigError(
+                f"could not write {path} ({err.strerror or err}): give --junit / --summary a writable path"
+            ) from None

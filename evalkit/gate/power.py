@@ -56,7 +56,8 @@ def judged_once_lossless(t) -> int | None:
     every look costs. None without a margin."""
     if t.max_drop is None:
         return None
-    return math.ceil(math.log(1 - t.confidence) / math.log(1 - t.max_drop) - 1e-12)
+    # log1p: for a margin below 1e-16, log(1 - max_drop) is log(1.0) = 0 and the division fails
+    return math.ceil(math.log(1 - t.confidence) / math.log1p(-t.max_drop) - 1e-12)
 
 
 SAWTOOTH = 0.15  # more than the chance of a discrete test ever falls as n grows
@@ -66,6 +67,8 @@ def _smallest(chance, start: int, target: float) -> int | None:
     """The smallest n >= start with chance(n) >= target. The chance of a discrete test rises with n in a saw-tooth,
     so a bisection could step over the first such n: grow by a tenth while the chance is more than SAWTOOTH below
     the target, then scan every n."""
+    if start > LIMIT:  # beyond the planner's reach; chance(start) would enumerate start + 1 outcomes (GBs)
+        return None
     near = start
     while chance(near) < target - SAWTOOTH:
         if near >= LIMIT:
@@ -191,7 +194,7 @@ def contexts_needed(e, t, variants: int = 1) -> int | None:
     level = _level(t, variants)
     ctx, need = e.contexts, 0.0
     for c in e.checks:
-        values = {"drop": ctx.drop, "flips": ctx.lost, "kl": ctx.kl}[c.what]
+        values = {"drop": ctx.drop, "flips": ctx.lost, "kl": ctx.kl, "kl_tail": ctx.kl_above}[c.what]
         lo = -1.0 if c.what == "drop" else 0.0
         target = c.limit if c.what != "kl" else c.limit / kl_cap(t)
         need = max(need, betting.contexts_to_show(values, target, lo, 1.0, level, POWER))
@@ -241,8 +244,57 @@ def samples_advice(
             f"per cell: {need} contexts before a cell whose answers are all wrong is shown below min_cell_accuracy="
             f"{t.min_cell_accuracy} at any look ({family} cells in the family); smaller cells are not judged",
         ]
+    lines += _kl_lines(t, variants)
     lines.append(f"\ngate.min_samples: {floor} (null: the contexts a PASS with no loss at all needs)")
     return lines
+
+
+def _kl_lines(t, variants: int) -> list[str]:
+    """What runs with KL rows need: the documents of a KL PASS, and of a FAIL at twice max_mean_kl."""
+    if t.max_mean_kl is None or t.max_mean_kl <= 0:
+        return []
+    fail = kl_fail_contexts(t, variants, POWER)
+    tail = "" if t.max_kl_tail_share is None else f" and max_kl_tail_share={t.max_kl_tail_share}"
+    return [
+        "",
+        f"runs with KL rows (max_mean_kl={t.max_mean_kl}, each row counted up to {kl_cap(t):g} nats{tail}): a PASS "
+        f"needs {kl_pass_contexts(t, _level(t, variants))} documents with no row above the cap; a mean KL at twice "
+        f"the limit is shown (FAIL) with {POWER:.0%} chance by {fail or 'over 20,000'} documents with its rows spread "
+        "as far as the cap allows (the slowest case below it)",
+    ]
+
+
+def kl_pass_contexts(t, budget: float) -> int:
+    """The fewest documents whose KL rows are all 0 that PASS the KL checks by betting at `budget`: the capped mean's
+    count (112 at the defaults) or the tail share's (378), the larger."""
+    n = np.arange(1, LIMIT + 1)
+    zeros = np.stack([n, 0 * n], axis=-1)  # counts of the values 0 and 1
+    need = -math.log(max(budget, 1e-300))  # a budget shared by more variants than a float holds: never reached
+    ok = betting.log_wealth_counts(zeros, [0.0, 1.0], t.max_mean_kl / kl_cap(t), 0.0, 1.0) >= need
+    if t.max_kl_tail_share is not None:
+        ok &= betting.log_wealth_counts(zeros, [0.0, 1.0], t.max_kl_tail_share, 0.0, 1.0) >= need
+    hit = np.nonzero(ok)[0]
+    return int(hit[0]) + 1 if hit.size else LIMIT
+
+
+def kl_fail_contexts(t, variants: int = 1, power: float = POWER) -> int | None:
+    """The fewest documents at which a mean KL of twice max_mean_kl is shown broken (FAIL) with chance `power`, its
+    rows as spread as the cap allows: a share 2 max_mean_kl / cap of them at the cap, the rest at 0 (a spread that
+    only lowers each bet's growth, by Jensen). Exact: the FAIL needs k*(n) rows at the cap, binomial. Its error rate
+    is Holm's first step over every claim of a broken check (the variants' checks)."""
+    cap, checks = kl_cap(t), 2 + (t.max_drop is not None) + (t.max_flip_rate is not None)
+    claims = variants * (checks - (t.max_kl_tail_share is None))
+    budget = (1 - t.confidence) / (claims if t.multiplicity != "none" else 1)
+    share, need = 2 * t.max_mean_kl / cap, -math.log(max(budget, 1e-300))
+
+    def chance(n: int) -> float:
+        k = np.arange(n + 1)
+        counts = np.stack([n - k, k], axis=-1)  # rows at 0, rows at the cap
+        wealth = betting.log_wealth_counts(counts, [0.0, cap], t.max_mean_kl, 0.0, math.inf, False, betting.TAIL_BETS)
+        hit = np.nonzero(wealth >= need)[0]
+        return float(binom.sf(hit[0] - 1, n, share)) if hit.size else 0.0
+
+    return _smallest(chance, 1, power)
 
 
 def _cost(t, variants: int) -> list[str]:

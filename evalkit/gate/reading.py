@@ -13,7 +13,7 @@ from evalkit import scoring
 from evalkit.errors import ConfigError
 from evalkit.gate.evidence import judged_fields, run_problems, task_config, undocumented
 from evalkit.gate.summary import answer, is_baseline, merge
-from evalkit.records import RUN, SAMPLES, Row, experiment_config, read_back, torn_line
+from evalkit.records import RUN, SAMPLES, Row, experiment_config, loads, read_back, torn_line
 from evalkit.records.checks import contradictions
 
 
@@ -84,7 +84,7 @@ def read_info(path: Path) -> tuple[dict, str | None]:
     if not text.strip():
         return {}, f"{path}: empty (a write was killed?); {fix}"
     try:
-        info = json.loads(text)
+        info = loads(text)
     except json.JSONDecodeError as err:
         return {}, f"{path}: not valid JSON ({err.msg}, line {err.lineno}); {fix}"
     if not isinstance(info, dict):

@@ -23,7 +23,8 @@ class Thresholds:
     max_flip_rate: float | None = 0.10  # lost samples / samples, shown below it for a PASS
     min_cell_accuracy: float | None = 0.5  # per cell, where the baseline reaches it: a FAIL when shown below it
     min_baseline_accuracy: float | None = 0.5  # below it overall: cannot judge; cells below it are not judged
-    max_mean_kl: float | None = 0.1  # nats, fidelity rows: the mean of each row's KL capped at 10x this, shown below it
+    max_mean_kl: float | None = 0.1  # nats, fidelity rows: the mean of each row's KL capped at 30x this, shown below it
+    max_kl_tail_share: float | None = 0.01  # documents' share of KL rows above the cap, shown below it for a PASS
     min_samples: int | None = None  # contexts; None: the fewest a lossless PASS needs (evalkit.gate.decide.min_samples)
     graded_flip_delta: float = GRADED_FLIP_DELTA  # a graded score counts as lost when it falls by more than this
     min_compression: float = 0.99  # a compressing variant must hold less than this share of the baseline's bytes
@@ -41,20 +42,36 @@ def non_default(t: Thresholds) -> list[str]:
 
 # Each threshold: the types it takes, its range as (low, high, low included, high included), and an example. None
 # (null in YAML) switches a check off where the field allows it (Thresholds).
+# A margin of 0 can never be shown held (no bound lies below 0), one of 1 always is: both are refused. min_samples
+# stops at 1e9 contexts, where the planner's arithmetic would leave floats.
 RANGES: dict[str, tuple[tuple[type, ...], tuple[float, float, bool, bool], str]] = {
-    "max_drop": ((int, float), (0, 1, True, True), "0.05"),
+    "max_drop": ((int, float), (0, 1, False, False), "0.05"),
     "confidence": ((float,), (0.5, 1, False, False), "0.95"),
     "max_flip_rate": ((int, float), (0, 1, True, True), "0.10"),
     "min_cell_accuracy": ((int, float), (0, 1, True, True), "0.5"),
     "min_baseline_accuracy": ((int, float), (0, 1, True, True), "0.5"),
     "max_mean_kl": ((int, float), (0, math.inf, True, False), "0.1"),
-    "min_samples": ((int,), (1, math.inf, True, False), "74"),
+    "max_kl_tail_share": ((int, float), (0, 1, False, False), "0.01"),  # 0 is never shown held, 1 always
+    "min_samples": ((int,), (1, 1e9, True, True), "74"),
     "min_compression": ((int, float), (0, 1, False, True), "0.99"),
     "graded_flip_delta": ((int, float), (0, 1, True, False), "0.1"),  # a graded score falling by more is lost
 }
 
 
-NULLABLE = {"max_drop", "max_flip_rate", "min_cell_accuracy", "min_baseline_accuracy", "max_mean_kl", "min_samples"}
+# The capacity line's largest accelerator (GiB) and context (tokens): beyond them its arithmetic leaves floats
+CAPACITY_MAX = {"gpu_gib": 1e6, "context": 1e9}
+
+
+def _short(value: Any, width: int = 60) -> str:
+    """A value as the user wrote it, cut to `width` characters (a 401-digit number named in full helps no one)."""
+    text = repr(value)
+    return text if len(text) <= width else f"{text[: width - 3]}..."
+
+
+NULLABLE = {
+    "max_drop", "max_flip_rate", "min_cell_accuracy", "min_baseline_accuracy", "max_mean_kl", "max_kl_tail_share",
+    "min_samples",
+}  # fmt: skip
 
 
 def _in_range(value: float, lo: float, hi: float, lo_in: bool, hi_in: bool) -> bool:
@@ -65,16 +82,23 @@ def _interval(lo: float, hi: float, lo_in: bool, hi_in: bool) -> str:
     return f"{'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}"
 
 
+def number(value: Any, kinds: tuple[type, ...] = (int, float)) -> bool:
+    """`value` is a finite number of one of `kinds` (never a boolean). An int is finite whatever its size; asking
+    math.isfinite of one too large for a float (a 401-digit count) would raise OverflowError."""
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        return False
+    return isinstance(value, int) or math.isfinite(value)
+
+
 def check_threshold(key: str, value: Any) -> None:
     """ConfigError unless `value` has the type and lies in the range `key` takes (RANGES)."""
     kinds, bounds, example = RANGES[key]
     if value is None and key in NULLABLE:
         return
     off = ", or null to switch the check off" if key in NULLABLE else ""
-    number = isinstance(value, kinds) and not isinstance(value, bool) and math.isfinite(value)
-    if not number or not _in_range(value, *bounds):
+    if not number(value, kinds) or not _in_range(value, *bounds):
         what = "a whole number" if kinds == (int,) else "a number"
-        raise ConfigError(f"gate.{key}={value!r}: give {what} in {_interval(*bounds)}, e.g. {example}{off}")
+        raise ConfigError(f"gate.{key}={_short(value)}: give {what} in {_interval(*bounds)}, e.g. {example}{off}")
 
 
 def thresholds(values: Any, where: str) -> Thresholds:
@@ -85,24 +109,26 @@ def thresholds(values: Any, where: str) -> Thresholds:
         raise ConfigError(f"gate {where} is {kind}, not a mapping of thresholds (max_drop: 0.05, ...); fix its YAML")
     cfg = {k: v for k, v in values.items() if k != "name"}
     unknown = set(cfg) - set(Thresholds.__dataclass_fields__)
-    if unknown:
-        raise ConfigError(f"gate {where}: unknown thresholds {sorted(unknown)}")
+    if unknown:  # YAML reads a key `1:` as a number: named as written, never sorted against the names
+        names = sorted(map(repr, unknown))
+        raise ConfigError(f"gate {where}: unknown thresholds {', '.join(names)}; valid: {', '.join(RANGES)}, ...")
     t = Thresholds(**cfg)
     for key in RANGES:
         check_threshold(key, getattr(t, key))
     if not isinstance(t.allow_partial, bool):
-        raise ConfigError(f"gate.allow_partial={t.allow_partial!r}: give true or false, e.g. false")
-    if t.multiplicity not in MULTIPLICITY:
-        raise ConfigError(f"gate.multiplicity={t.multiplicity!r} is not one of {list(MULTIPLICITY)}")
+        raise ConfigError(f"gate.allow_partial={_short(t.allow_partial)}: give true or false, e.g. false")
+    if not isinstance(t.multiplicity, str) or t.multiplicity not in MULTIPLICITY:
+        raise ConfigError(f"gate.multiplicity={_short(t.multiplicity)} is not one of {list(MULTIPLICITY)}")
     cap = t.capacity
     if (
         not isinstance(cap, dict)
         or set(cap) != {"gpu_gib", "context"}
-        or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in cap.values()
-        )
+        or not all(number(v) and 0 < v <= CAPACITY_MAX[k] for k, v in cap.items())
     ):
-        raise ConfigError(f"gate.capacity={cap!r}: give {{gpu_gib: 80, context: 32768}}, both numbers > 0")
+        raise ConfigError(
+            f"gate.capacity={_short(cap)}: give {{gpu_gib: 80, context: 32768}}, gpu_gib in (0, "
+            f"{CAPACITY_MAX['gpu_gib']:g}] and context in (0, {CAPACITY_MAX['context']:g}]"
+        )
     if t.max_drop is None and t.max_flip_rate is None:
         raise ConfigError(
             f"gate {where}: max_drop and max_flip_rate are both null, so no check could show the policy keeps the "

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from evalkit.errors import ConfigError
+from evalkit.gate.outputs import drop_bound
 from evalkit.records import SAMPLES, read_rows
 from evalkit.tracking import Target, load_target, log_to_run, run_id
 
@@ -17,12 +18,18 @@ PROJECT = "evalkit"  # conf/logger/wandb.yaml's project
 
 
 def verdict_fields(doc: dict[str, Any], label: str | None) -> dict[str, Any]:
-    """A verdict as one W&B run's summary fields: the overall status, and the variant's own status and reasons (every
-    reason, for the baseline and for a variant the verdict does not name)."""
-    status = ((doc.get("variants") or {}).get(label) or {}).get("gate") or {} if label else {}
+    """A verdict as one W&B run's summary fields: the overall status, the variant's own status and reasons (every
+    reason, for the baseline and for a variant the verdict does not name), and the drop bound the gate decided on
+    with its method (the one drop bound: the run's own summary names its fixed-n interval descriptive)."""
+    entry = (doc.get("variants") or {}).get(label) or {} if label else {}
+    status = entry.get("gate") or {}
     reasons = doc.get("reasons") or []
     own = [r for r in reasons if label and r.startswith(f"{label}: ")]
-    return {"verdict": doc.get("verdict"), "gate_status": status.get("status"), "gate_reasons": own or reasons}
+    bound = drop_bound(entry)
+    drop = {} if bound is None else dict(zip(("drop_lower", "drop_upper"), bound["bounds"], strict=True))
+    if bound is not None:
+        drop["drop_bound_method"] = bound["method"]
+    return {"verdict": doc.get("verdict"), "gate_status": status.get("status"), "gate_reasons": own or reasons} | drop
 
 
 def label_of(variant: str, labels: list[str]) -> str | None:

@@ -263,8 +263,19 @@ def fp16_layer_bytes(layer) -> int:
         return 0
     b, h, t, d = layer.keys.shape
     tokens = layer.tokens() if isinstance(layer, EvictingLayer) else torch.full((b, h), t, device=layer.keys.device)
-    channels = (layer.keys != 0).any(dim=2).sum(-1)  # (B, Hkv) key channels each head stores
+    channels = _stored_channels(layer.keys)  # (B, Hkv) key channels each head stores
     return DEPLOYED_ELEMENT_BYTES * int((tokens * (channels + d)).sum())
+
+
+def _stored_channels(keys: Tensor) -> Tensor:
+    """(B, Hkv) key channels nonzero in some token of each head. Where the newest token alone has every channel
+    nonzero in every head (any token decoded, and every cache that prunes none), that is all of them without reading
+    the rest: the decode counts a cache's bytes after every step, and a scan of every key costs most of a step's
+    attention at long contexts."""
+    newest = keys[:, :, -1, :] != 0  # (B, Hkv, D)
+    if bool(newest.all()):
+        return newest.sum(-1)
+    return (keys != 0).any(dim=2).sum(-1)
 
 
 def fp16_bytes(cache: Cache) -> int:

@@ -3,7 +3,9 @@ whatever the context, and its cache over a prefilled full cache."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from transformers.cache_utils import Cache
 
@@ -13,12 +15,26 @@ from evalkit.kv import contract
 from evalkit.kv.cache import add_tokens, compress
 from evalkit.kv.quantized import QuantSpec, quantize_cache
 from evalkit.policies import KVPolicy
+from evalkit.records.labels import variant_label
+
+
+def policy_record(policy: KVPolicy) -> dict[str, Any]:
+    """What a row records of the policy that ran: its class (import path) and every resolved setting, a wrapper's
+    inner policy recorded the same way."""
+    cls = type(policy)
+    record = {"class": f"{cls.__module__}.{cls.__qualname__}", **dataclasses.asdict(policy)}
+    for f in dataclasses.fields(policy):
+        value = getattr(policy, f.name)
+        if isinstance(value, KVPolicy):
+            record[f.name] = policy_record(value)
+    return record
 
 
 @dataclass
 class Variant:
     """A policy at a budget, optionally stored quantized, optionally prefilled in chunks; named as in records:
-    `snapkv@0.25`, `none@1.0+int4`, `h2o@1024:chunk512`."""
+    `snapkv@0.25`, `none@1.0+int4`, `h2o@1024:chunk512`, the name derived from the policy's class and settings
+    (evalkit.records.labels), never from a name typed in its config alone."""
 
     policy: KVPolicy
     quant: QuantSpec | None = None
@@ -26,8 +42,13 @@ class Variant:
 
     @property
     def name(self) -> str:
-        quant = f"+{self.quant.name}" if self.quant else ""
-        return f"{self.policy.name}@{self.policy.budget}{quant}" + (f":chunk{self.chunk}" if self.chunk else "")
+        return variant_label(self.record(), self.quant_record(), self.chunk)
+
+    def record(self) -> dict[str, Any]:
+        return policy_record(self.policy)
+
+    def quant_record(self) -> dict[str, Any] | None:
+        return dataclasses.asdict(self.quant) if self.quant is not None else None
 
     def validate(self) -> None:
         """ConfigError for a combination that cannot run, whatever the context."""

@@ -27,7 +27,14 @@ def _key(kind: str, args: tuple) -> str:
 
 
 # Per-document record fields that take the largest value over the document's requests (its choices).
-MAXED = ("peak_kv_bytes", "prefill_peak_kv_bytes", "prefill_peak_tokens", "kv_bytes_final")
+MAXED = (
+    "peak_kv_bytes",
+    "prefill_peak_kv_bytes",
+    "prefill_peak_tokens",
+    "kv_bytes_final",
+    "decode_peak_kv_bytes_deployed",
+    "decode_peak_kv_bytes_baseline_deployed",
+)
 
 
 def _scored(logits: list[Tensor], targets: Tensor) -> tuple[float, bool]:

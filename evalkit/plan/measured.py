@@ -1,6 +1,7 @@
 """Measured variants for the capacity table (plan.runs): each run's variants with their KV bytes as a deployment
 holds them and the gate's verdict from the run's verdict.json, where it judged exactly the rows the folder holds now
-(the planner never judges: each judgement is a look, recorded by the gate)."""
+and says what the gate's last look recorded (evalkit.gate.shown, the report's check too; the planner never judges:
+each judgement is a look, recorded by the gate)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from typing import Any
 from evalkit.errors import ConfigError
 from evalkit.gate.decide import SHOWN_TO_FAIL
 from evalkit.gate.reading import read_runs
+from evalkit.gate.shown import NO_VERDICT, shown_verdict
 from evalkit.gate.summary import is_baseline, label_order
 from evalkit.records.summary import summarize
-from evalkit.report.data import NO_VERDICT, trusted_verdict
 
 
 def measured_variants(run_dirs: list[Path]) -> list[dict[str, Any]]:
@@ -30,12 +31,12 @@ def measured_variants(run_dirs: list[Path]) -> list[dict[str, Any]]:
             raise ConfigError(f"plan.runs: {d}: {records.problems[0]}")
         if not records.rows:
             raise ConfigError(f"plan.runs: {d} holds no records (samples.jsonl); give a finished evalkit run")
-        doc = trusted_verdict(d, records)
+        doc, unshown = shown_verdict([d], records)
         model = ((records.infos[0] if records.infos else {}).get("model") or {}).get("name")
         for name, s in summarize(records.rows, label_order).items():
             if is_baseline(name):
                 continue
-            status, why = _status(doc, name, d)
+            status, why = _status(doc, name, d, unshown)
             out.append(
                 {
                     "variant": name,
@@ -52,10 +53,12 @@ def measured_variants(run_dirs: list[Path]) -> list[dict[str, Any]]:
     return out
 
 
-def _status(doc: dict | None, name: str, folder: Path) -> tuple[str, str]:
-    """A variant's status and why, from a trusted verdict.json (None: there is none for these rows)."""
+def _status(doc: dict | None, name: str, folder: Path, unshown: str = "") -> tuple[str, str]:
+    """A variant's status and why, from the gate's verdict.json for these rows (None: there is none, `unshown` says
+    why)."""
     if doc is None:
-        return NO_VERDICT, f"no verdict for these rows: run python -m evalkit.gate {shlex.quote(str(folder))}"
+        because = f" ({unshown})" if unshown else ""
+        return NO_VERDICT, f"no verdict for these rows: run python -m evalkit.gate {shlex.quote(str(folder))}{because}"
     verdict = str(doc.get("verdict") or "CANNOT JUDGE")
     gate = ((doc.get("variants") or {}).get(name) or {}).get("gate") or {}
     status = str(gate.get("status") or verdict)

@@ -30,6 +30,14 @@ class Settings:
     out: str | None
 
 
+# The largest value each number may take: beyond any deployment, and where the planner's arithmetic (bytes of a
+# batch of contexts, sequences that fit) would leave floats
+LARGEST = {"gpu_gib": 1e6, "weights_gib": 1e6, "hbm_gbps": 1e6, "link_gbps": 1e6, "batch": 1e6, "context": 1e8,
+           "p95_context": 1e8}  # fmt: skip
+EXAMPLE = {"gpu_gib": 80, "weights_gib": 16, "hbm_gbps": 3350, "link_gbps": 64, "batch": 32, "context": 8192,
+           "p95_context": 32768}  # fmt: skip
+
+
 def settings(d: dict[str, Any]) -> Settings:
     """The plan node as plain values (conf/plan.yaml's `plan`, composed by evalkit.cli.plan), checked: one
     ConfigError naming the key and the fix."""
@@ -39,35 +47,41 @@ def settings(d: dict[str, Any]) -> Settings:
     s = Settings(**d)
 
     def positive(key: str, whole: bool = False) -> None:
-        v = getattr(s, key)
+        v, most = getattr(s, key), LARGEST[key]
         ok = isinstance(v, int) if whole else isinstance(v, (int, float))
-        if isinstance(v, bool) or not ok or not math.isfinite(v) or v <= 0:  # nan would pass `v <= 0`
-            raise ConfigError(f"plan.{key}={v!r}: give a {'whole number' if whole else 'finite number'} > 0")
+        # an int is never tested by math.isfinite (a 401-digit one would raise OverflowError); nan fails `0 < v`
+        if isinstance(v, bool) or not ok or not (isinstance(v, int) or math.isfinite(v)) or not 0 < v <= most:
+            shown = repr(v) if len(repr(v)) <= 40 else f"{repr(v)[:37]}..."
+            what = "whole number" if whole else "number"
+            raise ConfigError(f"plan.{key}={shown}: give a {what} in (0, {most:g}], e.g. plan.{key}={EXAMPLE[key]}")
 
     for key in ("gpu_gib", "hbm_gbps"):
         positive(key)
     for key in ("batch", "context", "p95_context"):
         positive(key, whole=True)
-    if not (isinstance(s.utilization, (int, float)) and 0 < s.utilization <= 1):
+    if not (isinstance(s.utilization, (int, float)) and not isinstance(s.utilization, bool) and 0 < s.utilization <= 1):
         raise ConfigError(f"plan.utilization={s.utilization!r}: give a share in (0, 1], e.g. 0.9")
-    if not (isinstance(s.prefix_hit_rate, (int, float)) and 0 <= s.prefix_hit_rate < 1):
+    if not (isinstance(s.prefix_hit_rate, (int, float)) and not isinstance(s.prefix_hit_rate, bool)
+            and 0 <= s.prefix_hit_rate < 1):  # fmt: skip
         raise ConfigError(f"plan.prefix_hit_rate={s.prefix_hit_rate!r}: give a share in [0, 1), e.g. 0.5")
-    if s.weight_dtype not in ELEMENT:
+    if not isinstance(s.weight_dtype, str) or s.weight_dtype not in ELEMENT:
         raise ConfigError(f"plan.weight_dtype={s.weight_dtype!r} is not one of {list(ELEMENT)}")
-    if s.kv_dtype not in ("bfloat16", "float16", "float32"):
+    if not isinstance(s.kv_dtype, str) or s.kv_dtype not in ("bfloat16", "float16", "float32"):
         raise ConfigError(f"plan.kv_dtype={s.kv_dtype!r} is not one of bfloat16, float16, float32")
     if not isinstance(s.budgets, list) or not all(
         isinstance(b, (int, float)) and not isinstance(b, bool) and 0 < b < 1 for b in s.budgets
     ):
         raise ConfigError(f"plan.budgets={s.budgets!r}: give a list of shares in (0, 1), e.g. [0.5,0.25]")
-    if s.link not in LINKS:
+    if not isinstance(s.link, str) or s.link not in LINKS:
         raise ConfigError(f"plan.link={s.link!r} is not one of {list(LINKS)} (or give plan.link_gbps=GB/s)")
     if s.link_gbps is not None:
         positive("link_gbps")
     if s.weights_gib is not None:
         positive("weights_gib")
-    if not isinstance(s.runs, list):
+    if not isinstance(s.runs, list) or not all(isinstance(r, str) and r for r in s.runs):
         raise ConfigError(f"plan.runs={s.runs!r}: give a list of run folders, e.g. plan.runs=[results/a,results/b]")
+    if s.out is not None and not (isinstance(s.out, str) and s.out):
+        raise ConfigError(f"plan.out={s.out!r}: give a folder, e.g. plan.out=results/plan, or null for the default")
     if s.p95_context < s.context:
         raise ConfigError(
             f"plan.p95_context={s.p95_context} is below plan.context={s.context} (the median): the 95th percentile of "

@@ -36,6 +36,36 @@ KEYS = ("sample_id", "variant")  # what every row has: (sample_id, variant) name
 CORRUPT = "the file was edited or corrupted: fix or delete that line, or move the file away to start the run afresh"
 
 
+MAX_DEPTH = 64  # objects and lists nested deeper than this in a file evalkit reads: none it writes comes close
+
+
+def loads(text: str | bytes) -> Any:
+    """json.loads for the files evalkit reads (samples.jsonl, run.json, looks.jsonl, verdict.json), with nesting
+    deeper than MAX_DEPTH a ValueError like any other bad JSON: Python's parser, and every reader that walks what it
+    returns, would otherwise raise RecursionError (100,000 brackets on one line), which no reader expects."""
+    try:
+        doc = json.loads(text)
+    except RecursionError:
+        raise json.JSONDecodeError(f"nested deeper than {MAX_DEPTH} levels", "", 0) from None
+    if _depth(doc) > MAX_DEPTH:
+        raise json.JSONDecodeError(f"nested deeper than {MAX_DEPTH} levels", "", 0)
+    return doc
+
+
+def _depth(doc: Any) -> int:
+    """How deep lists and objects nest in `doc` (0 for a scalar), counted without recursion."""
+    deepest, stack = 0, [(doc, 1)]
+    while stack:
+        node, level = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, level)
+        if level <= MAX_DEPTH:  # deeper is refused whatever lies below: no need to walk it
+            stack += [(c, level + 1) for c in children]
+    return deepest
+
+
 def scan_rows(
     path: Path, required: tuple[str, ...] = KEYS, check: Callable[[dict], str | None] | None = None
 ) -> tuple[list[dict[str, Any]], list[str], int | None, int, list[int]]:
@@ -61,7 +91,7 @@ def scan_rows(
             break
         end += len(line)
         try:
-            row = json.loads(line)
+            row = loads(line)
         except ValueError as err:  # JSONDecodeError, or bytes that are not UTF-8
             why = err.msg if isinstance(err, json.JSONDecodeError) else "not UTF-8 text"
             problems.append(f"{path}:{n}: line {n} is not valid JSON ({why}); {CORRUPT}")

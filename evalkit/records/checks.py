@@ -35,6 +35,8 @@ OPTIONAL_BYTES = (
     "kv_bytes_fp16_same_tokens",
     "kv_bytes_final",
     "prefill_peak_kv_bytes",
+    "decode_peak_kv_bytes_deployed",
+    "decode_peak_kv_bytes_baseline_deployed",
 )
 FIDELITY = {"kl_mean": (0.0, math.inf), "top1_agreement": (0.0, 1.0)}
 EDITED = "the records were edited or mixed: restore the run's own files, or rerun it"
@@ -156,8 +158,10 @@ def _against_baseline(r: Row, b: Row, line: int) -> str | None:
         ("baseline_score", b.score, "the baseline row's score"),
         ("kv_bytes_baseline", b["kv_bytes"], "the baseline row's kv_bytes"),
     ]
-    if "kv_bytes_baseline_deployed" in r and "kv_bytes_deployed" in b:
-        checks.append(("kv_bytes_baseline_deployed", b["kv_bytes_deployed"], "the baseline row's kv_bytes_deployed"))
+    for key in ("kv_bytes_deployed", "decode_peak_kv_bytes_deployed"):  # the baseline's deployed bytes, as it held them
+        mine = key.replace("_deployed", "_baseline_deployed")
+        if mine in r and key in b:
+            checks.append((mine, b[key], f"the baseline row's {key}"))
     for key in ("context_id", "document_id", "answers", "scorer"):  # one sample: one context, document, reference
         if key in r or key in b:
             checks.append((key, b.get(key), f"the baseline row's {key}"))
@@ -188,7 +192,13 @@ def _budget(r: Row) -> str | None:
 
 def _bytes(r: Row, b: Row) -> str | None:
     """Deployed bytes that match the tokens held: dense, the baseline's bytes per token and layer times the tokens
-    held; quantized, at most that."""
+    held; quantized, at most that. The cache decoded from holds at least the compressed context it started from."""
+    peak, context = r.get("decode_peak_kv_bytes_deployed"), r.get("kv_bytes_deployed")
+    if is_number(peak) and is_number(context) and peak < context:
+        return (
+            f"decode_peak_kv_bytes_deployed={peak} is below its kv_bytes_deployed={context}: the cache an answer is "
+            "decoded from holds at least the compressed context it starts from"
+        )
     held, full = r.get("tokens_held_per_layer"), b.get("tokens_held_per_layer")
     deployed, full_bytes = r.get("kv_bytes_deployed"), b.get("kv_bytes_deployed")
     if not (isinstance(held, list) and isinstance(full, list) and is_number(deployed) and is_number(full_bytes)):

@@ -167,6 +167,7 @@ def pair(head: dict[str, Any], sample: dict[str, Any], results: list[Result], fl
         pairing = {
             "kv_bytes_baseline": base.fields["kv_bytes"],
             "kv_bytes_baseline_deployed": base.fields.get("kv_bytes_deployed"),
+            "decode_peak_kv_bytes_baseline_deployed": base.fields.get("decode_peak_kv_bytes_deployed"),
         }
     rest = {k: v for k, v in sample.items() if k not in ("sample_id", "cell")}
     rows = []

@@ -82,16 +82,21 @@ def summarize(rows: list[Row], order: Callable[[str], Any] = run_order) -> dict[
             "kv_bytes": mean([r["kv_bytes"] for r in rs]),
             "kv_bytes_baseline": mean([r["kv_bytes_baseline"] for r in rs]),
             "kv_ratio_measured": mean([r["kv_bytes"] / r["kv_bytes_baseline"] for r in rs]),
-            # judged and planned: against the full cache as a deployment holds it (fp16/bf16, see deployed())
-            "kv_bytes_deployed": mean([deployed(r)[0] for r in rs]),
-            "kv_ratio": mean([deployed(r)[0] / deployed(r)[1] for r in rs]),
-            "kv_ratio_basis": "fp16" if all("kv_bytes_deployed" in r for r in rs) else "measured",
+            # judged and planned: the cache each answer was decoded from at its largest (the compressed context, the
+            # question, the answer) against the baseline's, both as a deployment holds them (fp16/bf16, decoded())
+            "kv_bytes_deployed": mean([decoded(r)[0] for r in rs]),
+            "kv_ratio": mean([decoded(r)[0] / decoded(r)[1] for r in rs]),
+            "kv_ratio_basis": _basis(rs),
+            # the context alone right after compression: a second figure, never the one judged
+            "kv_bytes_context_deployed": mean([deployed(r)[0] for r in rs]),
+            "kv_ratio_context": mean([deployed(r)[0] / deployed(r)[1] for r in rs]),
             "peak_kv_bytes": max(r["peak_kv_bytes"] for r in rs),
             # one-shot: the full cache exists while the context is prefilled; chunked: at most budget + chunk
             "peak_prefill_kv_bytes": max(peak_prefill(r) for r in rs),
             "nominal_budget": _nominal(rs[0]),
             # samples whose context is shorter than the token budget: the variant kept everything there
             "budget_clipped": sum(bool(r.get("budget_clipped")) for r in rs),
+            # per context token of the compressed context: a rate the capacity multiplies by a context length
             "kv_bytes_per_token": mean([deployed(r)[0] / r["context_tokens"] for r in rs if r.get("context_tokens")]),
             # over the rows that carry one: a row without it is refused by the gate (evidence.judged_fields)
             **{k: mean([r[k] for r in rs if r.get(k) is not None]) for k in FIDELITY if k in rs[0]},
@@ -99,6 +104,20 @@ def summarize(rows: list[Row], order: Callable[[str], Any] = run_order) -> dict[
             "cells": _grouped(rs, lambda r: cell_key(r.cell)),
         }
     return out
+
+
+def decoded(row: Row) -> tuple[int, int]:
+    """(variant, full-cache baseline) KV bytes of the cache the answer was decoded from, at its largest, as a
+    deployment holds them; rows without them (refused by the gate: evalkit.gate.evidence) fall back to deployed()."""
+    if row.get("decode_peak_kv_bytes_deployed") and row.get("decode_peak_kv_bytes_baseline_deployed"):
+        return row["decode_peak_kv_bytes_deployed"], row["decode_peak_kv_bytes_baseline_deployed"]
+    return deployed(row)
+
+
+def _basis(rows: list[Row]) -> str:
+    """What a summary's kv_ratio counts bytes in: as deployed (fp16/bf16 dense, quantized packed), or as measured
+    here (rows written before deployed bytes were recorded)."""
+    return "fp16" if all("kv_bytes_deployed" in r for r in rows) else "measured"
 
 
 def deployed(row: Row) -> tuple[int, int]:
@@ -125,14 +144,14 @@ def format_summary(summary: dict[str, Any]) -> str:
     baseline's."""
     w = max([24, *(len(name) + 2 for name in summary)])
     head = (
-        f"{'variant':<{w}}{'n':>5}{'baseline':>10}{'policy':>8}{'lost':>6}{'gained':>8}{'drop [95% bounds]':>22}"
+        f"{'variant':<{w}}{'n':>5}{'baseline':>10}{'policy':>8}{'lost':>6}{'gained':>8}{'drop [95% descriptive]':>25}"
         f"{'McNemar p':>11}{'KV measured':>14}{'ratio vs fp16':>15}"
     )
     lines = [head, "-" * len(head)]
     for name, s in summary.items():
         lines.append(
             f"{name:<{w}}{s['n']:>5}{s['baseline_accuracy']:>10.2f}{s['accuracy']:>8.2f}{s['lost']:>6}"
-            f"{s['gained']:>8}{_drop(s['paired']):>22}{s['paired']['mcnemar_p']:>11.3g}"
+            f"{s['gained']:>8}{_drop(s['paired']):>25}{s['paired']['mcnemar_p']:>11.3g}"
             f"{fmt_bytes(s['kv_bytes'], 'MiB'):>14}{s['kv_ratio']:>14.3f}x"
         )
     for name, s in summary.items():

@@ -23,14 +23,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from evalkit.errors import ConfigError  # noqa: E402
 from evalkit.gate.judge import baseline_problems
-from evalkit.gate.outputs import chunked_table, output_folder
+from evalkit.gate.outputs import chunked_table, output_folder, signed
 from evalkit.gate.reading import read_runs
 from evalkit.gate.summary import chunked_vs_oneshot, group_of, is_baseline, label_order
 from evalkit.gate.thresholds import Thresholds, thresholds
 from evalkit.records import Row
 from evalkit.records.summary import summarize
-from evalkit.report.data import verdict_view
-from evalkit.report.page import pareto
+from evalkit.report.data import NO_VERDICT, VerdictView, verdict_view
+from evalkit.report.page import drop_bounds, pareto
 from evalkit.report.page import write as write_page
 from evalkit.units import fmt_bytes  # noqa: E402
 
@@ -54,6 +54,20 @@ def _axes(rows: list[Row]) -> tuple[str, str] | None:
     return None
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _tick_order(value: Any) -> tuple:
+    """Cell values in order: numbers first, by value, then the rest by their text (a cell's values are numbers,
+    strings, booleans or null; a JSONL task's meta can make a depth "deep")."""
+    return (not _number(value), value if _number(value) else str(value))
+
+
+def _tick(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)  # an int as written: `:g` overflows past 1e308
+
+
 def heatmaps(rows: list[Row], out: Path) -> Path | None:
     """Accuracy per (context length, depth or position) for every variant whose rows have both keys: runs of other
     tasks merged into the report (lm-eval's RULER cells, a dataset's subtasks) are left to report.html's panels."""
@@ -63,8 +77,8 @@ def heatmaps(rows: list[Row], out: Path) -> Path | None:
     xk, yk = axes
     rows = [r for r in rows if xk in r.cell and yk in r.cell]
     variants = sorted({r.variant for r in rows}, key=label_order)
-    xs = sorted({r.cell[xk] for r in rows})
-    ys = sorted({r.cell[yk] for r in rows})
+    xs = sorted({r.cell[xk] for r in rows}, key=_tick_order)
+    ys = sorted({r.cell[yk] for r in rows}, key=_tick_order)
     fig, axs = plt.subplots(1, len(variants), figsize=(3.2 * len(variants), 3.2), squeeze=False)
     for ax, v in zip(axs[0], variants, strict=True):
         grid = [[float("nan")] * len(xs) for _ in ys]
@@ -74,8 +88,8 @@ def heatmaps(rows: list[Row], out: Path) -> Path | None:
                 if scores:
                     grid[i][j] = sum(scores) / len(scores)
         im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
-        ax.set_xticks(range(len(xs)), [str(x) for x in xs], rotation=45)
-        ax.set_yticks(range(len(ys)), [f"{y:g}" for y in ys])
+        ax.set_xticks(range(len(xs)), [_tick(x) for x in xs], rotation=45)
+        ax.set_yticks(range(len(ys)), [_tick(y) for y in ys])
         ax.set_xlabel(xk)
         ax.set_ylabel(yk)
         ax.set_title(_plain(v), fontsize=9)
@@ -148,7 +162,12 @@ def bars(summary: dict[str, Any], out: Path) -> list[Path]:
 
 
 def markdown(
-    summary: dict[str, Any], images: list[Path], runs: list[Path], chunked: list[dict] = (), warnings: list[str] = ()
+    summary: dict[str, Any],
+    images: list[Path],
+    runs: list[Path],
+    chunked: list[dict] = (),
+    warnings: list[str] = (),
+    verdict: VerdictView | None = None,
 ) -> str:
     lines = ["# evalkit report", ""]
     if warnings:
@@ -157,19 +176,26 @@ def markdown(
     lines += [
         "Runs: " + ", ".join(f"`{r}`" for r in runs),
         "",
-        "KV ratio: KV bytes over the full cache's, both as a deployment holds them (fp16/bf16 dense, quantized "
-        "packed); KV measured: held here, in the model's own dtype. Drop bounds: one-sided 95% each.",
+        "KV ratio: KV bytes of the cache each answer was decoded from, at its largest (the compressed context, the "
+        "question and the answer), over the full cache's on the same request, both as a deployment holds them "
+        "(fp16/bf16 dense, quantized packed): what the gate judges; context only: the compressed context right after "
+        "compression over the full context's (not judged); KV measured: held here, in the model's own dtype. "
+        "Drop bounds: the gate's, from its verdict.json, with the method it decided by; a method marked "
+        "descriptive is a fixed-n interval (one-sided 95% each) the gate did not decide on, shown where it judged "
+        "no drop.",
         "",
-        "| variant | n | baseline | policy | drop [95% bounds] | McNemar p | lost (evicted/ignored) | KV ratio (fp16) "
-        "| KV measured |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| variant | n | baseline | policy | drop [the gate's bounds] | method | McNemar p | lost (evicted/ignored) "
+        "| KV ratio (fp16) | context only | KV measured |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
+    shown = verdict or VerdictView(NO_VERDICT, [], {}, "")
     for name, s in summary.items():
         p, c = s["paired"], s["flip_causes"]
+        lo, hi, method = drop_bounds(name, s, shown)
         lines.append(
             f"| {_cell(name)} | {s['n']} | {p['baseline']:.2f} | {p['policy']:.2f} | {p['drop']:+.3f} "
-            f"[{p['drop_bounds'][0]:+.3f}, {p['drop_bounds'][1]:+.3f}] | {p['mcnemar_p']:.3g} | {s['lost']} "
-            f"({c.get('evicted', 0)}/{c.get('ignored', 0)}) | {s['kv_ratio']:.3f}x | "
+            f"[{signed(lo)}, {signed(hi)}] | {_cell(method)} | {p['mcnemar_p']:.3g} | {s['lost']} "
+            f"({c.get('evicted', 0)}/{c.get('ignored', 0)}) | {s['kv_ratio']:.3f}x | {s['kv_ratio_context']:.3f}x | "
             f"{fmt_bytes(s['kv_bytes'], 'MiB')} |"
         )
     lines += chunked_table(list(chunked))
@@ -199,7 +225,7 @@ def report(runs: list[Path], out: Path) -> list[Path]:
         images = [
             p for p in [heatmaps(records.rows, out), tradeoff(summary, out), *bars(summary, out)] if p is not None
         ]
-        md = markdown(summary, images, runs, chunked_vs_oneshot(records.rows), warnings)
+        md = markdown(summary, images, runs, chunked_vs_oneshot(records.rows), warnings, verdict)
         (out / "report.md").write_text(md)
     except OSError as err:
         raise ConfigError(

@@ -1,8 +1,8 @@
 """What the report page shows, as plain data: the verdict, the runs, and where each row lies in its samples.jsonl.
 
-The verdict is the gate's own verdict.json, shown only where it judged exactly these runs and these rows (its
-digest, evalkit.gate.looks.digest, matches the rows now in the folders); the report never judges, since every
-judgement is a look the gate records. Otherwise the page says there is no verdict for these rows and the command
+The verdict is the gate's own verdict.json, shown only where it judged exactly these runs and these rows and says
+what the gate's last look recorded (evalkit.gate.shown, the planner's check too); the report never judges, since
+every judgement is a look the gate records. Otherwise the page says there is no verdict for these rows and the command
 that judges them. Fields of verdict.json are read with defaults, so a verdict written by a newer gate still renders.
 """
 
@@ -16,16 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from evalkit.errors import EXIT_FAIL, EXIT_OK, ConfigError
-from evalkit.gate.looks import digest
-from evalkit.gate.outputs import VERDICT
+from evalkit.gate.outputs import VERDICT, drop_bound, headline_text, note_lines
 from evalkit.gate.reading import Records
+from evalkit.gate.shown import NO_VERDICT, shown_verdict
 from evalkit.gate.summary import is_baseline, variant_name
-from evalkit.gate.thresholds import thresholds
-from evalkit.records import RUN, SAMPLES, Row
+from evalkit.records import RUN, SAMPLES, Row, loads
 
 VERSIONS = ("evalkit", "evalkit_git", "torch", "transformers", "lm_eval", "llama_cpp")
 EXIT = {"PASS": EXIT_OK, "FAIL": EXIT_FAIL, "INCONCLUSIVE": 2, "CANNOT JUDGE": 2}
-NO_VERDICT = "NO VERDICT"  # no verdict.json of the gate speaks for these rows
 
 
 @dataclass
@@ -42,6 +40,10 @@ class VerdictView:
     looks: Any = None  # how many times these records were judged (sequential looks), when the verdict says
     cells: list[dict[str, Any]] = field(default_factory=list)
     variant_status: dict[str, str] = field(default_factory=dict)
+    # the drop bound the gate decided on, per variant: {"bounds": [lower, upper], "method"} (outputs.drop_bound)
+    drop: dict[str, dict[str, Any]] = field(default_factory=dict)
+    headline: str = ""  # the console's first line (a PASS at thresholds other than the defaults says so)
+    notes: list[str] = field(default_factory=list)  # the console's notes: unfinished, declared bytes, thresholds
 
     @property
     def exit_code(self) -> int | None:
@@ -59,7 +61,7 @@ def run_folders(run_dirs: Iterable[Path]) -> list[Path]:
 def read_json(path: Path) -> dict[str, Any] | None:
     """A JSON object from `path`, or None when it is missing or unreadable (the gate reports why elsewhere)."""
     try:
-        doc = json.loads(path.read_text())
+        doc = loads(path.read_text())
     except (OSError, ValueError):
         return None
     return doc if isinstance(doc, dict) else None
@@ -69,52 +71,14 @@ def read_json(path: Path) -> dict[str, Any] | None:
 
 
 def verdict_view(run_dirs: list[Path], records: Records) -> VerdictView:
-    """The verdict.json the gate wrote for exactly these runs and rows, else NO VERDICT with the command that judges
-    them (the report never judges: each judgement is a look, recorded by the gate)."""
-    path = run_dirs[0] / VERDICT
-    doc = read_json(path)
-    why = f"no {path}" if doc is None else _stale(doc, path, run_dirs, records)
-    if not why:
-        return _from_doc(doc, f"{path} (written by the gate)")
+    """The verdict.json the gate wrote for exactly these runs and rows (evalkit.gate.shown, the planner's check too),
+    else NO VERDICT with why and the command that judges them (the report never judges: each judgement is a look,
+    recorded by the gate)."""
+    doc, why = shown_verdict(run_dirs, records)
+    if doc is not None:
+        return _from_doc(doc, f"{run_dirs[0] / VERDICT} (written by the gate)")
     command = "python -m evalkit.gate " + " ".join(shlex.quote(str(d)) for d in run_dirs)
     return VerdictView(NO_VERDICT, [f"no verdict for these rows: run {command}"], {}, why)
-
-
-def _stale(doc: dict, path: Path, run_dirs: list[Path], records: Records) -> str:
-    """Why a verdict.json does not speak for these runs and rows now ('' when it does)."""
-    judged = [Path(str(r)) for r in doc.get("runs") or []]
-    if judged and not _same_runs(judged, run_dirs):
-        return f"{path} judged other runs"
-    if not judged and len(run_dirs) > 1:
-        return f"{path} does not say which runs it judged"
-    if not isinstance(doc.get("thresholds"), dict) or not isinstance(doc.get("digest"), str):
-        return f"{path} does not say which rows it judged (no digest)"
-    try:
-        t = thresholds(doc["thresholds"], f"in {path}")
-    except ConfigError as err:
-        return f"{path}: its thresholds cannot be read ({err})"
-    if digest(records.rows, t) != doc["digest"]:
-        return f"{path} judged other rows than the folder holds now (its digest does not match)"
-    return ""
-
-
-def trusted_verdict(run_dir: Path, records: Records) -> dict[str, Any] | None:
-    """The folder's verdict.json when it judged exactly its rows now (the planner's measured runs), else None."""
-    path = run_dir / VERDICT
-    doc = read_json(path)
-    return doc if doc is not None and not _stale(doc, path, [run_dir], records) else None
-
-
-def _same_runs(judged: list[Path], run_dirs: list[Path]) -> bool:
-    """The folders a verdict names are these runs: the same paths, or, for a path the gate was given relative to
-    another working directory, the same trailing folders."""
-    runs = [d.resolve() for d in run_dirs]
-
-    def names(p: Path, r: Path) -> bool:
-        return p.resolve() == r or (not p.is_absolute() and r.parts[-len(p.parts) :] == p.parts)
-
-    matched = {next((r for r in runs if names(p, r)), None) for p in judged}
-    return len(judged) == len(runs) and matched == set(runs)
 
 
 def _from_doc(doc: dict[str, Any], source: str) -> VerdictView:
@@ -136,7 +100,15 @@ def _from_doc(doc: dict[str, Any], source: str) -> VerdictView:
             for name, s in variants.items()
             if isinstance(s, dict) and (s.get("gate") or {}).get("status")
         },
+        drop={name: b for name, s in variants.items() if (b := drop_bound(s)) is not None},
+        headline=headline_text(status, _texts(doc, "declared_bytes"), _texts(doc, "non_default_thresholds")),
+        notes=note_lines(*(_texts(doc, k) for k in ("unfinished", "declared_bytes", "non_default_thresholds"))),
     )
+
+
+def _texts(doc: dict[str, Any], key: str) -> list[str]:
+    value = doc.get(key)
+    return [str(x) for x in value] if isinstance(value, list) else []
 
 
 def _looks(doc: dict[str, Any]) -> Any:
@@ -172,7 +144,7 @@ def row_lines(folders: list[Path]) -> dict[tuple, Line]:
             continue
         for n, text in enumerate(lines, start=1):
             try:
-                row = json.loads(text)
+                row = loads(text)
             except ValueError:
                 continue
             if (
@@ -233,7 +205,7 @@ def _rows(path: Path) -> list[dict]:
         raise ConfigError(f"{path}: cannot be read ({err.strerror or err}); fix its permissions") from None
     for line in text.split("\n"):
         try:
-            row = json.loads(line)
+            row = loads(line)
         except ValueError:
             continue
         if isinstance(row, dict):

@@ -25,6 +25,7 @@ from plotly.colors import qualitative
 
 from evalkit.gate.decide import SHOWN_TO_FAIL
 from evalkit.gate.judge import baseline_problems
+from evalkit.gate.outputs import DESCRIPTIVE, signed
 from evalkit.gate.reading import Records
 from evalkit.gate.summary import Group, Label, group_of, is_baseline, label_order, variant_name
 from evalkit.gate.thresholds import Thresholds
@@ -86,10 +87,21 @@ def plotly_text(text: str) -> str:
     return html.escape(text, quote=False)
 
 
-def accuracy_bounds(s: dict[str, Any]) -> tuple[float, float]:
-    """The variant's accuracy bounds from the paired drop's (one-sided each): baseline minus the drop's bounds."""
+def drop_bounds(name: str, s: dict[str, Any], verdict: VerdictView) -> tuple[float, float, str]:
+    """(lower, upper, method) of the drop bound a variant is shown with: the gate's, where its verdict judged the
+    drop (what it decided on), else the fixed-n paired interval, its method said descriptive."""
+    gate = verdict.drop.get(name)
+    if gate is not None:
+        lo, hi = (float(x) if isinstance(x, (int, float)) else math.nan for x in gate["bounds"])
+        return lo, hi, gate["method"]
+    lo, hi = s["paired"]["drop_bounds"]
+    return lo, hi, f"{s['paired']['method']}, {DESCRIPTIVE}"
+
+
+def accuracy_bounds(s: dict[str, Any], drop: tuple[float, ...]) -> tuple[float, float]:
+    """The variant's accuracy bounds from the drop's `drop` (lower, upper, ...: one-sided each): baseline minus them."""
     p = s["paired"]
-    lo, hi = p["drop_bounds"]
+    lo, hi = drop[:2]
     if math.isnan(lo) or math.isnan(hi):  # too few samples for a bound (a graded score's bootstrap): none drawn
         return math.nan, math.nan
     return max(0.0, p["baseline"] - hi), min(1.0, p["baseline"] - lo)
@@ -98,16 +110,17 @@ def accuracy_bounds(s: dict[str, Any]) -> tuple[float, float]:
 # --- the trade-off -----------------------------------------------------------------------------------------------
 
 
-def _hover(name: str, s: dict[str, Any], status: str, same: list[str]) -> str:
-    p = s["paired"]
-    lo, hi = accuracy_bounds(s)
+def _hover(name: str, s: dict[str, Any], verdict: VerdictView, same: list[str]) -> str:
+    p, status, drop = s["paired"], verdict.variant_status.get(name, ""), drop_bounds(name, s, verdict)
+    lo, hi = accuracy_bounds(s, drop)
     lines = [
         f"<b>{plotly_text(name)}</b>" + (f" ({plotly_text(status)})" if status else ""),
         f"accuracy {s['accuracy']:.3f}" + ("" if is_baseline(name) else f"  bounds [{lo:.3f}, {hi:.3f}]"),
         f"baseline {p['baseline']:.3f} on the same {s['n']} samples",
-        f"drop {p['drop']:+.3f} [{p['drop_bounds'][0]:+.3f}, {p['drop_bounds'][1]:+.3f}], lost {s['lost']}, "
+        f"drop {p['drop']:+.3f} [{signed(drop[0])}, {signed(drop[1])}] ({plotly_text(drop[2])}), lost {s['lost']}, "
         f"gained {s['gained']}",
-        f"KV {s['kv_ratio']:.3f}x of the full cache ({fmt_bytes(s['kv_bytes_deployed'], 'MiB')} deployed)",
+        f"KV {s['kv_ratio']:.3f}x of the full cache as decoded from ({fmt_bytes(s['kv_bytes_deployed'], 'MiB')} "
+        f"deployed; context only {s['kv_ratio_context']:.3f}x)",
     ]
     if s.get("kl_mean") is not None:
         lines.append(f"mean KL {s['kl_mean']:.4f} nats")
@@ -130,7 +143,7 @@ def tradeoff_figure(summary: dict[str, Any], verdict: VerdictView) -> go.Figure:
         at[round(1 - s["kv_ratio"], 3), round(s["accuracy"], 3)].append(name)
     for name, s in summary.items():
         group, x, y = group_of(name), 1 - s["kv_ratio"], s["accuracy"]
-        lo, hi = accuracy_bounds(s)
+        lo, hi = accuracy_bounds(s, drop_bounds(name, s, verdict))
         here = at[round(x, 3), round(y, 3)]
         same = [o for o in here if o != name]
         dodge = DODGE * (here.index(name) - (len(here) - 1) / 2)  # markers at one point side by side, centred on it
@@ -151,7 +164,7 @@ def tradeoff_figure(summary: dict[str, Any], verdict: VerdictView) -> go.Figure:
                 error_y=None
                 if is_baseline(name) or math.isnan(lo)
                 else {"type": "data", "symmetric": False, "array": [hi - y], "arrayminus": [y - lo], "thickness": 1.2},
-                hovertext=[_hover(name, s, verdict.variant_status.get(name, ""), same)],
+                hovertext=[_hover(name, s, verdict, same)],
                 hovertemplate="%{hovertext}<extra></extra>",
             )
         )
@@ -170,9 +183,17 @@ def tradeoff_figure(summary: dict[str, Any], verdict: VerdictView) -> go.Figure:
         fig.add_hline(y=y, line={"dash": "dot", "color": "#b91c1c", "width": 1}, annotation_text=plotly_text(label),
                       annotation_font_size=11)  # fmt: skip
     fig.update_xaxes(title="KV bytes saved (share of the full fp16/bf16 cache)", range=[-0.05, 1.05], tickformat=".0%")
-    fig.update_yaxes(title="accuracy (paired bounds, one-sided each)", range=[-0.05, 1.08])
+    fig.update_yaxes(title=_bars_title(verdict), range=[-0.05, 1.08])
     fig.update_layout(legend={"groupclick": "toggleitem", "itemsizing": "constant"}, hovermode="closest")
     return fig
+
+
+def _bars_title(verdict: VerdictView) -> str:
+    """What the error bars are: the gate's drop bounds where its verdict is shown, else a descriptive interval."""
+    if verdict.drop:
+        methods = ", ".join(sorted({b["method"] for b in verdict.drop.values()}))
+        return f"accuracy (bars: the gate's drop bounds, {methods}, one-sided each)"
+    return f"accuracy (bars: {DESCRIPTIVE} fixed-n bounds, not the gate's)"
 
 
 def _legend_group(group: Group | None) -> str:
@@ -224,7 +245,7 @@ def variant_table(summary: dict[str, Any], verdict: VerdictView, rows: list[Row]
     titles = group_titles(rows)
     out = []
     for name, s in summary.items():
-        p = s["paired"]
+        p, drop = s["paired"], drop_bounds(name, s, verdict)
         out.append(
             {
                 "group": titles[group_of(name)],
@@ -236,7 +257,11 @@ def variant_table(summary: dict[str, Any], verdict: VerdictView, rows: list[Row]
                 "baseline_accuracy": p["baseline"],
                 "accuracy": s["accuracy"],
                 "drop": p["drop"],
-                "bounds": p["drop_bounds"],
+                "bounds": [signed(drop[0]), signed(drop[1])],
+                "method": drop[2],
+                "gate_bounds": name in verdict.drop,  # the gate's; else only the descriptive interval is shown
+                "descriptive": [signed(x) for x in p["drop_bounds"]],
+                "descriptive_method": p["method"],
                 "lost": s["lost"],
                 "gained": s["gained"],
                 "kv_ratio": s["kv_ratio"],

@@ -1,7 +1,8 @@
 """Weights & Biases: one W&B run per (evalkit run, variant), the baseline included, in a group per experiment.
 
 Each run's config says what was compared (task, model, backend, policy, budget, quantization, prefill, protocol, the
-gate's thresholds) and its summary what came out (accuracy, the paired drop with its bounds, lost / gained, the KV
+gate's thresholds) and its summary what came out (accuracy, the paired drop with the gate's bounds where it judged
+it and a fixed-n interval named descriptive, lost / gained, the KV
 ratio and whether its bytes were measured or declared, and the gate's verdict where it judged), so the W&B UI groups
 by policy, plots accuracy against budget and filters by verdict. Each run also holds its per-sample table, the report
 page as an HTML panel and, as a versioned artifact, samples.jsonl, verdict.json and the page. Run ids are derived
@@ -14,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from evalkit.gate.reading import read_runs
+from evalkit.gate.shown import shown_verdict
 from evalkit.gate.summary import label_order
 from evalkit.gate.tracked import verdict_fields
 from evalkit.records import SAMPLES, Row, read_rows
@@ -66,13 +69,17 @@ def variant_summary(s: dict[str, Any], rows: list[Row]) -> dict[str, Any]:
         "accuracy": s["accuracy"],
         "baseline_accuracy": s["baseline_accuracy"],
         "drop": p["drop"],
-        "drop_lower": p["drop_bounds"][0],
-        "drop_upper": p["drop_bounds"][1],
+        # a fixed-n interval, descriptive: the drop bound the gate decided on is drop_lower / drop_upper, with the
+        # gate's verdict (evalkit.gate.tracked.verdict_fields)
+        "drop_lower_descriptive": p["drop_bounds"][0],
+        "drop_upper_descriptive": p["drop_bounds"][1],
+        "drop_method_descriptive": p["method"],
         "mcnemar_p": p["mcnemar_p"],
         "lost": s["lost"],
         "gained": s["gained"],
         "kv_ratio": s["kv_ratio"],
         "kv_ratio_basis": s["kv_ratio_basis"],
+        "kv_ratio_context": s["kv_ratio_context"],  # the compressed context alone: not what the gate judged
         f"kv_ratio_{DECLARED if declared else 'measured'}": s["kv_ratio_measured"],
         "kv_bytes_are": DECLARED if declared else "measured",
         "kv_bytes": s["kv_bytes"],
@@ -80,11 +87,10 @@ def variant_summary(s: dict[str, Any], rows: list[Row]) -> dict[str, Any]:
 
 
 def current_verdict(out_dir: Path) -> dict[str, Any] | None:
-    """verdict.json when the gate wrote it after the last row (an older one judged fewer samples)."""
-    verdict, samples = out_dir / VERDICT, out_dir / SAMPLES
-    if not verdict.exists() or verdict.stat().st_mtime < samples.stat().st_mtime:
-        return None
-    return json.loads(verdict.read_text())
+    """verdict.json where the gate wrote it for the rows the folder holds now, as its last look records it (the
+    report's and the planner's check, evalkit.gate.shown: an older one judged fewer samples, an edited one is not
+    the gate's)."""
+    return shown_verdict([out_dir], read_runs([out_dir]))[0]
 
 
 def log_run(
