@@ -78,7 +78,8 @@ LONGEST_FIRST = (
     "test_backend_engines.py", "test_launchers.py", "test_lmeval.py", "test_report_browser.py", "test_resume.py",
     "test_loop.py", "test_plan.py", "test_docs.py", "test_quantized.py", "test_decode_batch.py",
     "test_run_integrity.py", "test_reliability.py", "test_kernels.py", "test_cache_invariants.py",
-    "test_real_model.py", "test_config.py", "test_report_groups.py", "test_peer_kvpress.py", "test_qfilter.py",
+    "test_real_model.py", "test_config.py", "test_report_groups.py", "test_peer_kvpress.py", "test_evidence.py",
+    "test_what_ran.py", "test_gate_outputs_agree.py", "test_gate_fuzz.py", "test_qfilter.py",
     "test_bad_input.py", "test_report_page.py", "test_custom_policy.py", "test_looks.py", "test_packaging.py",
     "test_chunked.py", "test_wandb.py",
 )  # fmt: skip

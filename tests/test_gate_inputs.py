@@ -22,6 +22,7 @@ from evalkit.report import build as report_module
 from evalkit.report.__main__ import main as report_main
 from evalkit.tracking import has_credentials
 from tests.conftest import ROOT, compose_config, run_cli
+from tests.test_machine_outputs import make_tiny_runs
 
 VERDICT_SCHEMA = jsonschema.Draft202012Validator(json.loads((ROOT / "docs" / "verdict.schema.json").read_text()))
 # The random model scores 0 everywhere: the baseline check is off. PASS: a lossless variant at wide margins; FAIL:
@@ -36,24 +37,8 @@ HUGE = "1" + "0" * 400  # 401 digits: math.isfinite and float() raise OverflowEr
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """Real runs of the tiny random model on a small needle grid, judged by no gate: one with a lossless variant
-    (every token kept), one with a variant that keeps a quarter of the cache."""
-    tmp = tmp_path_factory.mktemp("inputs")
-    out = {}
-    for name, variant in (("lossless", "streaming_llm@1.0"), ("lossy", "streaming_llm@0.25")):
-        out[name] = tmp / name
-        r = run_cli(
-            "model=tiny-random",
-            "task=needle",
-            "task.context_lengths=[96]",
-            "task.depths=[0.0,0.5,1.0]",
-            "task.samples_per_cell=3",
-            "task.max_new_tokens=4",
-            f"variants=[{variant}]",
-            "gate=none",
-            f"hydra.run.dir={out[name]}",
-        )
-        assert r.returncode == 0, r.stderr[-2000:]
-    return out
+    (every token kept), one with a variant that keeps a quarter of the cache (test_machine_outputs' runs)."""
+    return make_tiny_runs(tmp_path_factory.mktemp("inputs"))
 
 
 def copied(runs: dict[str, Path], name: str, tmp_path: Path) -> Path:

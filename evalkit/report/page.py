@@ -77,7 +77,7 @@ def group_titles(rows: list[Row]) -> dict[Group | None, str]:
     return {g: ", ".join(sorted(t)) or "all runs" for g, t in tasks.items()}
 
 
-def _order(group: Group | None) -> tuple:
+def _group_order(group: Group | None) -> tuple:
     return () if group is None else tuple(group)
 
 
@@ -135,7 +135,7 @@ def tradeoff_figure(summary: dict[str, Any], verdict: VerdictView) -> go.Figure:
     front of each group, and the gate's accuracy floor of each group's baseline (baseline minus max_drop): variants
     of different groups were measured against different baselines, so they share neither."""
     fig = go.Figure()
-    groups = sorted({group_of(n) for n in summary}, key=_order)
+    groups = sorted({group_of(n) for n in summary}, key=_group_order)
     several = len(groups) > 1
     names = sorted({variant_name(n) for n in summary})
     at: dict[tuple, list[str]] = defaultdict(list)
@@ -275,7 +275,8 @@ def variant_table(summary: dict[str, Any], verdict: VerdictView, rows: list[Row]
 # --- where it fails ----------------------------------------------------------------------------------------------
 
 
-def _order(value: Any) -> tuple:
+def _value_order(value: Any) -> tuple:
+    """Numbers first in their order, then text: a cell's values sort whatever their kinds."""
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     return (not number, value if number else str(value))
 
@@ -320,7 +321,7 @@ def cell_panels(rows: list[Row], summary: dict[str, Any], verdict: VerdictView) 
     for r in rows:
         cells_of[group_of(r.variant)].setdefault(cell_key(r.cell), r.cell)
     out = []
-    for group, cells in sorted(cells_of.items(), key=lambda item: _order(item[0])):
+    for group, cells in sorted(cells_of.items(), key=lambda item: _group_order(item[0])):
         col, row, facets = _axes(list(cells.values()))
         layout = _grids(cells, col, row, facets)
         panels = []
@@ -353,8 +354,8 @@ def _grids(cells: dict[str, dict], col: str | None, row: str | None, facets: lis
             body = [{"label": k, "cells": [k]} for k in sorted(members)]
             grids.append({"facet": facet, "cols": [""], "rows": body})
             continue
-        cols = sorted({c.get(col) for c in members.values()}, key=_order) if col else [None]
-        ys = sorted({c.get(row) for c in members.values()}, key=_order) if row else [None]
+        cols = sorted({c.get(col) for c in members.values()}, key=_value_order) if col else [None]
+        ys = sorted({c.get(row) for c in members.values()}, key=_value_order) if row else [None]
         where = {(c.get(row) if row else None, c.get(col) if col else None): k for k, c in members.items()}
         body = [{"label": _label(y), "cells": [where.get((y, x)) for x in cols]} for y in ys]
         grids.append({"facet": facet, "cols": [_label(x) for x in cols], "rows": body})
