@@ -5,11 +5,20 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from typing import Any, Union
 
 from evalkit.errors import ConfigError
+
+
+def number(value: Any, kinds: tuple[type, ...] = (int, float)) -> bool:
+    """`value` is a finite number of one of `kinds` (never a boolean). An int is finite whatever its size; asking
+    math.isfinite of one too large for a float (a 401-digit count) would raise OverflowError."""
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        return False
+    return isinstance(value, int) or math.isfinite(value)
 
 
 def fits(value: Any, hint: Any) -> bool:

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from evalkit.errors import ConfigError
+from evalkit.fields import number
 from evalkit.gate.contexts import GRADED_FLIP_DELTA
 from evalkit.stats import MULTIPLICITY
 
@@ -80,14 +81,6 @@ def _in_range(value: float, lo: float, hi: float, lo_in: bool, hi_in: bool) -> b
 
 def _interval(lo: float, hi: float, lo_in: bool, hi_in: bool) -> str:
     return f"{'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}"
-
-
-def number(value: Any, kinds: tuple[type, ...] = (int, float)) -> bool:
-    """`value` is a finite number of one of `kinds` (never a boolean). An int is finite whatever its size; asking
-    math.isfinite of one too large for a float (a 401-digit count) would raise OverflowError."""
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        return False
-    return isinstance(value, int) or math.isfinite(value)
 
 
 def check_threshold(key: str, value: Any) -> None:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from evalkit.errors import ConfigError
+from evalkit.fields import number
 from evalkit.plan.arch import ELEMENT
 from evalkit.plan.pressure import LINKS
 
@@ -48,9 +48,7 @@ def settings(d: dict[str, Any]) -> Settings:
 
     def positive(key: str, whole: bool = False) -> None:
         v, most = getattr(s, key), LARGEST[key]
-        ok = isinstance(v, int) if whole else isinstance(v, (int, float))
-        # an int is never tested by math.isfinite (a 401-digit one would raise OverflowError); nan fails `0 < v`
-        if isinstance(v, bool) or not ok or not (isinstance(v, int) or math.isfinite(v)) or not 0 < v <= most:
+        if not number(v, (int,) if whole else (int, float)) or not 0 < v <= most:
             shown = repr(v) if len(repr(v)) <= 40 else f"{repr(v)[:37]}..."
             what = "whole number" if whole else "number"
             raise ConfigError(f"plan.{key}={shown}: give a {what} in (0, {most:g}], e.g. plan.{key}={EXAMPLE[key]}")
