@@ -207,20 +207,22 @@ def listed_variants(cfg: DictConfig) -> tuple[str, ...]:
     return tuple(str(s) for s in listed or ())
 
 
-def variants(cfg: DictConfig) -> list[Variant]:
+def variants(cfg: DictConfig, made: list[Variant] | None = None) -> list[Variant]:
     """The variants a run evaluates: `variants=[snapkv@0.25,h2o@0.5+int4,h2o@1024:chunk512]` when given, else
     `policy` + `quant`.
 
     Each is its policy's YAML with the budget after '@' (a fraction like 0.25 or a token count like 512), after
     '+' a conf/quant storage, and after ':chunk' the chunk size of a chunked prefill. `prefill=chunked` prefills
     every variant in chunks of `prefill.chunk` tokens and, with `prefill.compare_oneshot`, also runs each one-shot,
-    on the same samples, for the side-by-side comparison.
+    on the same samples, for the side-by-side comparison. `made`: the variants a budget search made instead.
     """
     listed = listed_variants(cfg)
-    if not listed:
+    if made:  # a budget search's (evalkit.cli.search)
+        out = list(made)
+    elif not listed:
         out = [Variant(build(cfg.policy, "policy"), quant_spec(cfg.quant))]
     else:
-        out = [_parse_variant(cfg, spec) for spec in listed]
+        out = [parse_variant(cfg, spec) for spec in listed]
     prefill = cfg.get("prefill") or {}
     if prefill.get("name", "oneshot") not in ("oneshot", "chunked"):
         raise ConfigError(f"prefill={prefill.get('name')!r} is not one of ['chunked', 'oneshot']")
@@ -235,7 +237,7 @@ def variants(cfg: DictConfig) -> list[Variant]:
     return out
 
 
-def _parse_variant(cfg: DictConfig, spec: str) -> Variant:
+def parse_variant(cfg: DictConfig, spec: str) -> Variant:
     """`NAME@BUDGET[+QUANT][:chunkN]` -> Variant."""
     head, _, chunk = spec.partition(":")
     head, _, quant = head.partition("+")

@@ -30,9 +30,11 @@ from evalkit.names import safe_name
 from evalkit.records import SAMPLE_COUNT
 from evalkit.run import interrupt
 
-# The run folder is named after the policy, or "variants" for a sweep of several.
+# The run folder is named after the policy, or "variants" for several, or "search" for a budget search.
 OmegaConf.register_new_resolver(
-    "evalkit_label", lambda policy, variants: "variants" if variants else safe_name(policy), replace=True
+    "evalkit_label",
+    lambda policy, variants, budgets=None: "search" if budgets else "variants" if variants else safe_name(policy),
+    replace=True,
 )
 
 # Overrides left out of a run's folder name: they do not change its records (or, for the group choices, the folder

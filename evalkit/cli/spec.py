@@ -14,6 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from evalkit.backends import Backend, BackendSpec
+from evalkit.cli import search
 from evalkit.cli.config import backend, build, check_settings, listed_variants, validate, variants
 from evalkit.config.gatefile import resolved
 from evalkit.gate.thresholds import Thresholds, thresholds
@@ -108,6 +109,7 @@ def logger_spec(node: DictConfig | None) -> LoggerSpec:
 def run_spec(cfg: DictConfig) -> RunSpec:
     """The job a composed config asks for, built and checked: every check that needs no model, in the order a user
     meets them (the task, another engine, the variants, the settings, the gate, what the task and model allow)."""
+    search.check(cfg)
     task: Task = build(cfg.task, "task")
     model = model_spec(cfg.model)
     listed = listed_variants(cfg)
@@ -117,7 +119,7 @@ def run_spec(cfg: DictConfig) -> RunSpec:
         quant = str((cfg.get("quant") or {}).get("name", "none"))
         other = BackendSpec(model, listed, quant, cfg.get("seed", 0))  # checked below (check_settings)
     engine = backend(node, other, task) if other is not None else None
-    chosen = tuple(variants(cfg)) if engine is None else ()
+    chosen = tuple(variants(cfg, search.variants(cfg) if search.budgets(cfg) else None)) if engine is None else ()
     policies = [v.policy for v in chosen]
     with contract.guarding(policies):  # a user's policy raising anywhere is its fault: exit 2
         check_settings(cfg)

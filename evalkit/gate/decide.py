@@ -14,6 +14,7 @@ it (evalkit.gate.power).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,30 @@ def evidence_of(by_variant: dict[str, list[Row]], t) -> dict[str, Evidence]:
     return out
 
 
+@dataclass
+class Family:
+    """How the variants' PASS claims share the error rate: which are shown, the level each was tested at, how the
+    messages say it, and why one was not tested at all (a search's budget below one not shown safe)."""
+
+    passed: dict[str, bool]
+    levels: dict[str, float]
+    words: dict[str, str]  # per variant, after the test's name: "; Holm's correction over 3 variants"
+    untested: dict[str, str] = field(default_factory=dict)
+
+
+def holm_family(ev: dict[str, Evidence], skip: set[str], t) -> Family:
+    """Every variant's PASS claim in one family, Holm or Bonferroni (`gate.multiplicity`). `skip` is not used: a
+    variant held back by its own checks still counts in the family as it always has."""
+    alpha, names = 1 - t.confidence, list(ev)
+    pvalues = [ev[n].p_pass for n in names]
+    words = f"; {t.multiplicity.capitalize()}'s correction over {len(names)} variants" if len(names) > 1 else ""
+    return Family(
+        dict(zip(names, adjust(pvalues, alpha, t.multiplicity), strict=True)),
+        dict(zip(names, critical_levels(pvalues, alpha, t.multiplicity), strict=True)),
+        dict.fromkeys(names, words),
+    )
+
+
 def critical_levels(pvalues: list[float], alpha: float, method: str) -> list[float]:
     """The level each p-value is compared with (Holm: alpha / (k - rank)), for the messages."""
     k = len(pvalues)
@@ -72,32 +97,39 @@ def critical_levels(pvalues: list[float], alpha: float, method: str) -> list[flo
     return out
 
 
-def variant_decisions(by_variant: dict[str, list[Row]], t, look: int = 1) -> dict[str, Decision]:
-    """PASS, FAIL or INCONCLUSIVE for every variant, corrected across variants (`look`: this judgement's number,
-    recorded and shown; the statistics do not depend on it)."""
+FamilyOf = Callable[[dict[str, Evidence], set[str], Any], Family]
+
+
+def variant_decisions(
+    by_variant: dict[str, list[Row]], t, look: int = 1, family: FamilyOf = holm_family, blocked: frozenset = frozenset()
+) -> dict[str, Decision]:
+    """PASS, FAIL or INCONCLUSIVE for every variant, the PASS claims sharing the error rate as `family` has them
+    (Holm across variants; a search's chains, evalkit.gate.search). `blocked`: variants shown to fail on other
+    grounds (a cell, their records), which a search never tests (`look`: this judgement's number, recorded and
+    shown; the statistics do not depend on it)."""
     alpha = 1 - t.confidence
     ev = evidence_of(by_variant, t)
     names = list(ev)
-    passes = adjust([ev[n].p_pass for n in names], alpha, t.multiplicity)
-    levels = critical_levels([ev[n].p_pass for n in names], alpha, t.multiplicity)
     claims = [c for n in names for c in ev[n].checks]
     for c, bad in zip(claims, adjust([c.p_broken for c in claims], alpha, t.multiplicity), strict=True):
         c.broken = bad
+    uneven = {n: question_weighted(n, ev[n].contexts, t) for n in names}
+    skip = set(blocked) | {n for n in names if uneven[n] or any(c.broken for c in ev[n].checks)}
+    fam = family(ev, skip, t)
     out = {}
-    for name, passed, level in zip(names, passes, levels, strict=True):
-        e = ev[name]
+    for name in names:
+        e, level, words = ev[name], fam.levels[name], fam.words[name]
         for c in e.checks:
             c.holds = c.p_holds <= level
         d = Decision("INCONCLUSIVE", look=look, p=e.p_pass, evidence=e)
-        d.fail = [fail_message(name, e, c, t, len(names), look) for c in e.checks if c.broken]
-        if not passed:
-            d.open = open_messages(name, e, t, len(names), look)
-        d.status = "FAIL" if d.fail else "PASS" if passed else "INCONCLUSIVE"
-        uneven = question_weighted(name, e.contexts, t)
-        if d.status == "PASS" and uneven:
-            d.status, d.open, d.uneven = "INCONCLUSIVE", [uneven], True
-        elif d.status == "INCONCLUSIVE":
-            d.contexts_needed = contexts_needed(e, t, len(names))
+        d.fail = [fail_message(name, e, c, t, words, look) for c in e.checks if c.broken]
+        if not fam.passed[name]:
+            d.open = [fam.untested[name]] if name in fam.untested else open_messages(name, e, t, words, look, level)
+        d.status = "FAIL" if d.fail else "PASS" if fam.passed[name] else "INCONCLUSIVE"
+        if d.status == "PASS" and uneven[name]:
+            d.status, d.open, d.uneven = "INCONCLUSIVE", [uneven[name]], True
+        elif d.status == "INCONCLUSIVE" and name not in fam.untested:
+            d.contexts_needed = contexts_needed(e, t, level=level)
             if d.contexts_needed is not None:
                 per = float(np.mean(e.contexts.questions)) if e.contexts.n else 1.0
                 d.samples_needed = math.ceil(d.contexts_needed * per)
@@ -137,19 +169,16 @@ def _units(ctx: Contexts, noun: str = "") -> str:
     return f"{int(np.sum(ctx.questions))} questions on {ctx.n} contexts"
 
 
-def _how(c, t, k: int, look: int) -> str:
-    how = f"{t.confidence:.0%} {{}} bound, {c.method}, look {look}"
-    if k > 1:
-        how += f"; {t.multiplicity.capitalize()}'s correction over {k} variants"
-    return how
+def _how(c, t, words: str, look: int) -> str:
+    return f"{t.confidence:.0%} {{}} bound, {c.method}, look {look}{words}"
 
 
 def _flipped(e: Evidence, t) -> str:
     return "flipped from right to wrong" if e.contexts.binary else f"decreased by more than {t.graded_flip_delta}"
 
 
-def fail_message(name: str, e: Evidence, c, t, k: int, look: int) -> str:
-    ctx, how = e.contexts, _how(c, t, k, look).format("lower")
+def fail_message(name: str, e: Evidence, c, t, words: str, look: int) -> str:
+    ctx, how = e.contexts, _how(c, t, words, look).format("lower")
     if c.what == "drop":
         drop = float(ctx.drop.mean())
         return f"{name}: accuracy drop {drop:+.3f}, at least {c.lower:.3f} ({how}): shown over the {c.limit} margin"
@@ -173,12 +202,12 @@ def _tail(e: Evidence, c) -> str:
     return f"{rows} of {int(np.sum(e.contexts.questions))} KL rows above the {cap:g}-nat cap"
 
 
-def open_messages(name: str, e: Evidence, t, k: int, look: int) -> list[str]:
+def open_messages(name: str, e: Evidence, t, words: str, look: int, level: float) -> list[str]:
     ctx, out = e.contexts, []
     for c in e.checks:
         if c.holds or c.broken:
             continue
-        how = _how(c, t, k, look).format("upper")
+        how = _how(c, t, words, look).format("upper")
         if c.what == "drop":
             seen = (
                 f"{ctx.lost_questions} lost and {ctx.gained_questions} gained of {_units(ctx)}"
@@ -209,7 +238,7 @@ def open_messages(name: str, e: Evidence, t, k: int, look: int) -> list[str]:
         unit = "samples" if ctx.single else "contexts"
         out.append(f"{name}: {ctx.n} {unit}, fewer than gate.min_samples={e.floor}{_cost(t, e.floor)}")
     if not out:
-        out.append(f"{name}: p = {e.p_pass:.4f} for a PASS, not shown after the correction over {k} variants")
+        out.append(f"{name}: p = {e.p_pass:.4f} for a PASS, not shown at its level {level:.4g}{words}")
     return out
 
 

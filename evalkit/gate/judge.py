@@ -3,6 +3,7 @@ INCONCLUSIVE the samples that would settle it and the command that adds them."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shlex
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from evalkit.capacity import capacity
-from evalkit.gate import looks
+from evalkit.gate import looks, search
 from evalkit.gate.decide import (
     SHOWN_TO_FAIL,
     cell_decisions,
@@ -47,6 +48,7 @@ class Verdict:
     partial: list[str] = field(default_factory=list)  # unfinished runs, each said in a line (gate.allow_partial)
     declared: list[str] = field(default_factory=list)  # variants whose KV bytes were declared, never observed
     non_default: list[str] = field(default_factory=list)  # thresholds other than the defaults (thresholds.non_default)
+    search: dict[str, Any] | None = None  # a budget search: each policy's safe budget (evalkit.gate.search)
 
     @property
     def passed(self) -> bool:
@@ -108,23 +110,37 @@ def judge(
     for r in rows:
         by_variant.setdefault(r.variant, []).append(r)
     policies = {name: by_variant[name] for name in summary if not is_baseline(name)}
+    chains, unordered = _chains(infos, policies)
+    if unordered:
+        return Verdict("CANNOT JUDGE", [*unordered, *reasons], summary, capacity=cap, digest=key)
     history = looks.history(recorded, key)
-    decisions = variant_decisions(policies, t, history.number)
     cells = cell_decisions(policies, t)
+    own = {n: cell_reasons(n, cells, t) + record_reasons(n, rs, summary[n], t) for n, rs in policies.items()}
+    if chains is None:
+        decisions = variant_decisions(policies, t, history.number)
+    else:
+        family = functools.partial(search.chain_family, chains=chains)
+        decisions = variant_decisions(policies, t, history.number, family, frozenset(n for n in own if own[n]))
     now, runs = look_record(decisions, cells), sorted(str(i.get("run_id")) for i in infos)
     edited = looks.mismatches(recorded, key, t, runs, now)
     if edited:
         return Verdict("CANNOT JUDGE", [*edited, *reasons], summary, capacity=cap, digest=key)
-    inconclusive: list[str] = []
-    for name, rs in policies.items():
-        d, s = decisions[name], summary[name]
-        s["gate"] = decision_summary(d, t)
+    for name in policies:
+        summary[name]["gate"] = decision_summary(decisions[name], t)
         note = unjudged_cells(cells, name, t)
         not_judged += [note] if note else []
-        reasons += d.fail + cell_reasons(name, cells, t) + record_reasons(name, rs, s, t)
-        inconclusive += d.open
+        own[name] = decisions[name].fail + own[name]
+    if chains is None:
+        reasons += [r for n in policies for r in own[n]]
+        inconclusive, pending = [o for n in policies for o in decisions[n].open], list(policies)
+        searched = None
+    else:
+        searched = search.found(chains, decisions, own, summary, cap, t)
+        reasons, inconclusive, pending = reasons + searched.fail, searched.open, searched.next
     status = "FAIL" if reasons else "INCONCLUSIVE" if inconclusive else "PASS"
-    advice, extend = _advice(decisions, summary, infos, cells) if status == "INCONCLUSIVE" else (None, None)
+    advise = status == "INCONCLUSIVE" or (searched is not None and pending)
+    pick = {n: decisions[n] for n in pending}
+    advice, extend = _advice(pick, summary, infos, cells) if advise and pick else (None, None)
     if partial and status == "PASS" and not t.allow_partial:
         status, advice = "INCONCLUSIVE", UNFINISHED
         inconclusive.append(f"{UNFINISHED} (gate.allow_partial is false)")
@@ -147,7 +163,17 @@ def judge(
         partial=list(partial or []),
         declared=declared,
         non_default=non_default(t),
+        search=searched.doc if searched is not None else None,
     )
+
+
+def _chains(infos: list[dict], policies: dict[str, list[Row]]) -> tuple[search.Chains | None, list[str]]:
+    """A search's chains (None for runs that are not a search), and why its variants cannot be judged as one."""
+    searching, problems = search.is_search(infos)
+    if not searching or problems:
+        return None, problems
+    chains, problems = search.chains_of(policies)
+    return chains, problems
 
 
 UNFINISHED = "the run is unfinished: finish it with resume=true, or judge it as it is with gate.allow_partial=true"

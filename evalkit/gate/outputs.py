@@ -75,7 +75,45 @@ def verdict_doc(verdict: Verdict, t: Thresholds) -> dict[str, Any]:
         "unfinished": verdict.partial,
         "declared_bytes": verdict.declared,
         "non_default_thresholds": verdict.non_default,
+        "search": verdict.search,
     }
+
+
+def search_lines(search: dict[str, Any] | None) -> list[str]:
+    """A budget search's answer, a line per policy (its statement and what its safe budget buys), and the procedure
+    that shared the error rate (verdict.json's `search`; evalkit.gate.search)."""
+    if not search:
+        return []
+    out = [f"budget search: {search['procedure']}"]
+    for entry in search["policies"].values():
+        out.append(f"{entry['status']}: {entry['statement']}")
+        if entry.get("capacity"):
+            out.append(f"  {entry['capacity']['text']}")
+    return out
+
+
+def search_table(search: dict[str, Any] | None) -> list[str]:
+    """Markdown: every budget of every policy searched, its status, drop bounds and KV ratio."""
+    if not search:
+        return []
+    lines = [
+        "",
+        "## How far each policy can compress",
+        "",
+        *[f"- {line}" for line in search_lines(search)],
+        "",
+        "| policy | budget | status | n | drop [bounds] | KV ratio (decoded from) | context only | why not |",
+        "|---|---:|---|---:|---:|---:|---:|---|",
+    ]
+    for chain, entry in search["policies"].items():
+        for r in entry["steps"]:
+            lo, hi = r.get("drop_bounds") or [None, None]
+            why = "; ".join(r["why"][:1]).replace("|", "/")
+            lines.append(
+                f"| {chain} | {r['budget']} | {r['status']} | {r['n']} | {r['drop']:+.3f} [{signed(lo)}, {signed(hi)}]"
+                f" | {r['kv_ratio']:.3f}x | {r['kv_ratio_context']:.3f}x | {why} |"
+            )
+    return lines
 
 
 def headline(verdict: Verdict) -> str:
@@ -135,10 +173,14 @@ def write_outputs(verdict: Verdict, out_dir: Path, t: Thresholds) -> None:
             *([f"To extend the run: `{verdict.extend}`", ""] if verdict.extend else []),
         ]
     lines += [f"- note: {n}" for n in notes(verdict)]
-    lines += [f"- {r}" for r in verdict.reasons] or [
-        f"Every threshold is shown to hold at {t.confidence:.0%} one-sided confidence ({t.multiplicity} across "
-        f"variants), at look {verdict.look.get('look', 1)} of this run (the confidence holds over all its looks)."
-    ]
+    lines += (
+        [f"- {r}" for r in verdict.reasons]
+        or [f"- {x}" for x in search_lines(verdict.search)]
+        or [
+            f"Every threshold is shown to hold at {t.confidence:.0%} one-sided confidence ({t.multiplicity} across "
+            f"variants), at look {verdict.look.get('look', 1)} of this run (the confidence holds over all its looks)."
+        ]
+    )
     if verdict.not_judged:
         lines += [
             "",
@@ -147,6 +189,7 @@ def write_outputs(verdict: Verdict, out_dir: Path, t: Thresholds) -> None:
             "",
         ]
         lines += [f"- not judged: {c}" for c in verdict.not_judged]
+    lines += search_table(verdict.search)
     if verdict.variants:
         lines += tables(verdict, t)
     if verdict.cells:
@@ -266,6 +309,8 @@ def print_verdict(verdict: Verdict) -> None:
     print(f"\nevalkit gate: {headline(verdict)}" + (f" (look {look} of this run)" if look else ""))
     for note in notes(verdict):
         print(f"  - note: {note}")
+    for line in search_lines(verdict.search):
+        print(f"  - {line}")
     for line in bound_lines(verdict.variants):
         print(f"  - {line}")
     for reason in verdict.reasons:

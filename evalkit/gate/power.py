@@ -188,10 +188,10 @@ def betting_contexts(
     return None
 
 
-def contexts_needed(e, t, variants: int = 1) -> int | None:
+def contexts_needed(e, t, variants: int = 1, level: float | None = None) -> int | None:
     """The contexts the next look needs to PASS with about 80% chance if new contexts come like the ones seen (None
-    when they do not favour a PASS)."""
-    level = _level(t, variants)
+    when they do not favour a PASS), tested at `level` (default: the gate's error rate over `variants`)."""
+    level = _level(t, variants) if level is None else level
     ctx, need = e.contexts, 0.0
     for c in e.checks:
         values = {"drop": ctx.drop, "flips": ctx.lost, "kl": ctx.kl, "kl_tail": ctx.kl_above}[c.what]

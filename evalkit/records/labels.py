@@ -70,6 +70,17 @@ def row_label(row: Any) -> str | None:
     return variant_label(policy, quant if isinstance(quant, dict) else None, chunk)
 
 
+def chain_key(row: Any) -> tuple[str, Any] | None:
+    """A search's chain and step of a row, from its record: the label without its budget (`snapkv+int4`,
+    `h2o:chunk512`) and the budget (0.25 or 512); None for a row that records no policy class."""
+    if row_label(row) is None:
+        return None
+    policy, quant, prefill = row["policy"], row.get("quant"), row.get("prefill")
+    chunk = prefill.get("chunk") if isinstance(prefill, dict) and prefill.get("mode") == "chunked" else None
+    tail = quant_part(quant if isinstance(quant, dict) else None) + (f":chunk{chunk}" if chunk else "")
+    return policy_part(policy) + tail, policy.get("budget")
+
+
 def compression_asked(row: Any) -> bool:
     """Whether a row's variant asked for a smaller cache, from what ran rather than what the row says of it: quantized
     storage, or a policy other than the full cache whose budget is below the whole context (a fraction under 1, or a
