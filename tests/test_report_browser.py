@@ -213,3 +213,39 @@ def test_a_needle_run_and_an_lm_eval_ruler_run_make_one_report(report_runs, tmp_
     assert "max_length across" in page.text["cells"]
     assert page.text["runs"].count("tiny-random") >= 2 and "niah_single_1" in page.text["runs"]
     assert "Trade-off" in page.text["tradeoff"] and page.figures["tradeoff-plot"]["data"]
+
+
+# --- a budget search's safe frontier (issue 51) -------------------------------------------------------------------
+
+SEARCH_GATE = "name: wide\nmin_baseline_accuracy: null\nmin_cell_accuracy: null\nmin_samples: 1\nmax_drop: 0.5\n"
+
+
+def test_a_budget_searchs_frontier_reads_right_in_chromium(browser, tmp_path):
+    """A tiny-random search of two policies at two budgets, gated and reported: the frontier draws a marker per
+    budget searched plus the safe budget's star and the first budget not shown safe's cross, as verdict.json says;
+    each policy's statement is on the page as the gate wrote it, with the procedure; no console error."""
+    run, gate = tmp_path / "run", tmp_path / "wide.yaml"
+    gate.write_text(SEARCH_GATE)
+    res = subprocess.run(
+        [sys.executable, "-m", "evalkit", "model=tiny-random", "task.context_lengths=[256]", "task.depths=[0.5]",
+         "search.budgets=[0.75,0.35]", "search.policies=[snapkv,streaming_llm]", "task.max_new_tokens=4",
+         "task.samples_per_cell=4", "gate=none", f"hydra.run.dir={run}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    judged = subprocess.run([sys.executable, "-m", "evalkit.gate", str(run), "--gate", str(gate)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert judged.returncode in (0, 1, 2), judged.stderr[-2000:]
+    search = json.loads((run / "verdict.json").read_text())["search"]
+    res = subprocess.run([sys.executable, "-m", "evalkit.report", str(run), "--out", str(tmp_path / "page")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert open_page(browser, tmp_path / "page" / "report.html", "frontier-plot") == []
+    policies = search["policies"].values()
+    want = sum(len(p["steps"]) + (p["safe_variant"] is not None) + (p["first_not_safe"] is not None) for p in policies)
+    drawn = browser.find_elements(By.CSS_SELECTOR, "#frontier-plot .scatterlayer .trace .points path.point")
+    assert len(drawn) == want
+    shown = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#search-statements .statement")]
+    assert shown == [p["statement"] for p in policies]
+    assert search["procedure"] in browser.find_element(By.ID, "search").text
+    assert console_errors(browser) == []

@@ -95,13 +95,17 @@ def group(rows: list[Row], flip_delta: float = GRADED_FLIP_DELTA, kl_cap: float 
         raw = np.maximum(np.array([float(r["kl_mean"]) for r in rows]), 0.0)
         kl, above = np.minimum(raw, kl_cap) / kl_cap, (raw > kl_cap).astype(float)
     members = list(order.values())
+    which = np.zeros(len(rows), dtype=int)  # each row's document, numbered in order of first appearance
+    for d, idx in enumerate(members):
+        which[idx] = d
+    questions = np.array([len(idx) for idx in members], dtype=int)
 
     def mean(x: np.ndarray) -> np.ndarray:
-        return np.array([x[idx].mean() for idx in members]) if members else np.zeros(0)
+        return np.bincount(which, weights=x, minlength=len(members)) / questions if members else np.zeros(0)
 
     return Contexts(
         ids=list(order),
-        questions=np.array([len(idx) for idx in members], dtype=int),
+        questions=questions,
         drop=mean(diff),
         lost=mean((diff > flip_delta).astype(float)),
         gained=mean((-diff > flip_delta).astype(float)),

@@ -68,6 +68,7 @@ class Family:
     levels: dict[str, float]
     words: dict[str, str]  # per variant, after the test's name: "; Holm's correction over 3 variants"
     untested: dict[str, str] = field(default_factory=dict)
+    fail_words: str | None = None  # how a FAIL's bound is corrected, where not as `words` says (a search's)
 
 
 def holm_family(ev: dict[str, Evidence], skip: set[str], t) -> Family:
@@ -122,7 +123,8 @@ def variant_decisions(
         for c in e.checks:
             c.holds = c.p_holds <= level
         d = Decision("INCONCLUSIVE", look=look, p=e.p_pass, evidence=e)
-        d.fail = [fail_message(name, e, c, t, words, look) for c in e.checks if c.broken]
+        said = words if fam.fail_words is None else fam.fail_words
+        d.fail = [fail_message(name, e, c, t, said, look) for c in e.checks if c.broken]
         if not fam.passed[name]:
             d.open = [fam.untested[name]] if name in fam.untested else open_messages(name, e, t, words, look, level)
         d.status = "FAIL" if d.fail else "PASS" if fam.passed[name] else "INCONCLUSIVE"

@@ -110,10 +110,15 @@ def search_table(search: dict[str, Any] | None) -> list[str]:
             lo, hi = r.get("drop_bounds") or [None, None]
             why = "; ".join(r["why"][:1]).replace("|", "/")
             lines.append(
-                f"| {chain} | {r['budget']} | {r['status']} | {r['n']} | {r['drop']:+.3f} [{signed(lo)}, {signed(hi)}]"
-                f" | {r['kv_ratio']:.3f}x | {r['kv_ratio_context']:.3f}x | {why} |"
+                f"| {str(chain).replace('|', '/')} | {r['budget']} | {r['status']} | {r['n']} | {signed(r['drop'])} "
+                f"[{signed(lo)}, {signed(hi)}] | {_ratio(r['kv_ratio'])} | {_ratio(r['kv_ratio_context'])} | {why} |"
             )
     return lines
+
+
+def _ratio(x: Any) -> str:
+    """A KV ratio in a table (`-` where none was measured, or it is not finite: null in verdict.json)."""
+    return f"{x:.3f}x" if isinstance(x, (int, float)) and x == x else "-"
 
 
 def headline(verdict: Verdict) -> str:

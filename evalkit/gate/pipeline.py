@@ -1,11 +1,12 @@
 """What a CI system reads of a verdict: JUnit XML (one test case per variant and check, so Jenkins', GitLab's and
-GitHub's test views show which variant failed and why) and a Markdown summary for GitHub's step summary.
-
-Both are built from the verdict document (outputs.verdict_doc, what verdict.json holds) and decide nothing. A case
-passes only where the gate showed its check to hold: a check shown broken is a failure, one shown neither way
-(INCONCLUSIVE) a failure too, and records that could not be judged an error. Nothing is skipped, so nothing that is
-not a PASS is green. Cases are named by what they test, never by the outcome: `evalkit.<task>.<variant>` (dots and
-other characters a CI system reads as structure made `_`) and the check, so a PASS turning FAIL is one case failing.
+GitHub's test views show which variant failed and why) and a Markdown summary for GitHub's step summary. Both are
+built from the verdict document (outputs.verdict_doc, what verdict.json holds) and decide nothing. A case passes only
+where the gate showed its check to hold: a check shown broken is a failure, one shown neither way (INCONCLUSIVE) a
+failure too, and records that could not be judged an error. Nothing else is skipped, so nothing that is not a PASS is
+green; in a budget search the budgets past a policy's answer are skipped (the search reports them, it does not fail
+on them) and each policy has a `safe_budget` case. Cases are named by what they test, never by the outcome:
+`evalkit.<task>.<variant>` (dots and other characters a CI system reads as structure made `_`) and the check, so a
+PASS turning FAIL is one case failing.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from evalkit.errors import ConfigError
 from evalkit.gate.decide import SHOWN_TO_FAIL
-from evalkit.gate.outputs import drop_bound, signed
+from evalkit.gate.outputs import drop_bound, search_table, signed
 from evalkit.gate.summary import is_baseline
 
 SUITE = "evalkit.gate"
@@ -106,8 +107,10 @@ def cases(doc: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         said = f"checks not shown to hold: {', '.join(short)}" if short else "every check shown to hold"
         message = "; ".join([f"{status}: {said}", *by_check.get("status", [])])
         out.append((classname[name], "status", _outcome(status), status, message))
+    out = _searched(doc, out, classname)
     status = str(doc.get("verdict"))
     failing = [n for n, s in judged.items() if s["gate"].get("status") != "PASS" or mine[n]]
+    failing = [n for n in failing if n not in beyond_answer(doc)]
     message = "; ".join(
         [
             status,
@@ -118,6 +121,42 @@ def cases(doc: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     )
     out.append((*WHOLE, _outcome(status), status, message))
     return out
+
+
+def beyond_answer(doc: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """In a budget search, the variants past each policy's answer (below its safe budget, or below its largest
+    budget where it has none), with their status in the search and the policy's statement: the search decided on
+    the policy at its answer, and the budgets past it are what it reports, not what it fails on."""
+    search = doc.get("search") if isinstance(doc.get("search"), dict) else {}
+    out = {}
+    for entry in (search.get("policies") or {}).values():
+        steps = entry.get("steps") or []
+        cut = next((i for i, st in enumerate(steps) if st.get("status") != "PASS"), len(steps))
+        for st in steps[max(cut, 1) :]:
+            out[str(st.get("variant"))] = (str(st.get("status")), str(entry.get("statement")))
+    return out
+
+
+def _searched(doc: dict[str, Any], out: list, classname: dict[str, str]) -> list:
+    """A budget search's cases: the variants past each policy's answer skipped (their status in the search and the
+    policy's statement as the message: neither green nor a failure), and a case per policy, `safe_budget`, passed
+    where the policy is shown safe at a budget, its statement and what the safe budget buys as the message."""
+    if not isinstance(doc.get("search"), dict):
+        return out
+    past = beyond_answer(doc)
+    by_class = {classname[n]: past[n] for n in past if n in classname}
+    kept = []
+    for case in out:
+        if case[0] in by_class:
+            status, said = by_class[case[0]]
+            case = (case[0], case[1], "skipped", status, f"budget search: {status} at this budget ({said}); {case[4]}")
+        kept.append(case)
+    for chain, entry in (doc["search"].get("policies") or {}).items():
+        status = str(entry.get("status"))
+        capacity = entry.get("capacity") if isinstance(entry.get("capacity"), dict) else {}
+        said = "; ".join([str(entry.get("statement")), *([str(capacity["text"])] if capacity.get("text") else [])])
+        kept.append((f"evalkit.search.{_safe(chain)}", "safe_budget", _outcome(status), status, said))
+    return kept
 
 
 def _status(decided: str, kinds: list[str]) -> str:
@@ -168,7 +207,7 @@ def _clean(text: Any) -> str:
 def junit_xml(doc: dict[str, Any]) -> str:
     """The verdict as a JUnit XML document (one <testsuite>, a <testcase> per variant and check)."""
     rows = cases(doc)
-    count = {k: sum(1 for r in rows if r[2] == k) for k in ("failure", "error")}
+    count = {k: sum(1 for r in rows if r[2] == k) for k in ("failure", "error", "skipped")}
     suites = ET.Element("testsuites", name=SUITE)
     suite = ET.SubElement(
         suites,
@@ -177,11 +216,11 @@ def junit_xml(doc: dict[str, Any]) -> str:
         tests=str(len(rows)),
         failures=str(count["failure"]),
         errors=str(count["error"]),
-        skipped="0",
+        skipped=str(count["skipped"]),
     )
     for classname, name, outcome, kind, message in rows:
         case = ET.SubElement(suite, "testcase", classname=_clean(classname), name=_clean(name))
-        if outcome != "passed":
+        if outcome != "passed":  # failure, error, or skipped (a budget past a search's answer)
             text = _clean(message)
             ET.SubElement(case, outcome, message=text[:2000], type=_clean(kind)).text = text
     return ET.tostring(suites, encoding="unicode", xml_declaration=True) + "\n"
@@ -218,6 +257,7 @@ def step_summary(doc: dict[str, Any]) -> str:
                 f"{p.get('gained')} | {'-' if ratio is None else f'{ratio:.3f}'} |"
             )
         lines.append("")
+    lines += [line.replace("\n", " ") for line in search_table(doc.get("search"))] + ([""] if doc.get("search") else [])
     lines += [f"- {_cell(r)}" for r in doc.get("reasons") or []]
     if doc.get("advice"):
         lines += ["", f"To settle it: {doc['advice']}"]

@@ -13,6 +13,7 @@ look is the anytime-valid betting test (evalkit.gate.checks):
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -39,13 +40,19 @@ def _reachable(t, p_lost: float, p_gained: float) -> bool:
 def lossless_contexts(t, budget: float) -> int:
     """The fewest one-question contexts with nothing lost that PASS by betting at `budget`: the drop's and the flip
     rate's wealth on all-zero values both reach 1 / budget (LIMIT when they never do)."""
+    return _lossless(t.max_drop, t.max_flip_rate, budget)
+
+
+@functools.lru_cache(maxsize=256)
+def _lossless(max_drop: float | None, max_flip_rate: float | None, budget: float) -> int:
+    """lossless_contexts of the limits themselves (each variant's floor asks it again: computed once)."""
     n = np.arange(1, LIMIT + 1)
     zeros = np.stack([n, 0 * n], axis=-1)  # counts of the values 0 (nothing lost) and 1
     ok = np.ones(n.shape, dtype=bool)
-    if t.max_drop is not None:
-        ok &= betting.log_wealth_counts(zeros, [0.0, 1.0], t.max_drop, -1.0, 1.0) >= math.log(1 / budget)
-    if t.max_flip_rate is not None:
-        ok &= betting.log_wealth_counts(zeros, [0.0, 1.0], t.max_flip_rate, 0.0, 1.0) >= math.log(1 / budget)
+    if max_drop is not None:
+        ok &= betting.log_wealth_counts(zeros, [0.0, 1.0], max_drop, -1.0, 1.0) >= math.log(1 / budget)
+    if max_flip_rate is not None:
+        ok &= betting.log_wealth_counts(zeros, [0.0, 1.0], max_flip_rate, 0.0, 1.0) >= math.log(1 / budget)
     hit = np.nonzero(ok)[0]
     return int(hit[0]) + 1 if hit.size else LIMIT
 

@@ -88,7 +88,9 @@ def chain_family(ev: dict[str, Evidence], skip: set[str], t, chains: Chains) -> 
                     f"{name}: not tested: {steps[res.rejected]}, a larger budget of {chain}, is not shown safe (the "
                     "search tests the budgets from the largest down and stops at the first not shown safe)"
                 )
-    return Family(passed, levels, words, untested)
+    claims = sum(len(e.checks) for e in ev.values())  # a FAIL is one claim among every variant's checks (decide)
+    fails = f"; {t.multiplicity.capitalize()}'s correction over {claims} claims of a check broken" if claims > 1 else ""
+    return Family(passed, levels, words, untested, fails if t.multiplicity != "none" else "")
 
 
 @dataclass

@@ -29,7 +29,35 @@ def verdict_fields(doc: dict[str, Any], label: str | None) -> dict[str, Any]:
     drop = {} if bound is None else dict(zip(("drop_lower", "drop_upper"), bound["bounds"], strict=True))
     if bound is not None:
         drop["drop_bound_method"] = bound["method"]
-    return {"verdict": doc.get("verdict"), "gate_status": status.get("status"), "gate_reasons": own or reasons} | drop
+    fields = {"verdict": doc.get("verdict"), "gate_status": status.get("status"), "gate_reasons": own or reasons}
+    return fields | drop | (search_fields(doc, label) if label else {})
+
+
+def search_fields(doc: dict[str, Any], label: str) -> dict[str, Any]:
+    """In a budget search, the answer for the variant's policy under `search/`: its status and statement, the safe
+    budget, the KV ratio of the cache decoded from at it, the sequences it buys beside the full cache's, and this
+    budget's status in the search (every variant of a policy carries its policy's answer, so a W&B panel grouped by
+    policy reads it from any of them)."""
+    search = doc.get("search") if isinstance(doc.get("search"), dict) else {}
+    for chain, entry in (search.get("policies") or {}).items():
+        steps = {st.get("variant"): st for st in entry.get("steps") or []}
+        if label not in steps:
+            continue
+        safe = steps.get(entry.get("safe_variant")) or {}
+        capacity = entry.get("capacity") if isinstance(entry.get("capacity"), dict) else {}
+        return {
+            "search/policy": chain,
+            "search/status": entry.get("status"),
+            "search/statement": entry.get("statement"),
+            "search/safe_budget": entry.get("safe_budget"),
+            "search/safe_kv_ratio": safe.get("kv_ratio"),
+            "search/sequences": capacity.get("sequences"),
+            "search/sequences_full_cache": capacity.get("sequences_full_cache"),
+            "search/times_the_sequences": capacity.get("times"),
+            "search/step_status": steps[label].get("status"),
+            "search/procedure": search.get("procedure"),
+        }
+    return {}
 
 
 def label_of(variant: str, labels: list[str]) -> str | None:

@@ -44,6 +44,7 @@ class VerdictView:
     drop: dict[str, dict[str, Any]] = field(default_factory=dict)
     headline: str = ""  # the console's first line (a PASS at thresholds other than the defaults says so)
     notes: list[str] = field(default_factory=list)  # the console's notes: unfinished, declared bytes, thresholds
+    search: dict[str, Any] | None = None  # a budget search's answer (verdict.json `search`), else None
 
     @property
     def exit_code(self) -> int | None:
@@ -103,6 +104,7 @@ def _from_doc(doc: dict[str, Any], source: str) -> VerdictView:
         drop={name: b for name, s in variants.items() if (b := drop_bound(s)) is not None},
         headline=headline_text(status, _texts(doc, "declared_bytes"), _texts(doc, "non_default_thresholds")),
         notes=note_lines(*(_texts(doc, k) for k in ("unfinished", "declared_bytes", "non_default_thresholds"))),
+        search=doc.get("search") if isinstance(doc.get("search"), dict) else None,
     )
 
 

@@ -33,6 +33,7 @@ from evalkit.records import BASELINE, Row
 from evalkit.records.schema import flip_cause
 from evalkit.records.summary import cell_key, summarize
 from evalkit.report.data import Line, VerdictView, line_of, row_lines, run_folders, run_panel
+from evalkit.report.frontier import search_section
 from evalkit.report.html import accuracy_colour, figure, write_page
 from evalkit.units import fmt_bytes
 
@@ -472,6 +473,7 @@ def build(
         "runs": [str(d) for d in run_dirs],
         "verdict": verdict,
         "warnings": warnings,
+        "search": search_section(verdict.search, verdict.thresholds),
         "tradeoff": figure(tradeoff_figure(summary, verdict), "tradeoff-plot", 500),
         "kl": figure(kl, "kl-plot", 380) if kl is not None else None,
         "variants": variant_table(summary, verdict, rows),
