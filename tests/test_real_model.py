@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -101,3 +104,40 @@ def test_middoc_on_smollm2_reports_easy_and_hard(tmp_path):
     ]
     assert sum(r["score"] for r in rows if r["variant"] == "baseline") >= 1, "SmolLM2 should find a stated fact"
     assert "streaming_llm@0.25: easy" in result.stdout and "| hard" in result.stdout
+
+
+def test_a_budget_search_on_smollm2_end_to_end(tmp_path):
+    """`search.budgets` on the real model: every budget on the same samples in one folder, the cache each kept as
+    StreamingLLM's rule says (a needle at half depth is held at 0.75, where the kept window is the last three
+    quarters, and evicted at 0.25), and the gate's answer in verdict.json with its steps from the largest budget."""
+    result = run_cli(
+        "model=smollm2-135m",
+        "task=needle",
+        "task.context_lengths=[1024]",
+        "task.depths=[0.5]",
+        "task.samples_per_cell=2",
+        "search.policies=[streaming_llm]",
+        "search.budgets=[0.25,0.75]",
+        f"hydra.run.dir={tmp_path}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_rows(tmp_path / "samples.jsonl")
+    assert sorted({r["variant"] for r in rows}) == ["baseline", "streaming_llm@0.25", "streaming_llm@0.75"]
+    assert len(rows) == 2 * 3
+    layers = len(rows[0]["evidence_retained_per_layer"])
+    for r in rows:
+        kept = {"baseline": 1.0, "streaming_llm@0.75": 1.0, "streaming_llm@0.25": 0.0}[r["variant"]]
+        assert r["evidence_retained_per_layer"] == [kept] * layers
+    gate = tmp_path / "wide.yaml"
+    gate.write_text("name: wide\nmin_baseline_accuracy: null\nmin_cell_accuracy: null\nmin_samples: 1\nmax_drop: 0.5\n")
+    judged = run_cli_gate(tmp_path, gate)
+    assert judged.returncode in (0, 1, 2), judged.stderr[-2000:]
+    search = json.loads((tmp_path / "verdict.json").read_text())["search"]
+    steps = search["policies"]["streaming_llm"]["steps"]
+    assert [s["budget"] for s in steps] == [0.75, 0.25] and all(s["n"] == 2 for s in steps)
+    assert steps[0]["kv_ratio_context"] == pytest.approx(0.75, abs=0.01)
+
+
+def run_cli_gate(folder, gate):
+    return subprocess.run([sys.executable, "-m", "evalkit.gate", str(folder), "--gate", str(gate)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip

@@ -20,6 +20,7 @@ from evalkit.gate.outputs import verdict_doc
 from evalkit.gate.pipeline import junit_xml, step_summary
 from evalkit.gate.thresholds import Thresholds
 from evalkit.gate.tracked import verdict_fields
+from evalkit.report.frontier import search_section
 from evalkit.stats import holm
 from evalkit.stats.chains import test_chains as chains_test
 from tests.conftest import ROOT, compose_config, judge_rows, run_cli
@@ -266,3 +267,23 @@ def test_the_step_summary_and_wandb_carry_each_policys_answer():
     capacity = doc["search"]["policies"]["streaming_llm"]["capacity"]
     assert verdict_fields(doc, "streaming_llm@0.75")["search/sequences"] == capacity["sequences"]
     assert "search/policy" not in verdict_fields(doc, "baseline")
+
+
+@pytest.mark.parametrize(
+    "info",
+    [{"search": [1]}, {"search": "x"}, {"search": {"budgets": {"a": 1}}}, {"search": {"budgets": None}}],
+)
+def test_a_run_json_of_any_shape_does_not_crash_the_search(info):
+    """run.json's config as the gate reads it (an object: evalkit.gate.reading refuses one that is not), its
+    `search` of any shape."""
+    v = judge_rows(search_rows({"snapkv@0.75": LOSSLESS}), [{"run_id": "r1", "config": info}], Thresholds())
+    assert v.status in ("PASS", "FAIL", "INCONCLUSIVE", "CANNOT JUDGE")
+
+
+def test_a_page_and_wandb_read_a_hand_edited_search_without_a_crash():
+    doc = search_doc()
+    doc["search"]["policies"]["snapkv"]["steps"] = ["x", 3, {"variant": "snapkv@0.75"}]
+    doc["search"]["policies"]["bad"] = "not an entry"
+    section = search_section(doc["search"], {"max_drop": 0.05})
+    assert [p["policy"] for p in section["policies"]] == ["snapkv", "streaming_llm"]
+    assert verdict_fields(doc, "snapkv@0.75")["search/policy"] == "snapkv"

@@ -28,13 +28,19 @@ NOT_TESTED = "NOT TESTED"
 def is_search(infos: list[dict]) -> tuple[bool, list[str]]:
     """Whether the runs judged are a budget search (their run.json config has search.budgets), and why they cannot be
     judged together (a search judged with runs that are not one)."""
-    flags = [bool(((i.get("config") or {}).get("search") or {}).get("budgets")) for i in infos]
+    flags = [bool(_mapping(_mapping(_mapping(i).get("config")).get("search")).get("budgets")) for i in infos]
     if any(flags) and not all(flags):
         return False, [
             "a budget search is judged on its own: judge its run folder alone (the other runs are not "
             "part of its search)"
         ]
     return bool(flags) and all(flags), []
+
+
+def _mapping(x: Any) -> dict:
+    """x where it is a mapping, else an empty one (a run.json of any shape is read without a crash; its checks say
+    what is wrong with it)."""
+    return x if isinstance(x, dict) else {}
 
 
 @dataclass

@@ -39,8 +39,11 @@ def search_fields(doc: dict[str, Any], label: str) -> dict[str, Any]:
     budget's status in the search (every variant of a policy carries its policy's answer, so a W&B panel grouped by
     policy reads it from any of them)."""
     search = doc.get("search") if isinstance(doc.get("search"), dict) else {}
-    for chain, entry in (search.get("policies") or {}).items():
-        steps = {st.get("variant"): st for st in entry.get("steps") or []}
+    policies = search.get("policies") if isinstance(search.get("policies"), dict) else {}
+    for chain, entry in policies.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("steps"), list):
+            continue
+        steps = {st.get("variant"): st for st in entry["steps"] if isinstance(st, dict)}
         if label not in steps:
             continue
         safe = steps.get(entry.get("safe_variant")) or {}

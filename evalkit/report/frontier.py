@@ -126,11 +126,19 @@ def _mark(fig: go.Figure, chain: str, entry: dict[str, Any], steps: list[dict[st
                            showarrow=True, arrowhead=2, ax=0, ay=40, font={"size": 10, "color": "#b91c1c"})  # fmt: skip
 
 
+def _entry(entry: dict[str, Any]) -> dict[str, Any]:
+    """A policy's entry with only its steps that are objects (verdict.json is the gate's: this keeps a page from
+    failing on a hand-edited one, which evalkit.gate.shown does not vouch for field by field)."""
+    steps = entry.get("steps") if isinstance(entry.get("steps"), list) else []
+    return {**entry, "steps": [s for s in steps if isinstance(s, dict)]}
+
+
 def search_section(search: Any, thresholds: dict[str, Any]) -> dict[str, Any] | None:
     """What report.html.j2's search section shows: the procedure, each policy's status, statement, safe budget and
     capacity text, and the figure; None where the verdict shown has no search."""
     if not isinstance(search, dict) or not isinstance(search.get("policies"), dict) or not search["policies"]:
         return None
+    search = {**search, "policies": {k: _entry(v) for k, v in search["policies"].items() if isinstance(v, dict)}}
     policies = []
     for chain, entry in search["policies"].items():
         capacity = entry.get("capacity") if isinstance(entry.get("capacity"), dict) else None
