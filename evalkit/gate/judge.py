@@ -15,6 +15,7 @@ from evalkit.capacity import capacity
 from evalkit.gate import looks, search
 from evalkit.gate.decide import (
     SHOWN_TO_FAIL,
+    Decision,
     cell_decisions,
     decision_summary,
     look_record,
@@ -100,27 +101,18 @@ def judge(
     key = looks.digest(rows, t)
     summary = summarize(rows, label_order) if rows else {}
     weak, not_judged = baseline_problems(summary, t)
-    # capacity is a figure per model: with several, each is counted against the largest model's weights
-    weights = max((_field(i, "weights") or 0 for i in infos), default=0)
-    cap = capacity(summary, weights, float(t.capacity["gpu_gib"]), int(t.capacity["context"]))
+    cap = _capacity(summary, infos, t)
     if cannot or weak:
         chunked = chunked_vs_oneshot(rows) if rows else []
         return Verdict("CANNOT JUDGE", [*cannot, *weak, *reasons], summary, capacity=cap, chunked=chunked, digest=key)
-    by_variant: dict[str, list[Row]] = {}
-    for r in rows:
-        by_variant.setdefault(r.variant, []).append(r)
-    policies = {name: by_variant[name] for name in summary if not is_baseline(name)}
+    policies = _policies(rows, summary)
     chains, unordered = _chains(infos, policies)
     if unordered:
         return Verdict("CANNOT JUDGE", [*unordered, *reasons], summary, capacity=cap, digest=key)
     history = looks.history(recorded, key)
     cells = cell_decisions(policies, t)
     own = {n: cell_reasons(n, cells, t) + record_reasons(n, rs, summary[n], t) for n, rs in policies.items()}
-    if chains is None:
-        decisions = variant_decisions(policies, t, history.number)
-    else:
-        family = functools.partial(search.chain_family, chains=chains)
-        decisions = variant_decisions(policies, t, history.number, family, frozenset(n for n in own if own[n]))
+    decisions = _decisions(policies, t, history.number, chains, own)
     now, runs = look_record(decisions, cells), sorted(str(i.get("run_id")) for i in infos)
     edited = looks.mismatches(recorded, key, t, runs, now)
     if edited:
@@ -130,13 +122,8 @@ def judge(
         note = unjudged_cells(cells, name, t)
         not_judged += [note] if note else []
         own[name] = decisions[name].fail + own[name]
-    if chains is None:
-        reasons += [r for n in policies for r in own[n]]
-        inconclusive, pending = [o for n in policies for o in decisions[n].open], list(policies)
-        searched = None
-    else:
-        searched = search.found(chains, decisions, own, summary, cap, t)
-        reasons, inconclusive, pending = reasons + searched.fail, searched.open, searched.next
+    searched = None if chains is None else search.found(chains, decisions, own, summary, cap, t)
+    reasons, inconclusive, pending = _reasons(reasons, own, decisions, searched)
     status = "FAIL" if reasons else "INCONCLUSIVE" if inconclusive else "PASS"
     advise = status == "INCONCLUSIVE" or (searched is not None and pending)
     pick = {n: decisions[n] for n in pending}
@@ -165,6 +152,42 @@ def judge(
         non_default=non_default(t),
         search=searched.doc if searched is not None else None,
     )
+
+
+def _reasons(
+    reasons: list[str], own: dict[str, list[str]], decisions: dict[str, Decision], searched: search.Found | None
+) -> tuple[list[str], list[str], list[str]]:
+    """The verdict's reasons to FAIL, what is open, and the variants the advice is for: every variant's, or a
+    search's (its policies' answers: a budget past one is reported, not failed on)."""
+    if searched is None:
+        opened = [o for n in own for o in decisions[n].open]  # `own` is in the variants' order
+        return reasons + [r for n in own for r in own[n]], opened, list(own)
+    return reasons + searched.fail, searched.open, searched.next
+
+
+def _capacity(summary: dict[str, Any], infos: list[dict], t: Thresholds) -> dict[str, Any]:
+    """The capacity line: a figure per model; with several, each counted against the largest model's weights."""
+    weights = max((_field(i, "weights") or 0 for i in infos), default=0)
+    return capacity(summary, weights, float(t.capacity["gpu_gib"]), int(t.capacity["context"]))
+
+
+def _policies(rows: list[Row], summary: dict[str, Any]) -> dict[str, list[Row]]:
+    """Each judged variant's rows (every variant but the baseline), in the summary's order."""
+    by_variant: dict[str, list[Row]] = {}
+    for r in rows:
+        by_variant.setdefault(r.variant, []).append(r)
+    return {name: by_variant[name] for name in summary if not is_baseline(name)}
+
+
+def _decisions(
+    policies: dict[str, list[Row]], t: Thresholds, number: int, chains: search.Chains | None, own: dict[str, list]
+) -> dict[str, Decision]:
+    """Each variant's decision: Holm across the variants, or a search's chains (a variant with reasons of its own,
+    its cells or records, never tested there)."""
+    if chains is None:
+        return variant_decisions(policies, t, number)
+    family = functools.partial(search.chain_family, chains=chains)
+    return variant_decisions(policies, t, number, family, frozenset(n for n in own if own[n]))
 
 
 def _chains(infos: list[dict], policies: dict[str, list[Row]]) -> tuple[search.Chains | None, list[str]]:
