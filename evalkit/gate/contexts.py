@@ -119,7 +119,7 @@ def group(rows: list[Row], flip_delta: float = GRADED_FLIP_DELTA, kl_cap: float 
 
 
 def by_cell(rows: list[Row]) -> dict[str, list[Row]]:
-    """A variant's rows per cell (evalkit.gate.summary.cell_key), cells sorted."""
+    """A variant's rows per cell (evalkit.records.summary.cell_key), cells sorted."""
     cells: dict[str, list[Row]] = {}
     for r in rows:
         cells.setdefault(cell_key(r.cell), []).append(r)

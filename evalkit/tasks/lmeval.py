@@ -5,7 +5,7 @@ lm-eval's synthetic long-context suites take their settings from `task.metadata`
 (Hsieh et al. 2024, "RULER: What's the Real Context Size of Your Long-Context Language Models?", arXiv:2404.06654)
 builds its haystacks at `task.metadata.max_seq_lengths`, sized by `task.metadata.tokenizer` (by default the
 evaluated model's own tokenizer). `task.metric` names the per-document metric that the paired records and flips
-are scored by (evalkit.lmeval.choose_metrics: a sound default per task, a refusal when it is ambiguous).
+are scored by (evalkit.lmeval.metrics.choose_metrics: a sound default per task, a refusal when it is ambiguous).
 See evalkit.lmeval for how requests are answered.
 """
 
