@@ -9,13 +9,13 @@ import re
 import numpy as np
 import pytest
 
+from evalkit.arch import Arch
 from evalkit.backends.agreement import full_vocabulary, shared_positions, top_tokens
 from evalkit.backends.kvbytes import block_bytes, declared_bytes, per_element, row_bytes
 from evalkit.backends.llamacpp import CacheTypes, parse_variant, state_caches, state_kv_bytes
 from evalkit.cli.precheck import precheck
 from evalkit.config.choices import check_choices
 from evalkit.errors import ConfigError
-from evalkit.plan.arch import Arch
 from tests.conftest import run_cli
 
 # SmolLM2-135M: 30 layers, 3 KV heads of 64 dimensions (its config.json)

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 from datasets import Dataset
 
+from evalkit.arch import arch_from_config
 from evalkit.cli import precheck as precheck_module
 from evalkit.cli.lmeval import CommandLineLM, model_config
 from evalkit.cli.main import main as evalkit_main
 from evalkit.errors import ConfigError
 from evalkit.gate.judge import extend_command
 from evalkit.lmeval.metrics import choose_metrics
-from evalkit.plan.arch import arch_from_config
 from evalkit.plan.settings import settings as plan_settings
 from evalkit.tasks.hf import HfTask
 from tests.conftest import ROOT

@@ -14,16 +14,16 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from evalkit.arch import Arch, arch_from_config, kv_bytes_per_sequence, kv_bytes_per_token
 from evalkit.capacity import capacity, free_bytes, sequences
 from evalkit.cli.spec import model_spec
 from evalkit.errors import ConfigError
-from evalkit.plan.arch import Arch, arch_from_config, kv_bytes_per_sequence, kv_bytes_per_token
+from evalkit.params import count_params, metadata_params
 from evalkit.plan.guide import capacity_rows
 from evalkit.plan.measured import failed_cells
-from evalkit.plan.params import count_params, metadata_params
 from evalkit.plan.pressure import crossover_context, link_seconds, offload, pressure
 from evalkit.plan.settings import Settings, settings
-from evalkit.plan.sources import read_source
+from evalkit.sources import read_source
 from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,8 +209,8 @@ def test_gate_capacity_uses_the_plan_arithmetic():
 
 def test_cache_root_is_the_models():
     """plan reads the embedded models' converted folder where evalkit.engine.models converts them: one function."""
+    from evalkit import sources
     from evalkit.engine import models
-    from evalkit.plan import sources
 
     assert sources.converted_folder is models.converted_folder
 

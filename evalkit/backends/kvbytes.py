@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from evalkit.arch import ELEMENT, Arch, kv_bytes_per_sequence
 from evalkit.errors import ConfigError
-from evalkit.plan.arch import ELEMENT, Arch, kv_bytes_per_sequence
 
 # The cache types llama.cpp accepts for --cache-type-k / --cache-type-v
 CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")

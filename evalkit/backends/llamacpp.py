@@ -25,14 +25,14 @@ from typing import Any
 
 import numpy as np
 
+from evalkit.arch import Arch, arch_from_config
 from evalkit.backends import BackendSpec, Job, Result, check_generates, check_variants_unused
 from evalkit.backends.agreement import full_vocabulary
 from evalkit.backends.kvbytes import CACHE_TYPES, ENGINE_STATE, FORMAT, block_bytes, ggml_type
 from evalkit.embedded import file_sha256, gguf_path
 from evalkit.errors import ConfigError
 from evalkit.fields import check_fields
-from evalkit.plan.arch import Arch, arch_from_config
-from evalkit.plan.sources import read_source
+from evalkit.sources import read_source
 
 T = r"[a-z0-9_]+"  # a cache type's name
 SPEC = re.compile(

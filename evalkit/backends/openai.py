@@ -26,15 +26,15 @@ from urllib.parse import urlparse
 import httpx
 import openai
 
+from evalkit.arch import ELEMENT, Arch, arch_from_config
 from evalkit.backends import BackendSpec, Job, Result, check_generates, check_variants_unused
 from evalkit.backends.agreement import top_tokens
 from evalkit.backends.kvbytes import CACHE_TYPES, DECLARED, declared_bytes, per_element
 from evalkit.errors import ConfigError
 from evalkit.fields import check_fields
-from evalkit.plan.arch import ELEMENT, Arch, arch_from_config
-from evalkit.plan.sources import read_source
 from evalkit.records import BASELINE
 from evalkit.records.checks import shared_endpoints
+from evalkit.sources import read_source
 
 FP8 = ("fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's and SGLang's --kv-cache-dtype names: one byte per value
 NOT_OBSERVED = {

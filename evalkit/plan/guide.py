@@ -6,14 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from evalkit.arch import Arch, arch_from_config, element_bytes, format_bytes, kv_bytes_per_sequence
 from evalkit.capacity import free_bytes, sequences
 from evalkit.modelspec import ModelSpec
-from evalkit.plan.arch import Arch, arch_from_config, element_bytes, format_bytes, kv_bytes_per_sequence
+from evalkit.params import count_params
 from evalkit.plan.measured import measured_variants
-from evalkit.plan.params import count_params
 from evalkit.plan.pressure import BATCHES, LINKS, crossover_context, offload, pressure
 from evalkit.plan.settings import Settings
-from evalkit.plan.sources import Source, model_label, read_source
+from evalkit.sources import Source, model_label, read_source
 from evalkit.units import GiB
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from evalkit.plan.arch import Arch, kv_bytes_per_sequence
+from evalkit.arch import Arch, kv_bytes_per_sequence
 
 # One-way bandwidth in GB/s (1e9 bytes): PCIe x16 Gen4 16 GT/s x 16 lanes (31.5 GB/s after 128b/130b coding), Gen5 twice
 # that; NVLink-C2C (Grace Hopper) 900 GB/s in both directions together, 450 each way.

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from evalkit.arch import ELEMENT
 from evalkit.errors import ConfigError
 from evalkit.fields import number
-from evalkit.plan.arch import ELEMENT
 from evalkit.plan.pressure import LINKS
 
 

@@ -96,7 +96,7 @@ def _check_heads(name: str, layers: int, heads: int, kv_heads: object, head_dim:
         raise ConfigError(f"model {name}: head_dim={head_dim!r} in its config; give a whole number >= 1")
 
 
-# The config's other counts the planner reads (arch_from_config, evalkit.plan.params), each the least it may be where
+# The config's other counts the planner reads (arch_from_config, evalkit.params), each the least it may be where
 # given: a string, a float, a bool or a negative count is refused rather than read as something else.
 COUNTS = {
     "vocab_size": 1,

@@ -8,7 +8,7 @@ import math
 import struct
 from pathlib import Path
 
-from evalkit.plan.arch import Arch
+from evalkit.arch import Arch
 
 
 def _mlp(cfg: dict, hidden: int, layer: int) -> tuple[int, int]:

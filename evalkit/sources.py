@@ -13,7 +13,7 @@ from pathlib import Path
 from evalkit.embedded import byte_tokenizer, converted_folder
 from evalkit.errors import ConfigError
 from evalkit.modelspec import ModelSpec
-from evalkit.plan.params import metadata_params
+from evalkit.params import metadata_params
 
 
 @dataclass
