@@ -181,7 +181,7 @@ def test_a_chunked_run_records_its_bounded_peak_and_the_gate_report_sets_it_besi
     )
     cfg.prefill = compose_config("prefill=chunked").prefill
     cfg.prefill.chunk = 32
-    run(job_spec(cfg, tmp_path))
+    run(*job_spec(cfg, tmp_path))
     rows = {
         r["variant"]: r
         for r in read_rows(tmp_path / SAMPLES)

@@ -10,7 +10,7 @@ from hydra.utils import instantiate
 
 from evalkit.cli.config import build, wrapped_fields
 from evalkit.cli.precheck import precheck
-from evalkit.cli.spec import model_spec, run_spec
+from evalkit.cli.spec import check, model_spec
 from evalkit.config.choices import check_choices, options
 from evalkit.engine import models
 from evalkit.errors import ConfigError
@@ -53,7 +53,7 @@ def test_every_policy_config_composes_and_instantiates(name):
         cfg.policy.threshold, cfg.policy.inner.weights_path = -9.0, str(WEIGHTS_TINY["kvzap"])
         policy = build(cfg.policy, "policy")
     policy.validate(None)  # every value of the shipped YAML has its field's type
-    run_spec(cfg)  # and the whole config passes the checks made before a model loads
+    check(cfg)  # and the whole config passes the checks made before a model loads
 
 
 @pytest.mark.parametrize("name", options("task"))

@@ -50,7 +50,7 @@ def real_run(folder: Path, data: Path) -> Path:
     from evalkit.cli.job import job_spec, run
 
     overrides = ["model=tiny-random", "task=hf", f"task.path={data}", "task.split=train", "protocol=query_aware"]
-    run(job_spec(compose_config(*overrides, "variants=[none@1.0]"), folder))
+    run(*job_spec(compose_config(*overrides, "variants=[none@1.0]"), folder))
     return folder
 
 

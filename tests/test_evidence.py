@@ -30,7 +30,7 @@ def real_run(folder: Path, *overrides: str) -> Path:
     """A run written by evalkit itself (evalkit.cli.job.run, in this process: the same code as the command line)."""
     from evalkit.cli.job import job_spec, run
 
-    run(job_spec(compose_config(*FIDELITY, *overrides), folder))
+    run(*job_spec(compose_config(*FIDELITY, *overrides), folder))
     return folder
 
 

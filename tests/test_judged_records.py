@@ -35,7 +35,7 @@ def real_run(folder: Path, data: Path, *overrides: str) -> Path:
     from evalkit.cli.job import job_spec, run
 
     base = ["model=tiny-random", "task=jsonl", f"task.path={data}", "task.max_new_tokens=4"]
-    run(job_spec(compose_config(*base, *overrides), folder))
+    run(*job_spec(compose_config(*base, *overrides), folder))
     return folder
 
 

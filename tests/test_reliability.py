@@ -71,13 +71,13 @@ def test_a_full_disk_is_a_clear_error_and_the_records_stay_whole(tmp_path, monke
 
     monkeypatch.setattr(records.os, "fsync", fsync)
     with pytest.raises(ConfigError, match="No space left on device.*intact.*resume=true"):
-        run(job_spec(cfg, tmp_path))
+        run(*job_spec(cfg, tmp_path))
     data = (tmp_path / SAMPLES).read_bytes()
     # the first sample whole, none of the second (before rows were written one by one: 3, a sample split)
     assert data.endswith(b"\n") and len(read_rows(tmp_path / SAMPLES)) == 2 == len(data.splitlines())
     monkeypatch.setattr(records.os, "fsync", real_fsync)
     cfg.resume = True
-    run(job_spec(cfg, tmp_path))
+    run(*job_spec(cfg, tmp_path))
     assert len(read_rows(tmp_path / SAMPLES)) == 6
 
 

@@ -111,7 +111,7 @@ def test_a_consistent_forgery_is_caught_by_rescoring_on_resume(tmp_path):
 
     args = ["model=tiny-random", "task.context_lengths=[128]", "task.depths=[0.0,1.0]", "policy.budget=0.5"]
     out = tmp_path / "run"
-    run(job_spec(compose_config(*args, "task.samples_per_cell=1"), out))
+    run(*job_spec(compose_config(*args, "task.samples_per_cell=1"), out))
     path = out / "samples.jsonl"
     rows = [dict(r) for r in read_rows(path)]  # as the file holds them, to edit
     assert all(r["score"] == 0.0 for r in rows)  # the random model finds no needle
@@ -120,7 +120,7 @@ def test_a_consistent_forgery_is_caught_by_rescoring_on_resume(tmp_path):
         r["flip"] = None
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     try:
-        run(job_spec(compose_config(*args, "task.samples_per_cell=2", "resume=true"), out))
+        run(*job_spec(compose_config(*args, "task.samples_per_cell=2", "resume=true"), out))
     except ConfigError as err:
         message = str(err)
     else:

@@ -14,7 +14,7 @@ import pytest
 
 from evalkit.cli import search
 from evalkit.cli.gate import main as gate_main
-from evalkit.cli.spec import run_spec
+from evalkit.cli.spec import parts
 from evalkit.errors import ConfigError
 from evalkit.gate.outputs import verdict_doc
 from evalkit.gate.pipeline import junit_xml, step_summary
@@ -153,15 +153,15 @@ BASE = ("model=tiny-random", "policy=snapkv", "task.context_lengths=[256]", "tas
 )
 def test_a_search_the_command_line_cannot_run_is_refused(overrides, message):
     with pytest.raises(ConfigError) as err:
-        run_spec(compose_config(*BASE, *overrides))
+        parts(compose_config(*BASE, *overrides))
     assert message in str(err.value)
 
 
 def test_the_variants_of_a_search():
-    spec = run_spec(compose_config(*BASE, "search.budgets=[0.35,0.75,0.5]", "policy.window=16"))
+    spec = parts(compose_config(*BASE, "search.budgets=[0.35,0.75,0.5]", "policy.window=16"))
     assert [v.name for v in spec.variants] == ["snapkv@0.75", "snapkv@0.5", "snapkv@0.35"]
     assert {v.policy.window for v in spec.variants} == {16}  # `policy` as configured, its settings kept
-    listed = run_spec(
+    listed = parts(
         compose_config(*BASE, "search.budgets=[512,256]", "search.policies=[streaming_llm,snapkv+int8,int4]")
     )
     assert [v.name for v in listed.variants] == [

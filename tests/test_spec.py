@@ -1,17 +1,20 @@
-"""The run spec: a command's config built once (the pre-check's build is the job's), frozen, and nothing below the
-command line reads a config."""
+"""The run spec: a command's config checked once (the pre-check's checks are the job's), built once with its folder into
+frozen plain values, and nothing below the command line reads a config."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
 import json
+from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 
 from evalkit.backends import BackendSpec
-from evalkit.cli.spec import model_spec, run_spec
+from evalkit.cli.spec import model_spec, parts, run_spec
 from evalkit.modelspec import ModelSpec
+from evalkit.runspec import LoggerSpec, PrefillSpec
 from evalkit.tasks.needle import NeedleTask
 from tests.conftest import ROOT, compose_config, run_cli
 
@@ -19,8 +22,9 @@ TINY = ["model=tiny-random", "task.context_lengths=[128]", "task.depths=[0.5]", 
 
 
 def test_a_command_builds_its_spec_once(tmp_path, monkeypatch):
-    """The pre-check builds the task, the policies and the variants and checks them; the job runs that build. Before,
-    the job built and checked everything again: the task was validated twice per command."""
+    """The pre-check builds the task, the policies and the variants and checks them; the job builds them with its
+    folder and does not validate them again. Before, the job checked everything again: the task was validated twice
+    per command."""
     calls = []
     validate = NeedleTask.validate
 
@@ -36,23 +40,39 @@ def test_a_command_builds_its_spec_once(tmp_path, monkeypatch):
     assert sorted({r["variant"] for r in rows}) == ["baseline", "h2o@0.5", "snapkv@0.5"]
 
 
-def test_the_spec_is_frozen_plain_values_and_the_objects_they_name():
-    spec = run_spec(compose_config(*TINY, "variants=[snapkv@0.5]", "gate=default", "seed=3"))
+def test_the_spec_is_frozen_plain_values_with_its_folder(tmp_path):
+    cfg = compose_config(*TINY, "variants=[snapkv@0.5]", "gate=default", "seed=3")
+    spec = run_spec(cfg, tmp_path)
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.seed = 4
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.model.max_context = 1
+    with pytest.raises(TypeError):  # its containers are read-only too
+        spec.config["seed"] = 4
+    with pytest.raises(AttributeError):
+        spec.config["task"]["context_lengths"].append(256)
+    assert spec.out_dir == tmp_path and spec.engine == "hf"
     assert spec.seed == 3 and spec.protocol == "query_agnostic" and spec.device == "auto"
-    assert spec.model == ModelSpec.from_mapping(spec.config["model"]) and spec.model.kind == "tiny-random"
-    assert [v.name for v in spec.variants] == ["snapkv@0.5"] and spec.engine is None and spec.backend is None
-    assert spec.gate.name == "default" and spec.gate.thresholds.max_drop == spec.config["gate"]["max_drop"]
+    assert spec.config["task"]["context_lengths"] == (128,) and spec.plain_config()["task"]["context_lengths"] == [128]
+    assert spec.model == ModelSpec.from_mapping(spec.plain_config()["model"]) and spec.model.kind == "tiny-random"
     assert spec.logger.name == "none" and spec.prefill.name == "oneshot"
+    plain = (bool, int, float, str, type(None), Path, tuple, ModelSpec, LoggerSpec, PrefillSpec, MappingProxyType)
+    assert all(isinstance(getattr(spec, f.name), plain) for f in dataclasses.fields(spec))  # no object it names
+
+
+def test_the_parts_are_the_objects_the_spec_names():
+    built = parts(compose_config(*TINY, "variants=[snapkv@0.5]", "gate=default", "seed=3"))
+    assert [v.name for v in built.variants] == ["snapkv@0.5"] and built.engine is None and built.backend is None
+    assert built.task.name == "needle" and built.gate.name == "default"
+    assert built.gate.thresholds.max_drop == built.gate.values["max_drop"]
 
 
 def test_another_engine_gets_its_backend_spec_and_parses_its_variants_once():
     variants = "variants=[llamacpp:q8_0,llamacpp:q8_0/q4_0]"
-    spec = run_spec(compose_config(*TINY[1:], "model=smollm2-135m", "backend=llamacpp", variants))
-    assert spec.backend == BackendSpec(spec.model, ("llamacpp:q8_0", "llamacpp:q8_0/q4_0"), "none", 0)
+    spec = parts(compose_config(*TINY[1:], "model=smollm2-135m", "backend=llamacpp", variants))
+    assert spec.backend == BackendSpec(
+        model_spec(compose_config("model=smollm2-135m").model), ("llamacpp:q8_0", "llamacpp:q8_0/q4_0"), "none", 0
+    )
     assert spec.variants == () and spec.engine.variant_names() == ["llamacpp:q8_0", "llamacpp:q8_0/q4_0"]
     assert [(c.k, c.v) for c in spec.engine.variants] == [("q8_0", "q8_0"), ("q8_0", "q4_0")]
 

@@ -49,7 +49,7 @@ def test_variants_run_on_the_same_samples_with_one_prefill_each(tmp_path, monkey
         "task.context_lengths=[256]",
         "task.depths=[0.0,0.5,1.0]",
     )
-    run(job_spec(cfg, tmp_path))
+    run(*job_spec(cfg, tmp_path))
 
     rows = read_rows(tmp_path / "samples.jsonl")
     by_sample = defaultdict(dict)

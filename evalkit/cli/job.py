@@ -1,39 +1,39 @@
-"""One job of the command line: its run spec (built by the pre-check, or now) run into its folder."""
+"""One job of the command line: its run spec and parts, built with its folder, run."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
 from evalkit.backends import Driven
-from evalkit.cli.spec import RunSpec, take
+from evalkit.cli.spec import Parts, parts, run_spec
 from evalkit.engine.hf import HFEngine
 from evalkit.kv import contract
 from evalkit.run import runner
 from evalkit.run.loop import Engine
+from evalkit.runspec import RunSpec
 
 
-def job_spec(cfg: DictConfig, out_dir: Path) -> RunSpec:
-    """The run spec of a job's config, writing into `out_dir`."""
-    return replace(take(cfg), out_dir=out_dir)
+def job_spec(cfg: DictConfig, out_dir: Path) -> tuple[RunSpec, Parts]:
+    """The run spec of a job's config, writing into `out_dir`, and the objects it names (checked by the pre-check)."""
+    return run_spec(cfg, out_dir), parts(cfg, check=False)
 
 
-def run(spec: RunSpec) -> dict[str, Any]:
+def run(spec: RunSpec, built: Parts) -> dict[str, Any]:
     """Run the spec's task with the baseline and its variants (or another engine's, backend=...) into its folder;
     return the summary."""
-    with contract.guarding([v.policy for v in spec.variants]):  # a user's policy raising anywhere is its fault: exit 2
-        return runner.run(spec, engine(spec))
+    with contract.guarding([v.policy for v in built.variants]):  # a user's policy raising anywhere is its fault: 2
+        return runner.run(spec, built.task, built.variants, engine(spec, built))
 
 
-def engine(spec: RunSpec) -> Engine:
+def engine(spec: RunSpec, built: Parts) -> Engine:
     """The engine that answers the run's samples: another (evalkit.backends), lm-eval's driver, or evalkit's own."""
-    if spec.engine is not None:
-        return Driven(spec.engine, spec.backend)
-    if spec.task.external:
+    if built.engine is not None:
+        return Driven(built.engine, built.backend)
+    if built.task.external:
         from evalkit.lmeval.evaluate import LmevalEngine  # lm-eval loads only for task=lm_eval
 
-        return LmevalEngine(spec.model, spec.device, spec.task, list(spec.variants), spec.out_dir)
-    return HFEngine(spec.model, spec.device, spec.task, list(spec.variants))
+        return LmevalEngine(spec.model, spec.device, built.task, list(built.variants), spec.out_dir)
+    return HFEngine(spec.model, spec.device, built.task, list(built.variants))

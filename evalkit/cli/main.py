@@ -93,21 +93,21 @@ def _job(cfg: DictConfig) -> None:
     in_sweep = hc.mode == RunMode.MULTIRUN
     try:
         _inside_results_root(cfg, hc, out_dir)
-        spec = job_spec(cfg, out_dir)
+        spec, built = job_spec(cfg, out_dir)
         with interrupt.deferred():
-            run(spec)
+            run(spec, built)
         lg = spec.logger
         if lg.name == "wandb":
             from evalkit.report.wandb_log import log_run
 
-            gate_t = spec.gate.values if spec.gate is not None else None
+            gate_t = built.gate.values if built.gate is not None else None
             local = log_run(out_dir, lg.project, lg.group, lg.entity, lg.mode, gate_t)
             print(f"evalkit: W&B runs written to {', '.join(map(str, local))}")
-        if spec.gate is not None and not in_sweep:  # a sweep is gated once, on all its jobs (evalkit.cli.sweep)
+        if built.gate is not None and not in_sweep:  # a sweep is gated once, on all its jobs (evalkit.cli.sweep)
             from evalkit.gate.gating import gate
             from evalkit.gate.outputs import print_verdict
 
-            verdict = gate([out_dir], spec.gate.thresholds, wandb=lg.name == "wandb")
+            verdict = gate([out_dir], built.gate.thresholds, wandb=lg.name == "wandb")
             print_verdict(verdict)
             sys.exit(0 if verdict.passed else 1)
     except ConfigError as err:

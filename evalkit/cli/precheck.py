@@ -1,13 +1,13 @@
 """Hydra's own errors as one-line ConfigErrors, before Hydra runs: the command line's overrides are parsed and the
 config composed here, the way `@hydra.main` would, and every mistake (an unknown key, a malformed override, a value
-of the wrong type, a mandatory value left unset) is named with its fix; then each job's run spec is built, and so
-checked, and kept for the job to run (evalkit.cli.spec)."""
+of the wrong type, a mandatory value left unset) is named with its fix; then each job's parts are built, and so
+checked (evalkit.cli.spec)."""
 
 from __future__ import annotations
 
 from hydra import initialize_config_module
 
-from evalkit.cli.spec import forget, keep, run_spec
+from evalkit.cli.spec import check
 from evalkit.config.choices import searching, searchpath_of
 from evalkit.config.overrides import RUNNING_FLAGS, check_resolved, compose_job, jobs, parse
 from evalkit.errors import ConfigError
@@ -22,7 +22,6 @@ def precheck(argv: list[str]) -> None:
         return
     sweep = bool(flags & {"-m", "--multirun"})
     parsed = parse([a for a in argv if not a.startswith("-")])
-    forget()  # the specs an earlier command of this process built are not this one's
 
     with initialize_config_module(config_module="evalkit.conf", version_base="1.3"):
         for job in jobs(parsed, sweep):
@@ -30,7 +29,7 @@ def precheck(argv: list[str]) -> None:
                 cfg = compose_job(job)
                 check_resolved(cfg)
                 with searching(searchpath_of(job)):  # the user's config folders, as Hydra will search them
-                    keep(run_spec(cfg))
+                    check(cfg)
             except ConfigError as err:
                 if not sweep:
                     raise

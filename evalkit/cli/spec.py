@@ -1,9 +1,9 @@
-"""The run spec: a composed config built once into frozen values and the objects they name (the model, the task, the
-variants, another engine, the gate's thresholds), every check that needs no model made on the way. Everything below
-the command line reads the spec, never the config.
+"""A composed config built into the run spec (evalkit.runspec: frozen values, with the folder it writes into) and the
+objects it names (the task, the variants, another engine, the gate's thresholds), every check that needs no model
+made on the way. Everything below the command line reads the spec and those objects, never the config.
 
-The pre-check builds each job's spec before Hydra runs; the job that runs the same config in the same process takes
-that spec (`take`) instead of building it again."""
+The pre-check builds and checks each job's parts before Hydra runs (`check`); the job builds its own with its folder,
+leaving out the checks against the model the pre-check made (the task validated once per command)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from evalkit.gate.thresholds import Thresholds, thresholds
 from evalkit.kv import contract
 from evalkit.kv.variant import Variant
 from evalkit.modelspec import ModelSpec
+from evalkit.runspec import LoggerSpec, PrefillSpec, RunSpec
 from evalkit.tasks import Task
 from evalkit.tracking import check_online
 
@@ -35,45 +36,16 @@ class GateSpec:
 
 
 @dataclass(frozen=True)
-class LoggerSpec:
-    """logger=NAME: none, or wandb with where its runs go."""
+class Parts:
+    """The objects a run spec's config names, built and checked: the task, evalkit's variants (empty with another
+    engine, which has its own), another engine and its view of the run (None: evalkit's own), the gate (None:
+    gate=none)."""
 
-    name: str = "none"
-    project: str | None = None
-    group: str | None = None
-    entity: str | None = None
-    mode: str = "auto"
-
-
-@dataclass(frozen=True)
-class PrefillSpec:
-    """prefill=NAME: oneshot, or chunked in `chunk` tokens (and each variant one-shot too with compare_oneshot)."""
-
-    name: str = "oneshot"
-    chunk: int | None = None
-    compare_oneshot: bool = False
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """One job of the command line, built and checked: what the run reads, and nothing of Hydra's."""
-
-    config: dict[str, Any]  # the whole config resolved, as run.json records it
-    model: ModelSpec
     task: Task
-    variants: tuple[Variant, ...]  # evalkit's own engine's; empty with another engine (its own variants)
-    backend: BackendSpec | None  # another engine's view of the run (backend=llamacpp, openai); None: evalkit's own
+    variants: tuple[Variant, ...]
+    backend: BackendSpec | None
     engine: Backend | None
-    gate: GateSpec | None  # None: gate=none
-    logger: LoggerSpec
-    prefill: PrefillSpec
-    seed: int
-    protocol: str
-    resume: bool
-    device: str
-    reserve_tokens: int
-    results_root: str
-    out_dir: Path | None = None  # the run folder, known once Hydra runs the job
+    gate: GateSpec | None
 
 
 def model_spec(node: DictConfig) -> ModelSpec:
@@ -106,9 +78,11 @@ def logger_spec(node: DictConfig | None) -> LoggerSpec:
     return spec
 
 
-def run_spec(cfg: DictConfig) -> RunSpec:
-    """The job a composed config asks for, built and checked: every check that needs no model, in the order a user
-    meets them (the task, another engine, the variants, the settings, the gate, what the task and model allow)."""
+def parts(cfg: DictConfig, check: bool = True) -> Parts:
+    """The objects a composed config names, built, with every check that needs no model, in the order a user meets
+    them (the task, another engine, the variants, the settings, the gate, what the task and model allow). The
+    pre-check makes them all (`check`); a job, whose config the pre-check checked, leaves out the task's and the
+    policies' validation against the model."""
     search.check(cfg)
     task: Task = build(cfg.task, "task")
     model = model_spec(cfg.model)
@@ -124,16 +98,20 @@ def run_spec(cfg: DictConfig) -> RunSpec:
     with contract.guarding(policies):  # a user's policy raising anywhere is its fault: exit 2
         check_settings(cfg)
         gate = gate_spec(cfg.gate)
-        validate(cfg, model, task, policies)
+        if check:
+            validate(cfg, model, task, policies)
+    return Parts(task, chosen, other, engine, gate)
+
+
+def run_spec(cfg: DictConfig, out_dir: Path) -> RunSpec:
+    """The run spec of a composed config, writing into `out_dir`."""
     prefill = cfg.get("prefill") or {}
+    node = cfg.get("backend")
     return RunSpec(
         config=OmegaConf.to_container(cfg, resolve=True),
-        model=model,
-        task=task,
-        variants=chosen,
-        backend=other,
-        engine=engine,
-        gate=gate,
+        model=model_spec(cfg.model),
+        out_dir=out_dir,
+        engine=str(node.get("name", "hf")) if node is not None else "hf",
         logger=logger_spec(cfg.get("logger")),
         prefill=PrefillSpec(
             str(prefill.get("name", "oneshot")), prefill.get("chunk"), bool(prefill.get("compare_oneshot", False))
@@ -147,22 +125,7 @@ def run_spec(cfg: DictConfig) -> RunSpec:
     )
 
 
-# Specs the pre-check built, for the jobs of this process to take instead of building them again.
-_built: list[RunSpec] = []
-
-
-def keep(spec: RunSpec) -> None:
-    _built.append(spec)
-
-
-def forget() -> None:
-    _built.clear()
-
-
-def take(cfg: DictConfig) -> RunSpec:
-    """The spec of this config: the one the pre-check built for the same resolved config, else built now."""
-    config = OmegaConf.to_container(cfg, resolve=True)
-    for i, spec in enumerate(_built):
-        if spec.config == config:
-            return _built.pop(i)
-    return run_spec(cfg)
+def check(cfg: DictConfig) -> None:
+    """Everything a job's config can be checked for before a model loads: its parts built, its logger reached."""
+    parts(cfg)
+    logger_spec(cfg.get("logger"))
