@@ -173,7 +173,6 @@ def in_process(args: list[str], cwd: Path, env: dict) -> subprocess.CompletedPro
     from hydra.core.global_hydra import GlobalHydra
 
     from evalkit.cli import main as cli_main
-    from evalkit.cli import sweep
 
     saved_env, saved_argv, saved_cwd = dict(os.environ), sys.argv[:], os.getcwd()
     env = {"WANDB_CONSOLE": "off", **env}  # W&B would wrap this process's stdout and stderr, pytest's capture
@@ -188,7 +187,6 @@ def in_process(args: list[str], cwd: Path, env: dict) -> subprocess.CompletedPro
     os.environ.update(env)
     sys.argv = [str(ROOT / "evalkit" / "__main__.py"), *args]
     os.chdir(cwd)
-    sweep.exit_code = None
     GlobalHydra.instance().clear()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

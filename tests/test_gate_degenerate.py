@@ -394,21 +394,18 @@ def test_a_bug_exits_3_and_ctrl_c_130(tmp_path, capsys, monkeypatch):
     ids=["healthy", "too-few", "repeated"],
 )
 def test_a_sweep_that_cannot_be_judged_exits_2(tmp_path, capsys, monkeypatch, rows, code, status):
-    monkeypatch.setattr(sweep, "exit_code", None)
     job = tmp_path / "sweep" / "needle" / "m" / "snapkv"
     job.mkdir(parents=True)
     folder(job, rows)
     gate_node = compose_config("gate=default").gate
     cfg = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "sweep")}}, "gate": gate_node})
-    sweep.MergeJobs().on_multirun_end(cfg)
-    assert sweep.exit_code == code
+    assert sweep.merge(cfg) == code
     verdict = json.loads((tmp_path / "sweep" / "verdict.json").read_text())["verdict"]
     assert verdict == status
     assert (tmp_path / "sweep" / "report" / "report.md").exists()
 
 
 def test_a_bug_in_the_sweep_merge_exits_3(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(sweep, "exit_code", None)
     (tmp_path / "sweep").mkdir()
     folder(tmp_path / "sweep")
 
@@ -419,5 +416,4 @@ def test_a_bug_in_the_sweep_merge_exits_3(tmp_path, capsys, monkeypatch):
     cfg = OmegaConf.create(
         {"hydra": {"sweep": {"dir": str(tmp_path / "sweep")}}, "gate": compose_config("gate=default").gate}
     )
-    sweep.MergeJobs().on_multirun_end(cfg)
-    assert sweep.exit_code == 3 and "internal error" in capsys.readouterr().err
+    assert sweep.merge(cfg) == 3 and "internal error" in capsys.readouterr().err

@@ -109,8 +109,10 @@ def test_positive_controls_the_unbroken_runs_pass_and_fail(runs, tmp_path, capsy
     [
         # ZeroDivisionError (--plan and judging: the random model's baseline check off, so that the drop is judged):
         # no bound lies below a margin of 0
-        ("max_drop: 0\nmin_baseline_accuracy: null\n",
-         "gate.max_drop=0: give a number in (0, 1), e.g. 0.05, or null to switch the check off"),
+        (
+            "max_drop: 0\nmin_baseline_accuracy: null\n",
+            "gate.max_drop=0: give a number in (0, 1), e.g. 0.05, or null to switch the check off",
+        ),
         # math domain error: every drop is at most 1
         ("max_drop: 1.0\nmin_baseline_accuracy: null\n", "gate.max_drop=1.0: give a number in (0, 1), e.g. 0.05"),
         # OverflowError
@@ -235,15 +237,12 @@ def sweep_of(runs: dict[str, Path], tmp_path: Path) -> Path:
 def merge(root: Path, thresholds: str) -> int | None:
     gate_node = OmegaConf.merge(compose_config("gate=default").gate, OmegaConf.create(thresholds))
     cfg = OmegaConf.create({"hydra": {"sweep": {"dir": str(root)}}, "gate": gate_node})
-    sweep.exit_code = None
-    sweep.MergeJobs().on_multirun_end(cfg)
-    return sweep.exit_code
+    return sweep.merge(cfg)
 
 
 def test_a_sweep_that_passes_exits_0_even_when_its_merged_report_breaks(runs, tmp_path, capsys, monkeypatch):
     """The sweep printed the gate's PASS, then exited 3 because the merged report crashed: the report is said to
     have failed (a bug, with its traceback), and the exit code stays the gate's."""
-    monkeypatch.setattr(sweep, "exit_code", None)
     root = sweep_of(runs, tmp_path)
     assert merge(root, PASSING) == 0  # the positive control: PASS, and its report
     assert "evalkit gate: PASS" in capsys.readouterr().out and (root / "report" / "report.md").exists()
@@ -255,10 +254,8 @@ def test_a_sweep_that_passes_exits_0_even_when_its_merged_report_breaks(runs, tm
     assert merge(root, PASSING) == 0
     out, err = capsys.readouterr()
     assert "evalkit gate: PASS" in out and "a bug in the report" in err and "internal error" in err
-    monkeypatch.setattr(sweep, "exit_code", None)
     cfg = OmegaConf.create({"hydra": {"sweep": {"dir": str(root)}}, "gate": {"name": "none"}})
-    sweep.MergeJobs().on_multirun_end(cfg)
-    assert sweep.exit_code == 3  # no gate ran: the bug is the command's outcome
+    assert sweep.merge(cfg) == 3  # no gate ran: the bug is the command's outcome
 
 
 # --- W&B online without credentials ---------------------------------------------------------------------------------

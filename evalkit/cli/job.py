@@ -12,6 +12,7 @@ from evalkit.cli.spec import Parts, parts, run_spec
 from evalkit.engine.hf import HFEngine
 from evalkit.kv import contract
 from evalkit.run import runner
+from evalkit.run.interrupt import Stop
 from evalkit.run.loop import Engine
 from evalkit.runspec import RunSpec
 
@@ -21,11 +22,11 @@ def job_spec(cfg: DictConfig, out_dir: Path) -> tuple[RunSpec, Parts]:
     return run_spec(cfg, out_dir), parts(cfg, check=False)
 
 
-def run(spec: RunSpec, built: Parts) -> dict[str, Any]:
-    """Run the spec's task with the baseline and its variants (or another engine's, backend=...) into its folder;
-    return the summary."""
+def run(spec: RunSpec, built: Parts, stop: Stop | None = None) -> dict[str, Any]:
+    """Run the spec's task with the baseline and its variants (or another engine's, backend=...) into its folder,
+    until `stop` is asked (the command's Ctrl-C; None: a stop no signal asks); return the summary."""
     with contract.guarding([v.policy for v in built.variants]):  # a user's policy raising anywhere is its fault: 2
-        return runner.run(spec, built.task, built.variants, engine(spec, built))
+        return runner.run(spec, built.task, built.variants, engine(spec, built), stop or Stop())
 
 
 def engine(spec: RunSpec, built: Parts) -> Engine:

@@ -22,6 +22,7 @@ from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from evalkit.cli.sweep import Ended
 from evalkit.config.choices import check_choices
 from evalkit.config.overrides import RUNNING_FLAGS
 from evalkit.errors import EXIT_USAGE, ConfigError, InternalError, JobError
@@ -29,13 +30,6 @@ from evalkit.exits import error, internal
 from evalkit.names import safe_name
 from evalkit.records import SAMPLE_COUNT
 from evalkit.run import interrupt
-
-# The run folder is named after the policy, or "variants" for several, or "search" for a budget search.
-OmegaConf.register_new_resolver(
-    "evalkit_label",
-    lambda policy, variants, budgets=None: "search" if budgets else "variants" if variants else safe_name(policy),
-    replace=True,
-)
 
 # Overrides left out of a run's folder name: they do not change its records (or, for the group choices, the folder
 # path names them already), or, for the task's sample count (records.SAMPLE_COUNT), they extend the same run: the
@@ -59,9 +53,21 @@ def dirname(overrides, count: bool = False) -> str:
     return safe_name(",".join(sorted(keep)) or "default")
 
 
-OmegaConf.register_new_resolver("evalkit_dirname", dirname, replace=True)
-OmegaConf.register_new_resolver("evalkit_job_dirname", lambda overrides: dirname(overrides, count=True), replace=True)
-OmegaConf.register_new_resolver("evalkit_safe", safe_name, replace=True)
+def label(policy, variants, budgets=None) -> str:
+    """The run folder is named after the policy, or "variants" for several, or "search" for a budget search."""
+    return "search" if budgets else "variants" if variants else safe_name(policy)
+
+
+def register_resolvers() -> None:
+    """The resolvers that name the run folders (conf/config.yaml: hydra.run.dir, hydra.sweep.subdir), registered by
+    the command line at start-up (main) and by a sweep's worker process as it receives its first job (in_worker)."""
+    OmegaConf.register_new_resolver("evalkit_label", label, replace=True)
+    OmegaConf.register_new_resolver("evalkit_dirname", dirname, replace=True)
+    OmegaConf.register_new_resolver(
+        "evalkit_job_dirname", lambda overrides: dirname(overrides, count=True), replace=True
+    )
+    OmegaConf.register_new_resolver("evalkit_safe", safe_name, replace=True)
+
 
 NOT_RUNNING = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion")
 
@@ -84,18 +90,36 @@ def sweeping(argv: list[str]) -> bool:
     return bool({"-m", "--multirun"} & set(argv))
 
 
-@hydra.main(version_base="1.3", config_path="pkg://evalkit.conf", config_name="config")
-def _job(cfg: DictConfig) -> None:
-    from evalkit.cli.job import job_spec, run
+class HydraJob:
+    """What Hydra runs for each job of the command line (its task function): the run spec built with its folder, run
+    until the command's `stop` is asked, logged, gated. A sweep's worker process (joblib) receives it pickled: there it
+    starts as the command line does (in_worker), with the stop request its command had when it sent the job."""
 
-    hc = HydraConfig.get()
-    out_dir = Path(hc.runtime.output_dir)
-    in_sweep = hc.mode == RunMode.MULTIRUN
-    try:
+    def __init__(self, stop: interrupt.Stop) -> None:
+        self.stop = stop
+
+    def __reduce__(self):
+        return in_worker, (self.stop.requested(),)
+
+    def __call__(self, cfg: DictConfig) -> None:
+        hc = HydraConfig.get()
+        in_sweep = hc.mode == RunMode.MULTIRUN
+        try:
+            self._run(cfg, hc, in_sweep)
+        except ConfigError as err:
+            where = f"[{' '.join(hc.overrides.task)}] " if in_sweep else ""
+            raise JobError(f"{where}{err}") from None
+        except Exception:  # a bug: Hydra would print it and exit 1, the gate's FAIL; carry it out as exit 3 instead
+            raise InternalError(traceback.format_exc()) from None
+
+    def _run(self, cfg: DictConfig, hc, in_sweep: bool) -> None:
+        from evalkit.cli.job import job_spec, run
+
+        out_dir = Path(hc.runtime.output_dir)
         _inside_results_root(cfg, hc, out_dir)
         spec, built = job_spec(cfg, out_dir)
-        with interrupt.deferred():
-            run(spec, built)
+        with self.stop.deferred():
+            run(spec, built, self.stop)
         lg = spec.logger
         if lg.name == "wandb":
             from evalkit.report.wandb_log import log_run
@@ -110,11 +134,23 @@ def _job(cfg: DictConfig) -> None:
             verdict = gate([out_dir], built.gate.thresholds, wandb=lg.name == "wandb")
             print_verdict(verdict)
             sys.exit(0 if verdict.passed else 1)
-    except ConfigError as err:
-        where = f"[{' '.join(hc.overrides.task)}] " if in_sweep else ""
-        raise JobError(f"{where}{err}") from None
-    except Exception:  # a bug: Hydra would print it and exit 1, the gate's FAIL; carry it out as exit 3 instead
-        raise InternalError(traceback.format_exc()) from None
+
+
+def in_worker(stopped: bool) -> HydraJob:
+    """A sweep's job arriving in a worker process, before Hydra names its folder: the process set up as the command
+    line sets up its own (the folder resolvers; Ctrl-C deferred for the rest of the worker, to the one stop its
+    handler asks), the stop asked if the command's was when it sent the job."""
+    register_resolvers()
+    stop = interrupt.Stop.of_this_process() or interrupt.Stop()
+    if stopped:
+        stop.request()
+    stop.defer()
+    return HydraJob(stop)
+
+
+def run_jobs(stop: interrupt.Stop) -> None:
+    """Hydra runs the command line's job, or its sweep's jobs, with `stop` as their stop request."""
+    hydra.main(version_base="1.3", config_path="pkg://evalkit.conf", config_name="config")(HydraJob(stop))()
 
 
 def _inside_results_root(cfg: DictConfig, hc, out_dir: Path) -> None:
@@ -183,8 +219,8 @@ def main() -> None:
     # What escapes Hydra reaches the exit-code contract below, instead of Hydra's traceback and exit 1 (the gate's FAIL)
     os.environ["HYDRA_FULL_ERROR"] = "1"
     sys.argv[1:] = argv
-    # Sweep jobs in worker processes (joblib) defer Ctrl-C from the moment they import evalkit.run.interrupt
-    os.environ[interrupt.DEFER_ENV] = "1"
+    register_resolvers()
+    stop = interrupt.Stop()  # the command's: asked by the first Ctrl-C while its jobs run
     try:
         check_choices(argv)
         modes = {"-m", "--multirun", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion"} & set(argv)
@@ -203,16 +239,18 @@ def main() -> None:
     except Exception:  # noqa: BLE001 - a bug before the model loads: exit 3 with the report line, never 1 (FAIL)
         sys.exit(internal(traceback.format_exc()))
     try:
-        with interrupt.deferred():  # the first Ctrl-C lets every job finish the sample in flight
-            _job()
+        with stop.deferred():  # the first Ctrl-C lets every job finish the sample in flight
+            run_jobs(stop)
     except JobError as err:
         fail(err)
     except InternalError as err:
         sys.exit(internal(str(err)))
+    except Ended as ended:  # a sweep's gate (or a bug in its merge) has the last word
+        sys.exit(ended.code)
     except interrupt.Interrupted as stop:
         stopped(str(stop), argv)
     except KeyboardInterrupt:
-        if not interrupt.requested():
+        if not stop.requested():
             raise
         # a second Ctrl-C, or one that reached a worker before it could defer it: rows are whole all the same
         stopped("stopped; every row written is whole", argv)
@@ -228,10 +266,6 @@ def main() -> None:
             )
             sys.exit(EXIT_USAGE)
         sys.exit(internal(traceback.format_exc()))
-    from evalkit.cli import sweep
-
-    if sweep.exit_code is not None:
-        sys.exit(sweep.exit_code)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,6 @@ def precheck(argv: list[str]) -> None:
             except ConfigError as err:
                 if not sweep:
                     raise
-                # named as a sweep's job names itself (evalkit.cli.main._job): its overrides, less Hydra's own
+                # named as a sweep's job names itself (evalkit.cli.main.HydraJob): its overrides, less Hydra's own
                 named = [o for o in job if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
                 raise ConfigError(f"[{' '.join(named)}] {err}") from None

@@ -13,64 +13,77 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from evalkit.errors import EXIT_FAIL, EXIT_OK, ConfigError
+from evalkit.errors import EXIT_FAIL, EXIT_INTERNAL, EXIT_OK, ConfigError
 from evalkit.exits import error, internal
 
-# The gate's exit code for the sweep (0 PASS, 1 FAIL, 2 cannot judge or a bad gate config, 3 a bug in the merge),
-# read by evalkit.__main__ once Hydra returns; None: no gate.
-exit_code: int | None = None
+
+class Ended(BaseException):
+    """The sweep's exit code (0 PASS, 1 FAIL, 2 cannot judge or a bad gate config, 3 a bug in the merge), carried out
+    of Hydra to the command line (evalkit.cli.main), which exits with it: Hydra returns nothing of a callback, and
+    turns an Exception a callback raises into a warning. A BaseException, like the Interrupted that ends a sweep."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
 
 
 class MergeJobs(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        global exit_code
+        code = merge(config)
+        if code is not None:
+            raise Ended(code)
 
-        try:
-            self._merge(config)
-        except Exception:  # noqa: BLE001 - a bug: Hydra would print it and exit 1, the gate's FAIL; exit 3 instead
-            exit_code = internal(traceback.format_exc())
 
-    def _merge(self, config: DictConfig) -> None:
-        global exit_code
-        from evalkit.cli.spec import gate_spec
+def merge(config: DictConfig) -> int | None:
+    """The sweep's jobs merged, judged (with gate=...) and reported: the exit code, None where no gate ran and nothing
+    broke."""
+    try:
+        return _merge(config)
+    except Exception:  # noqa: BLE001 - a bug: Hydra would print it and exit 1, the gate's FAIL; exit 3 instead
+        return internal(traceback.format_exc())
 
-        sweep = Path(config.hydra.sweep.dir)
-        try:
-            limits = gate_spec(config.gate)  # None for gate=none
-        except ConfigError as err:
-            exit_code = error(err)
-            return
-        if limits is not None:
-            exit_code = self._judge(sweep, limits.thresholds, OmegaConf.select(config, "logger.name") == "wandb")
-        self._report(sweep)
 
-    @staticmethod
-    def _judge(sweep: Path, limits, wandb: bool) -> int:
-        """The sweep judged once, by the gate (its one look): the exit code. `wandb`: the verdict logged to every
-        job's W&B runs too."""
-        from evalkit.gate.gating import gate
-        from evalkit.gate.outputs import print_verdict
+def _merge(config: DictConfig) -> int | None:
+    from evalkit.cli.spec import gate_spec
 
-        try:
-            verdict = gate([sweep], limits, wandb=wandb)
-        except ConfigError as err:  # CannotJudge (the gate printed its reasons), or no records at all
-            return error(err)
-        print_verdict(verdict)
-        return EXIT_OK if verdict.passed else EXIT_FAIL
+    sweep = Path(config.hydra.sweep.dir)
+    try:
+        limits = gate_spec(config.gate)  # None for gate=none
+    except ConfigError as err:
+        return error(err)
+    code = None
+    if limits is not None:
+        code = _judge(sweep, limits.thresholds, OmegaConf.select(config, "logger.name") == "wandb")
+    reported = _report(sweep)
+    return code if code is not None or reported else EXIT_INTERNAL
 
-    @staticmethod
-    def _report(sweep: Path) -> None:
-        """The merged report, which shows the gate's verdict.json (it never judges). A bug in it is printed with its
-        traceback and the request for a report, but the exit code stays the gate's: the report never replaces the
-        verdict (exit 3 only where no gate ran)."""
-        global exit_code
-        from evalkit.report.build import report
 
-        try:
-            written = report([sweep], sweep / "report")
-            print(f"evalkit: merged report of the sweep: {written[0]}")
-        except ConfigError as err:  # no job wrote records (all failed or were interrupted before a sample)
-            print(f"evalkit: no merged report: {err}")
-        except Exception:  # noqa: BLE001 - a bug in the report: said, but the gate's exit code stands
-            code = internal(traceback.format_exc())
-            exit_code = code if exit_code is None else exit_code
+def _judge(sweep: Path, limits, wandb: bool) -> int:
+    """The sweep judged once, by the gate (its one look): the exit code. `wandb`: the verdict logged to every job's
+    W&B runs too."""
+    from evalkit.gate.gating import gate
+    from evalkit.gate.outputs import print_verdict
+
+    try:
+        verdict = gate([sweep], limits, wandb=wandb)
+    except ConfigError as err:  # CannotJudge (the gate printed its reasons), or no records at all
+        return error(err)
+    print_verdict(verdict)
+    return EXIT_OK if verdict.passed else EXIT_FAIL
+
+
+def _report(sweep: Path) -> bool:
+    """The merged report, which shows the gate's verdict.json (it never judges); False where a bug broke it. A bug
+    in it is printed with its traceback and the request for a report, but the exit code stays the gate's: the report
+    never replaces the verdict (exit 3 only where no gate ran)."""
+    from evalkit.report.build import report
+
+    try:
+        written = report([sweep], sweep / "report")
+        print(f"evalkit: merged report of the sweep: {written[0]}")
+    except ConfigError as err:  # no job wrote records (all failed or were interrupted before a sample)
+        print(f"evalkit: no merged report: {err}")
+    except Exception:  # noqa: BLE001 - a bug in the report: said, but the gate's exit code stands
+        internal(traceback.format_exc())
+        return False
+    return True

@@ -82,9 +82,11 @@ def job(task: Task, sample: Sample, prompt: Prompt, text: str = "") -> Job:
     return Job(sample.id, row, [], sample, prompt, ids, text, task.answer_tokens(sample))
 
 
-def run_samples(engine: Engine, out_dir: Path, run_info: RunInfo, task: Task, jobs: list[Job] | None) -> None:
+def run_samples(
+    engine: Engine, out_dir: Path, run_info: RunInfo, task: Task, jobs: list[Job] | None, stop: interrupt.Stop
+) -> None:
     """Let `engine` answer every job whose rows are missing (all of them: None, the engine finds its own) and write
-    the rows, paired with the baseline, as each finishes."""
+    the rows, paired with the baseline, as each finishes, until `stop` is asked (the command's Ctrl-C)."""
     rows_path = out_dir / SAMPLES
     recorded = {(r.sample_id, r.variant): r for r in read_rows(rows_path)}
     names = [BASELINE, *engine.variant_names()]
@@ -101,13 +103,20 @@ def run_samples(engine: Engine, out_dir: Path, run_info: RunInfo, task: Task, jo
         run_info.update(opened)
         write_json(out_dir / RUN, run_info.to_dict())
         head = run_info.head(task.name, engine.protocol)
-        _write(engine, pending, None if jobs is None else len(jobs), recorded, rows_path, head, task)
+        _write(engine, pending, None if jobs is None else len(jobs), recorded, rows_path, head, task, stop)
     finally:
         engine.close()
 
 
 def _write(
-    engine: Engine, pending: list[Job], total: int | None, recorded: dict, rows_path: Path, head: dict, task: Task
+    engine: Engine,
+    pending: list[Job],
+    total: int | None,
+    recorded: dict,
+    rows_path: Path,
+    head: dict,
+    task: Task,
+    stop: interrupt.Stop,
 ) -> None:
     """The engine's answers to `pending` (of `total` samples; None: the engine finds its own), paired and written
     as each sample finishes; a stop asked for (Ctrl-C) is honoured before the next sample."""
@@ -123,7 +132,7 @@ def _write(
     try:
         with nullcontext() if engine.interruptible else interrupt.immediate():
             for i in itertools.count():
-                if engine.interruptible and interrupt.requested():  # before the next sample: none is lost
+                if engine.interruptible and stop.requested():  # before the next sample: none is lost
                     raise interrupt.Interrupted(
                         f"stopped: {len(pending) - i} of {total} samples left to run in {where}"
                     )

@@ -22,24 +22,29 @@ from evalkit.tasks import Sample, Task
 from evalkit.tasks.prompt import Prompt, build_prompt, prompt_text
 
 
-def run(spec: RunSpec, task: Task, variants: tuple[Variant, ...], answering: Engine) -> dict[str, Any]:
+def run(
+    spec: RunSpec, task: Task, variants: tuple[Variant, ...], answering: Engine, stop: interrupt.Stop
+) -> dict[str, Any]:
     """Run the spec's task with the baseline and its variants (built and checked by the command line,
     evalkit.cli.spec) into its folder, answered by `answering` (evalkit.run.loop.Engine: evalkit's own, another
-    engine's, or lm-eval's driver, chosen by evalkit.cli.job); return the summary."""
+    engine's, or lm-eval's driver, chosen by evalkit.cli.job), until `stop` is asked (the command's Ctrl-C, between
+    samples); return the summary."""
     if task.external and any(v.chunk for v in variants):
         raise ConfigError(f"task={task.name}: lm-eval drives its own forwards, so prefill=chunked is not supported")
     _check_attention(spec, variants)
     print(f"evalkit: run folder: {spec.out_dir}")
     with RunLock(spec.out_dir):  # before evalkit writes anything there: one writer per folder
-        return _run(spec, task, variants, answering)
+        return _run(spec, task, variants, answering, stop)
 
 
-def _run(spec: RunSpec, task: Task, variants: tuple[Variant, ...], answering: Engine) -> dict[str, Any]:
+def _run(
+    spec: RunSpec, task: Task, variants: tuple[Variant, ...], answering: Engine, stop: interrupt.Stop
+) -> dict[str, Any]:
     out_dir = spec.out_dir
     rows_path = out_dir / SAMPLES
     run_info = start(out_dir, spec.plain_config(), spec.resume, task)
     cut_torn(rows_path)  # before anything loads: a line that is no row refused, a torn last one cut
-    if interrupt.requested():  # a sweep's job that starts after Ctrl-C
+    if stop.requested():  # a sweep's job that starts after Ctrl-C
         raise interrupt.Interrupted(f"stopped before {out_dir} started")
     torch.manual_seed(spec.seed)
     jobs = None  # lm-eval finds its own documents
@@ -55,7 +60,7 @@ def _run(spec: RunSpec, task: Task, variants: tuple[Variant, ...], answering: En
         # what a server is sent: the prompt as text
         texts = {s.id: prompt_text(tokenizer, s)[0] for s in samples} if spec.engine != "hf" else {}
         jobs = [job(task, s, p, texts.get(s.id, "")) for s, p in zip(samples, prompts, strict=True)]
-    run_samples(answering, out_dir, run_info, task, jobs)
+    run_samples(answering, out_dir, run_info, task, jobs, stop)
     summary = finish(out_dir)
     print(f"\nrecords: {rows_path}")
     return summary
