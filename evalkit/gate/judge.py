@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from evalkit.capacity import capacity
-from evalkit.gate import looks, search
+from evalkit.gate import search
 from evalkit.gate.decide import (
-    SHOWN_TO_FAIL,
     Decision,
     cell_decisions,
     decision_summary,
@@ -22,13 +21,14 @@ from evalkit.gate.decide import (
     unjudged_cells,
     variant_decisions,
 )
-from evalkit.gate.evidence import backend_of
-from evalkit.gate.reading import check_rows
-from evalkit.gate.summary import chunked_vs_oneshot, is_baseline, label_order
-from evalkit.gate.thresholds import Thresholds, non_default
-from evalkit.records import BASELINE, Row
+from evalkit.records import Row, looks
+from evalkit.records.evidence import backend_of
 from evalkit.records.labels import compression_asked
-from evalkit.records.summary import summarize
+from evalkit.records.merged import is_baseline, label_order
+from evalkit.records.reading import check_rows
+from evalkit.records.summary import baseline_problems, chunked_vs_oneshot, summarize
+from evalkit.records.verdict import SHOWN_TO_FAIL
+from evalkit.thresholds import Thresholds, non_default
 
 
 @dataclass
@@ -43,7 +43,7 @@ class Verdict:
     cells: list[dict[str, Any]] = field(default_factory=list)  # per variant and cell: n, flips, bounds, status
     advice: str | None = None  # INCONCLUSIVE: the samples that would settle it
     extend: str | None = None  # INCONCLUSIVE, one run: the command that adds them, in the run's own folder
-    look: dict[str, Any] = field(default_factory=dict)  # this judgement's record for looks.jsonl (evalkit.gate.looks)
+    look: dict[str, Any] = field(default_factory=dict)  # this judgement's record for looks.jsonl (records.looks)
     history: looks.History = field(default_factory=looks.History)
     digest: str | None = None  # what it judged, rows and thresholds (looks.digest): verdict.json carries it
     partial: list[str] = field(default_factory=list)  # unfinished runs, each said in a line (gate.allow_partial)
@@ -56,30 +56,6 @@ class Verdict:
         return self.status == "PASS"
 
 
-def baseline_problems(summary: dict[str, Any], t: Thresholds) -> tuple[list[str], list[str]]:
-    """A baseline below min_baseline_accuracy (cannot judge), and the cells where it is (not judged)."""
-    if t.min_baseline_accuracy is None:
-        return [], []
-    problems, cells = [], []
-    for name, s in summary.items():
-        if not is_baseline(name):
-            continue
-        of = "" if name == BASELINE else f" ({name})"
-        if s["accuracy"] < t.min_baseline_accuracy:
-            problems.append(
-                f"the full-cache baseline{of} scores {s['accuracy']:.2f} on this task (gate.min_baseline_accuracy is "
-                f"{t.min_baseline_accuracy}): nothing can be learned about the policy; use a stronger model or an "
-                "easier task"
-            )
-            continue
-        cells += [
-            f"cell {cell}{of}: the baseline scores {c['baseline']:.2f} there, below {t.min_baseline_accuracy}"
-            for cell, c in s["cells"].items()
-            if c["baseline"] < t.min_baseline_accuracy
-        ]
-    return problems, cells
-
-
 def judge(
     rows: list[Row],
     infos: list[dict],
@@ -90,7 +66,7 @@ def judge(
 ) -> Verdict:
     """Every reason a variant fails, in words; PASS only when there is none. `problems`: why the records cannot be
     judged, found while reading them (read_runs); None checks `rows` here, as the rows of one records file.
-    `recorded`: the looks the run folders hold (evalkit.gate.looks.read), for this look's number and their check.
+    `recorded`: the looks the run folders hold (evalkit.records.looks.read), for this look's number and their check.
     `partial`: the runs that are unfinished (read_runs), which never PASS unless gate.allow_partial."""
     recorded = recorded or looks.Recorded()
     reasons = run_reasons(infos)

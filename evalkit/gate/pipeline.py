@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from evalkit.errors import ConfigError
-from evalkit.gate.decide import SHOWN_TO_FAIL
-from evalkit.gate.outputs import drop_bound, search_table, signed
-from evalkit.gate.summary import is_baseline
+from evalkit.records.merged import is_baseline
+from evalkit.records.verdict import SHOWN_TO_FAIL, drop_bound, search_table, signed
 
 SUITE = "evalkit.gate"
 WHOLE = ("evalkit", "verdict")  # the case of the verdict as a whole: the same name whatever the status

@@ -1,7 +1,7 @@
 """The report as one self-contained page: the verdict first, the trade-off, where each variant fails, every lost
-sample, and each run's own panel (templates/report.html.j2, drawn with Plotly; evalkit.report.html renders it).
+sample, and each run's own panel (templates/report.html.j2, drawn with Plotly; evalkit.html renders it).
 
-Runs of different tasks, models or backends are merged as the gate merges them (evalkit.gate.summary.merge): each
+Runs of different tasks, models or backends are merged as the gate merges them (evalkit.records.merged.merge): each
 row's label carries the variant as its run recorded it and the (task, model, backend) it is compared within, as
 fields, so a variant's name is shown whole and never parsed. Columns every run has sit side by side; each group of
 runs (task, model, backend) has its own baseline, so its own Pareto front, accuracy floor and cells panel, laid out
@@ -23,18 +23,16 @@ from urllib.parse import quote
 import plotly.graph_objects as go
 from plotly.colors import qualitative
 
-from evalkit.gate.decide import SHOWN_TO_FAIL
-from evalkit.gate.judge import baseline_problems
-from evalkit.gate.outputs import DESCRIPTIVE, signed
-from evalkit.gate.reading import Records
-from evalkit.gate.summary import Group, Label, group_of, is_baseline, label_order, variant_name
-from evalkit.gate.thresholds import Thresholds
+from evalkit.html import accuracy_colour, figure, write_page
 from evalkit.records import BASELINE, Row
+from evalkit.records.merged import Group, Label, group_of, is_baseline, label_order, variant_name
+from evalkit.records.reading import Records
 from evalkit.records.schema import flip_cause
-from evalkit.records.summary import cell_key, summarize
+from evalkit.records.summary import baseline_problems, cell_key, summarize
+from evalkit.records.verdict import DESCRIPTIVE, SHOWN_TO_FAIL, signed
 from evalkit.report.data import Line, VerdictView, line_of, row_lines, run_folders, run_panel
 from evalkit.report.frontier import search_section
-from evalkit.report.html import accuracy_colour, figure, write_page
+from evalkit.thresholds import Thresholds
 from evalkit.units import fmt_bytes
 
 SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "star", "cross", "pentagon", "hexagon", "triangle-down")

@@ -15,12 +15,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from evalkit.gate.reading import read_runs
-from evalkit.gate.shown import shown_verdict
-from evalkit.gate.summary import label_order
-from evalkit.gate.tracked import verdict_fields
 from evalkit.records import SAMPLES, Row, read_rows
+from evalkit.records.merged import label_order
+from evalkit.records.reading import read_runs
+from evalkit.records.shown import shown_verdict
 from evalkit.records.summary import summarize
+from evalkit.records.verdict import verdict_fields
 from evalkit.report.build import report
 from evalkit.tracking import Target, log_to_run, run_id, save_target, wandb_package
 
@@ -88,7 +88,7 @@ def variant_summary(s: dict[str, Any], rows: list[Row]) -> dict[str, Any]:
 
 def current_verdict(out_dir: Path) -> dict[str, Any] | None:
     """verdict.json where the gate wrote it for the rows the folder holds now, as its last look records it (the
-    report's and the planner's check, evalkit.gate.shown: an older one judged fewer samples, an edited one is not
+    report's and the planner's check, evalkit.records.shown: an older one judged fewer samples, an edited one is not
     the gate's)."""
     return shown_verdict([out_dir], read_runs([out_dir]))[0]
 

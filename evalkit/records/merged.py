@@ -1,5 +1,5 @@
-"""Variant labels across runs: runs merged into one table, and chunked variants beside their one-shot twins (a
-run's own summary is evalkit.records.summary)."""
+"""Variant labels across runs: runs merged into one table (a run's own summary, and chunked variants beside their
+one-shot twins, are evalkit.records.summary)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from evalkit.records import BASELINE, Row, sample_identity, sample_key
-from evalkit.records.summary import mean, paired, peak_prefill
 
 
 class Group(NamedTuple):
@@ -162,42 +161,3 @@ def _split_labels(labelled: list[tuple[Label, str, str, Row, str]]) -> set[str]:
     return {label for label, s in settings.items() if len(s) > 1} | {
         label for (label, _), a in answers.items() if len(a) > 1
     }
-
-
-def chunked_vs_oneshot(rows: list[Row]) -> list[dict[str, Any]]:
-    """Each chunked variant (`h2o@1024:chunk512`) beside the same policy prefilled in one shot (`h2o@1024`), paired
-    on the samples both ran: accuracies, chunked minus one-shot with its 95% CI, and the peak KV bytes of each."""
-    by_label: dict[str, dict[str, Row]] = defaultdict(dict)
-    for r in rows:
-        by_label[r.variant][r.sample_id] = r
-    out = []
-    for label in sorted(by_label, key=label_order):
-        chunked = by_label[label]
-        chunk = (next(iter(chunked.values())).get("prefill") or {}).get("chunk")
-        if not chunk:
-            continue
-        twin = label.replace(f":chunk{chunk}", "", 1)  # the same label, `[folder]` included, without the chunk
-        name = twin.split(" [")[0]
-        base = by_label.get(twin) or by_label.get(name) or {}
-        ids = [i for i in chunked if i in base]
-        if not ids:
-            continue
-        stats = paired([base[i].score for i in ids], [chunked[i].score for i in ids])
-        out.append(
-            {
-                "variant": name,
-                "chunk": chunk,
-                "n": len(ids),
-                "baseline": mean([base[i].baseline_score for i in ids]),
-                "oneshot": stats["baseline"],
-                "chunked": stats["policy"],
-                "difference": 0.0 - stats["drop"],  # 0.0 - x: never a negative zero
-                "difference_bounds": [0.0 - stats["drop_bounds"][1], 0.0 - stats["drop_bounds"][0]],
-                "chunked_lost": stats["lost"],
-                "chunked_gained": stats["gained"],
-                "oneshot_peak_kv_bytes": max(peak_prefill(base[i]) for i in ids),
-                "chunked_peak_kv_bytes": max(chunked[i]["peak_kv_bytes"] for i in ids),
-                "chunked_peak_tokens": max(chunked[i].get("prefill_peak_tokens") or 0 for i in ids),
-            }
-        )
-    return out
