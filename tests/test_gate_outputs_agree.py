@@ -21,7 +21,7 @@ import pytest
 
 from evalkit.cli.gate import main as gate_main
 from evalkit.gate.contexts import KL_CAP_FACTOR
-from evalkit.gate.pipeline import junit_xml
+from evalkit.gate.junit import junit_xml
 from evalkit.plan.measured import measured_variants
 from evalkit.records.looks import LOOKS_FILE
 from evalkit.records.verdict import verdict_fields

@@ -16,8 +16,9 @@ from evalkit.cli import search
 from evalkit.cli.gate import main as gate_main
 from evalkit.cli.spec import run_spec
 from evalkit.errors import ConfigError
+from evalkit.gate.junit import junit_xml
 from evalkit.gate.outputs import verdict_doc
-from evalkit.gate.pipeline import junit_xml, step_summary
+from evalkit.gate.pipeline import step_summary
 from evalkit.records.verdict import verdict_fields
 from evalkit.report.frontier import search_section
 from evalkit.stats import holm

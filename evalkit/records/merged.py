@@ -92,20 +92,10 @@ def merge(runs: list[tuple[Path, dict, list[Row]]]) -> list[Row]:
     measurement in several runs (the baseline that every job of a sweep repeats) is kept once per sample. Nothing
     depends on the order of the runs.
     """
-
-    def model(info: dict) -> str:
-        return _name(info.get("model")) or str(_name((info.get("config") or {}).get("model")))
-
-    def group(info: dict, row: Row) -> Group:
-        config = info.get("config") or {}
-        task, backend = (v.get("name") if isinstance(v, dict) else v for v in map(config.get, ("task", "backend")))
-        # rows name the engine where one other than evalkit's own (hf) ran them
-        return Group(str(row.task or task), model(info), str(row.get("backend") or backend or "hf"))
-
     if len(runs) == 1:
         _, info, rows = runs[0]
-        return [r.replace(variant=Label(r.variant, group=group(info, r))) for r in rows]
-    models = {model(info) for _, info, _ in runs}
+        return [r.replace(variant=Label(r.variant, group=_group(info, r))) for r in rows]
+    models = {_model(info) for _, info, _ in runs}
     tasks = {r.task for _, _, rows in runs for r in rows}
     common = Path(os.path.commonpath([folder for folder, _, _ in runs]))
     labelled = []  # (label, settings, sample key, row, folder)
@@ -113,12 +103,12 @@ def merge(runs: list[tuple[Path, dict, list[Row]]]) -> list[Row]:
         prefix = "/".join(
             [
                 *([str(rows[0].task)] if len(tasks) > 1 and rows else []),
-                *([model(info)] if len(models) > 1 else []),
+                *([_model(info)] if len(models) > 1 else []),
             ]
         )
         identity, where = sample_identity(info), str(folder.relative_to(common)) if folder != common else folder.name
         for r in rows:
-            g = group(info, r)
+            g = _group(info, r)
             measured = [r.get(k) for k in ("policy", "quant", "prefill", "protocol")] + [g.backend]
             settings = json.dumps(measured, sort_keys=True)
             label = Label(r.variant, prefix, group=g)
@@ -138,6 +128,19 @@ def merge(runs: list[tuple[Path, dict, list[Row]]]) -> list[Row]:
             sid = f"{sid}#{hashlib.sha256(key.encode()).hexdigest()[:8]}"
         out.append(r.replace(variant=label, sample_id=sid))
     return out
+
+
+def _model(info: dict) -> str:
+    """The model a run's run.json names (its `model` entry, else its config's)."""
+    return _name(info.get("model")) or str(_name((info.get("config") or {}).get("model")))
+
+
+def _group(info: dict, row: Row) -> Group:
+    """The (task, model, backend) a row of the run `info` is compared within."""
+    config = info.get("config") or {}
+    task, backend = (v.get("name") if isinstance(v, dict) else v for v in map(config.get, ("task", "backend")))
+    # rows name the engine where one other than evalkit's own (hf) ran them
+    return Group(str(row.task or task), _model(info), str(row.get("backend") or backend or "hf"))
 
 
 def answer(row: Row) -> str:

@@ -20,12 +20,12 @@ from evalkit.records.merged import label_order
 from evalkit.records.reading import read_runs
 from evalkit.records.shown import shown_verdict
 from evalkit.records.summary import summarize
-from evalkit.records.verdict import verdict_fields
+from evalkit.records.verdict import VERDICT, verdict_fields
 from evalkit.report.build import report
 from evalkit.tracking import Target, log_to_run, run_id, save_target, wandb_package
 
 DECLARED = "declared"  # evalkit.backends.kvbytes.DECLARED: how a row's kv_bytes_source names declared bytes
-VERDICT = "verdict.json"  # evalkit.gate.outputs.VERDICT
+
 COLUMNS = [
     "sample_id",
     "cell",
@@ -70,7 +70,7 @@ def variant_summary(s: dict[str, Any], rows: list[Row]) -> dict[str, Any]:
         "baseline_accuracy": s["baseline_accuracy"],
         "drop": p["drop"],
         # a fixed-n interval, descriptive: the drop bound the gate decided on is drop_lower / drop_upper, with the
-        # gate's verdict (evalkit.gate.tracked.verdict_fields)
+        # gate's verdict (evalkit.records.verdict.verdict_fields)
         "drop_lower_descriptive": p["drop_bounds"][0],
         "drop_upper_descriptive": p["drop_bounds"][1],
         "drop_method_descriptive": p["method"],
