@@ -40,7 +40,7 @@ from scipy.stats import norm
 from evalkit.gate import decide
 from evalkit.gate.judge import judge
 from evalkit.gate.power import betting_contexts
-from evalkit.gate.thresholds import Thresholds
+from evalkit.thresholds import Thresholds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests: rows as evalkit writes them, and the gate's judge
 from tests.conftest import as_rows, as_written  # noqa: E402

@@ -42,9 +42,9 @@ from evalkit.gate import decide
 from evalkit.gate.checks import evaluate, kl_cap
 from evalkit.gate.contexts import group
 from evalkit.gate.power import betting_contexts, betting_power_counts, draw_contexts, kl_fail_contexts
-from evalkit.gate.thresholds import Thresholds
 from evalkit.records import Row, flip
 from evalkit.stats import betting, binary_bounds
+from evalkit.thresholds import Thresholds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests: rows as evalkit writes them, and the gate's judge
 from tests.conftest import judge_rows  # noqa: E402

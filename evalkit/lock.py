@@ -3,7 +3,7 @@
 The lock is held on an open file, `RUN/.evalkit.lock`, which also says who holds it (pid, command, start time).
 The operating system releases it when the holder exits, however it exits: a lock file left behind by a killed
 process blocks nothing. A second run on the same folder stops at once, exit 2, naming the holder. The gate takes
-the same lock to append its look (evalkit.gate.looks), waiting a little for another gate, so looks taken at once
+the same lock to append its look (evalkit.records.looks), waiting a little for another gate, so looks taken at once
 are numbered one after the other.
 """
 

@@ -173,8 +173,8 @@ def test_a_variant_validates_its_chunk():
 def test_a_chunked_run_records_its_bounded_peak_and_the_gate_report_sets_it_beside_one_shot(tmp_path):
     from evalkit.cli.job import job_spec, run
     from evalkit.gate.gating import gate
-    from evalkit.gate.thresholds import Thresholds
     from evalkit.records import SAMPLES, read_rows
+    from evalkit.thresholds import Thresholds
 
     cfg = compose_config(
         "model=tiny-random", "task.context_lengths=[256]", "task.depths=[0.0,1.0]", "policy=h2o", "policy.budget=64"

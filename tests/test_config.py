@@ -121,7 +121,7 @@ def test_every_gate_config_composes_into_thresholds(name):
 def test_the_thresholds_defaults_are_conf_gate_default_yaml():
     """The report falls back to Thresholds() where no verdict names its thresholds: they must be default.yaml's."""
     from evalkit.cli.gate import load_thresholds
-    from evalkit.gate.thresholds import Thresholds
+    from evalkit.thresholds import Thresholds
 
     assert load_thresholds("default") == Thresholds()
     assert load_thresholds("default") != Thresholds(max_drop=0.04)  # control: a changed value is seen

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from evalkit.cli.gate import main
-from evalkit.gate.thresholds import Thresholds
 from evalkit.records import read_rows
 from evalkit.tasks import Sample
 from evalkit.tasks.prompt import build_prompt
+from evalkit.thresholds import Thresholds
 from tests.conftest import compose_config, judge_rows
 from tests.test_evidence import copy, edit_rows
 from tests.test_gate import rows

@@ -8,10 +8,10 @@ import pytest
 from scipy.stats import binomtest
 
 from evalkit.cli.gate import load_thresholds, main
-from evalkit.gate.thresholds import Thresholds
 from evalkit.records.schema import flip_cause
 from evalkit.records.summary import paired, summarize
 from evalkit.stats import mcnemar_exact
+from evalkit.thresholds import Thresholds
 from tests.conftest import as_rows, as_written, drew, judge_rows, run_cli
 
 

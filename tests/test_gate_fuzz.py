@@ -35,13 +35,13 @@ from evalkit.cli.gate import main as gate_main
 from evalkit.cli.plan import compose as plan_compose
 from evalkit.cli.plan import plan_from
 from evalkit.exits import guarded
-from evalkit.gate.evidence import HF_FIELDS, KINDS, RUN_NEEDS
-from evalkit.gate.thresholds import Thresholds
 from evalkit.plan.settings import Settings
 from evalkit.records import RunInfo
 from evalkit.records.checks import OPTIONAL_BYTES, ROW_FIELDS, SHAPES
+from evalkit.records.evidence import HF_FIELDS, KINDS, RUN_NEEDS
 from evalkit.records.schema import NAMED
 from evalkit.report.__main__ import main as report_main
+from evalkit.thresholds import Thresholds
 from tests.conftest import ROOT, compose_config, run_cli
 
 VERDICT_SCHEMA = jsonschema.Draft202012Validator(json.loads((ROOT / "docs" / "verdict.schema.json").read_text()))

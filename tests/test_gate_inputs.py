@@ -17,9 +17,9 @@ from evalkit.cli import sweep
 from evalkit.cli.gate import main as gate_main
 from evalkit.cli.plan import main as plan_main
 from evalkit.gate.power import judged_once_lossless
-from evalkit.gate.thresholds import Thresholds
 from evalkit.report import build as report_module
 from evalkit.report.__main__ import main as report_main
+from evalkit.thresholds import Thresholds
 from evalkit.tracking import has_credentials
 from tests.conftest import ROOT, compose_config, run_cli
 from tests.test_machine_outputs import make_tiny_runs

@@ -21,10 +21,10 @@ import pytest
 
 from evalkit.cli.gate import main as gate_main
 from evalkit.gate.contexts import KL_CAP_FACTOR
-from evalkit.gate.looks import LOOKS_FILE
-from evalkit.gate.pipeline import junit_xml
-from evalkit.gate.tracked import verdict_fields
+from evalkit.gate.junit import junit_xml
 from evalkit.plan.measured import measured_variants
+from evalkit.records.looks import LOOKS_FILE
+from evalkit.records.verdict import verdict_fields
 from evalkit.report.__main__ import main as report_main
 from tests.conftest import ROOT
 from tests.test_machine_outputs import KINDS, WIDE, junit_cases, make_tiny_runs

@@ -15,7 +15,7 @@ from scipy.stats import binom
 
 from evalkit.cli.gate import main
 from evalkit.gate.power import kl_fail_contexts
-from evalkit.gate.thresholds import Thresholds
+from evalkit.thresholds import Thresholds
 from tests.conftest import judge_rows
 from tests.test_gate import rows
 from tests.test_stats_coverage import bench_module

@@ -40,19 +40,15 @@ SITS_ON = {
     "evalkit.tasks": set(),
     "evalkit.engine": {"evalkit.tasks", "evalkit.kv", "evalkit.policies", "evalkit.attention", "evalkit.kernels"},
     "evalkit.gate": set(),
-    "evalkit.report": {"evalkit.gate"},
+    "evalkit.report": set(),
     "evalkit.config": set(),
-    "evalkit.plan": {"evalkit.report", "evalkit.gate"},
+    "evalkit.plan": set(),
 }
 SITS_ON["evalkit.backends"] = {"evalkit.engine", *SITS_ON["evalkit.engine"]}
 SITS_ON["evalkit.lmeval"] = {"evalkit.engine", *SITS_ON["evalkit.engine"]}
 SITS_ON["evalkit.run"] = {"evalkit.backends", "evalkit.lmeval", *SITS_ON["evalkit.backends"]}
 SITS_ON["evalkit.cli"] = {
-    "evalkit.run",
-    "evalkit.config",
-    "evalkit.plan",
-    *SITS_ON["evalkit.run"],
-    *SITS_ON["evalkit.plan"],
+    "evalkit.run", "evalkit.config", "evalkit.gate", "evalkit.report", "evalkit.plan", *SITS_ON["evalkit.run"]
 }
 TORCH_FREE = {LEAVES, "evalkit.config", "evalkit.gate", "evalkit.report", "evalkit.plan"}
 HEAVY = ("torch", "transformers", "triton")

@@ -13,13 +13,13 @@ import time
 from pathlib import Path
 
 from evalkit.cli.gate import main
-from evalkit.gate import looks
-from evalkit.gate.looks import LOOKS_FILE
-from evalkit.gate.reading import read_runs
-from evalkit.gate.thresholds import Thresholds
 from evalkit.lock import RunLock
 from evalkit.plan.measured import measured_variants
+from evalkit.records import looks
+from evalkit.records.looks import LOOKS_FILE
+from evalkit.records.reading import read_runs
 from evalkit.report.__main__ import main as report_main
+from evalkit.thresholds import Thresholds
 from tests.conftest import ROOT, drew, judge_rows, run_cli
 from tests.test_gate import rows, run_info
 

@@ -26,10 +26,10 @@ def test_wheel_ships_conf_policies_and_kernels_inside_evalkit_and_runs_outside_t
         "evalkit/policies/streaming_llm.py",
         "evalkit/kernels/__init__.py",
         "evalkit/tasks/needle.py",
-        "evalkit/report/templates/base.html.j2",  # the report's and the plan's pages (package data)
-        "evalkit/report/templates/report.html.j2",
-        "evalkit/report/templates/plan.html.j2",
-        "evalkit/report/templates/macros.html.j2",
+        "evalkit/templates/base.html.j2",  # the report's and the plan's pages (package data)
+        "evalkit/templates/report.html.j2",
+        "evalkit/templates/plan.html.j2",
+        "evalkit/templates/macros.html.j2",
     ]:
         assert required in names
     assert not [n for n in names if n.split("/")[0] in ("policies", "kernels", "conf")]

@@ -102,7 +102,7 @@ def test_report_writes_markdown_html_and_plots_merging_runs(tmp_path, capsys):
 
 
 def test_merging_runs_of_two_models_keeps_their_variants_apart(tmp_path):
-    from evalkit.gate.summary import merge
+    from evalkit.records.merged import merge
 
     recs = needle_rows()
     runs = [

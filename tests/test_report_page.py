@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from evalkit.gate.looks import digest
-from evalkit.gate.reading import read_runs
-from evalkit.gate.thresholds import thresholds
+from evalkit.records.looks import digest
+from evalkit.records.reading import read_runs
 from evalkit.records.summary import summarize
 from evalkit.report.__main__ import main as report_main
 from evalkit.report.data import VerdictView
 from evalkit.report.page import DODGE, tradeoff_figure
+from evalkit.thresholds import thresholds
 from tests.conftest import ROOT, as_rows
 from tests.test_gate import rows
 from tests.test_report import needle_rows, write_run
@@ -178,7 +178,7 @@ def test_the_verdict_is_the_gates_verdict_json_for_these_runs_with_its_advice_an
                           "cell L128-d0.5: the baseline scores 0.20 there, below 0.5"]}  # fmt: skip
     doc["digest"] = digest(read_runs([run]).rows, thresholds(doc["thresholds"], "test"))  # it judged these rows
     (run / "verdict.json").write_text(json.dumps(doc))
-    # and its look records that verdict (evalkit.gate.shown): looks 1 to 3, the last with its verdict and reasons
+    # and its look records that verdict (evalkit.records.shown): looks 1 to 3, the last with its verdict and reasons
     said = {k: doc[k] for k in ("verdict", "reasons", "digest")}
     (run / "looks.jsonl").write_text(
         "".join(json.dumps({"look": n, "thresholds": {}, "variants": {}, **said}) + "\n" for n in (1, 2, 3))
@@ -274,7 +274,7 @@ def test_plan_writes_a_page_with_its_tables_and_an_interactive_pressure_plot(tmp
 def test_the_report_and_the_planner_load_without_torch():
     code = (
         "import sys, evalkit.report.build, evalkit.report.__main__, evalkit.report.page, evalkit.report.data, "
-        "evalkit.report.html, evalkit.cli.plan, evalkit.plan.page; "
+        "evalkit.html, evalkit.cli.plan, evalkit.plan.page; "
         "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')]; assert not bad, bad"
     )
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -16,13 +16,14 @@ from evalkit.cli import search
 from evalkit.cli.gate import main as gate_main
 from evalkit.cli.spec import parts
 from evalkit.errors import ConfigError
+from evalkit.gate.junit import junit_xml
 from evalkit.gate.outputs import verdict_doc
-from evalkit.gate.pipeline import junit_xml, step_summary
-from evalkit.gate.thresholds import Thresholds
-from evalkit.gate.tracked import verdict_fields
+from evalkit.gate.pipeline import step_summary
+from evalkit.records.verdict import verdict_fields
 from evalkit.report.frontier import search_section
 from evalkit.stats import holm
 from evalkit.stats.chains import test_chains as chains_test
+from evalkit.thresholds import Thresholds
 from tests.conftest import ROOT, compose_config, judge_rows, run_cli
 from tests.test_gate import rows
 
@@ -274,7 +275,7 @@ def test_the_step_summary_and_wandb_carry_each_policys_answer():
     [{"search": [1]}, {"search": "x"}, {"search": {"budgets": {"a": 1}}}, {"search": {"budgets": None}}],
 )
 def test_a_run_json_of_any_shape_does_not_crash_the_search(info):
-    """run.json's config as the gate reads it (an object: evalkit.gate.reading refuses one that is not), its
+    """run.json's config as the gate reads it (an object: evalkit.records.reading refuses one that is not), its
     `search` of any shape."""
     v = judge_rows(search_rows({"snapkv@0.75": LOSSLESS}), [{"run_id": "r1", "config": info}], Thresholds())
     assert v.status in ("PASS", "FAIL", "INCONCLUSIVE", "CANNOT JUDGE")

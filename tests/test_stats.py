@@ -15,8 +15,8 @@ from scipy.stats import bootstrap
 from evalkit.cli.gate import main
 from evalkit.errors import ConfigError
 from evalkit.gate.decide import min_samples
-from evalkit.gate.thresholds import Thresholds, thresholds
 from evalkit.stats import BCa, adjust, binary_bounds, paired_drop, tango_z
+from evalkit.thresholds import Thresholds, thresholds
 from tests.conftest import drew, judge_rows
 from tests.test_gate import rows, run_info
 from tests.test_stats_coverage import bench_module

@@ -13,7 +13,7 @@ import pytest
 
 from evalkit.gate.decide import variant_decisions
 from evalkit.gate.power import draw_contexts
-from evalkit.gate.thresholds import Thresholds
+from evalkit.thresholds import Thresholds
 from tests.conftest import as_rows
 
 ROOT = Path(__file__).resolve().parents[1]

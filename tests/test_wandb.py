@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from evalkit.cli.gate import main as gate_main
-from evalkit.gate.tracked import label_of
 from evalkit.records.summary import summarize
+from evalkit.records.verdict import label_of
 from tests.conftest import as_rows, run_cli
 from tests.test_gate import run_info
 from tests.test_report import needle_rows, write_run

@@ -27,7 +27,7 @@ from evalkit.gate.decide import floor
 from evalkit.gate.gating import gate
 from evalkit.gate.outputs import print_verdict
 from evalkit.gate.power import samples_advice
-from evalkit.gate.thresholds import Thresholds, thresholds
+from evalkit.thresholds import Thresholds, thresholds
 from evalkit.tracking import wandb_package
 
 

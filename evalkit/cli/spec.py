@@ -17,12 +17,12 @@ from evalkit.backends import Backend, BackendSpec
 from evalkit.cli import search
 from evalkit.cli.config import backend, build, check_settings, listed_variants, validate, variants
 from evalkit.config.gatefile import resolved
-from evalkit.gate.thresholds import Thresholds, thresholds
 from evalkit.kv import contract
 from evalkit.kv.variant import Variant
 from evalkit.modelspec import ModelSpec
 from evalkit.runspec import LoggerSpec, PrefillSpec, RunSpec
 from evalkit.tasks import Task
+from evalkit.thresholds import Thresholds, thresholds
 from evalkit.tracking import check_online
 
 

@@ -1,5 +1,5 @@
 """A gate's thresholds as plain values: conf/gate/NAME.yaml, a YAML file of the user's, or a composed config's
-`gate` node, their interpolations resolved. The gate (evalkit.gate.thresholds) types and ranges them; it never sees
+`gate` node, their interpolations resolved. The gate (evalkit.thresholds) types and ranges them; it never sees
 OmegaConf."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ passage they need they fail together, whether they share one prefill (protocol=q
 document with their own question (query_aware). So they are one observation, not several: every statistic of the gate
 is a mean over documents of the per-document mean. A row names its document by `document_id` (a digest of the token
 ids before the question, evalkit.tasks.prompt); a row without one (records written before it was recorded) by its
-`context_id`, which is the document under query_agnostic (evalkit.gate.evidence refuses query_aware rows without
+`context_id`, which is the document under query_agnostic (evalkit.records.evidence refuses query_aware rows without
 one); a row with neither is its own document. With one question per document every number is the per-question one.
 """
 
@@ -19,8 +19,8 @@ import numpy as np
 
 from evalkit.records import Row
 from evalkit.records.summary import cell_key
+from evalkit.thresholds import GRADED_FLIP_DELTA
 
-GRADED_FLIP_DELTA = 0.1  # the default gate.graded_flip_delta: a graded score must fall by more than this to count
 # A row's KL counts up to this many times gate.max_mean_kl (3 nats at the default), so that the judged quantity is
 # bounded (evalkit.stats.betting): a PASS bounds the mean of min(KL, cap), which is the mean KL while no row exceeds
 # the cap, and the share of rows above it (gate.max_kl_tail_share); a FAIL bounds the mean KL itself from below, which

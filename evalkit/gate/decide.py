@@ -24,6 +24,7 @@ from evalkit.gate.checks import Evidence, evaluate, kl_cap, kl_words
 from evalkit.gate.contexts import Contexts, by_cell, group
 from evalkit.gate.power import betting_cell_samples, contexts_needed, judged_once_lossless, lossless_contexts
 from evalkit.records import Row
+from evalkit.records.verdict import SHOWN_TO_FAIL
 from evalkit.stats import adjust, betting, binary_bounds
 
 
@@ -252,9 +253,6 @@ def _cost(t, n: int) -> str:
     return f" (a lossless PASS needs {n} by betting, which holds at every look; a test judged once would need {once})"
 
 
-SHOWN_TO_FAIL = "shown to fail"  # the one cell status that is a failure ("no failure shown", "not judged: ..." are not)
-
-
 @dataclass
 class CellResult:
     variant: str
@@ -370,8 +368,8 @@ def decision_summary(d: Decision, t) -> dict[str, Any]:
 
 
 def look_record(decisions: dict[str, Decision], cells: list[CellResult]) -> dict[str, dict]:
-    """Per variant, what this look judged (recorded in looks.jsonl, evalkit.gate.looks): an audit trail, checked against
-    the rows when they are judged again."""
+    """Per variant, what this look judged (recorded in looks.jsonl, evalkit.records.looks): an audit trail, checked
+    against the rows when they are judged again."""
     out = {}
     for name, d in decisions.items():
         ctx = d.evidence.contexts

@@ -8,14 +8,14 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from evalkit.errors import CannotJudge, ConfigError
-from evalkit.gate import looks
 from evalkit.gate.judge import Verdict, judge
 from evalkit.gate.outputs import print_verdict, verdict_doc, write_outputs
 from evalkit.gate.pipeline import write_ci
-from evalkit.gate.reading import read_runs, run_folders
-from evalkit.gate.thresholds import Thresholds
 from evalkit.gate.tracked import log_verdict
 from evalkit.lock import RunLock
+from evalkit.records import looks
+from evalkit.records.reading import read_runs, run_folders
+from evalkit.thresholds import Thresholds
 
 WAIT = 60.0  # seconds a gate waits for another process's lock on a run folder (another gate's look)
 

@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from evalkit.capacity import capacity
-from evalkit.gate import looks, search
+from evalkit.gate import search
 from evalkit.gate.decide import (
-    SHOWN_TO_FAIL,
     Decision,
     cell_decisions,
     decision_summary,
@@ -22,13 +21,14 @@ from evalkit.gate.decide import (
     unjudged_cells,
     variant_decisions,
 )
-from evalkit.gate.evidence import backend_of
-from evalkit.gate.reading import check_rows
-from evalkit.gate.summary import chunked_vs_oneshot, is_baseline, label_order
-from evalkit.gate.thresholds import Thresholds, non_default
-from evalkit.records import BASELINE, Row
+from evalkit.records import Row, looks
+from evalkit.records.evidence import backend_of
 from evalkit.records.labels import compression_asked
-from evalkit.records.summary import summarize
+from evalkit.records.merged import is_baseline, label_order
+from evalkit.records.reading import check_rows
+from evalkit.records.summary import baseline_problems, chunked_vs_oneshot, summarize
+from evalkit.records.verdict import SHOWN_TO_FAIL
+from evalkit.thresholds import Thresholds, non_default
 
 
 @dataclass
@@ -43,7 +43,7 @@ class Verdict:
     cells: list[dict[str, Any]] = field(default_factory=list)  # per variant and cell: n, flips, bounds, status
     advice: str | None = None  # INCONCLUSIVE: the samples that would settle it
     extend: str | None = None  # INCONCLUSIVE, one run: the command that adds them, in the run's own folder
-    look: dict[str, Any] = field(default_factory=dict)  # this judgement's record for looks.jsonl (evalkit.gate.looks)
+    look: dict[str, Any] = field(default_factory=dict)  # this judgement's record for looks.jsonl (records.looks)
     history: looks.History = field(default_factory=looks.History)
     digest: str | None = None  # what it judged, rows and thresholds (looks.digest): verdict.json carries it
     partial: list[str] = field(default_factory=list)  # unfinished runs, each said in a line (gate.allow_partial)
@@ -56,30 +56,6 @@ class Verdict:
         return self.status == "PASS"
 
 
-def baseline_problems(summary: dict[str, Any], t: Thresholds) -> tuple[list[str], list[str]]:
-    """A baseline below min_baseline_accuracy (cannot judge), and the cells where it is (not judged)."""
-    if t.min_baseline_accuracy is None:
-        return [], []
-    problems, cells = [], []
-    for name, s in summary.items():
-        if not is_baseline(name):
-            continue
-        of = "" if name == BASELINE else f" ({name})"
-        if s["accuracy"] < t.min_baseline_accuracy:
-            problems.append(
-                f"the full-cache baseline{of} scores {s['accuracy']:.2f} on this task (gate.min_baseline_accuracy is "
-                f"{t.min_baseline_accuracy}): nothing can be learned about the policy; use a stronger model or an "
-                "easier task"
-            )
-            continue
-        cells += [
-            f"cell {cell}{of}: the baseline scores {c['baseline']:.2f} there, below {t.min_baseline_accuracy}"
-            for cell, c in s["cells"].items()
-            if c["baseline"] < t.min_baseline_accuracy
-        ]
-    return problems, cells
-
-
 def judge(
     rows: list[Row],
     infos: list[dict],
@@ -90,14 +66,11 @@ def judge(
 ) -> Verdict:
     """Every reason a variant fails, in words; PASS only when there is none. `problems`: why the records cannot be
     judged, found while reading them (read_runs); None checks `rows` here, as the rows of one records file.
-    `recorded`: the looks the run folders hold (evalkit.gate.looks.read), for this look's number and their check.
+    `recorded`: the looks the run folders hold (evalkit.records.looks.read), for this look's number and their check.
     `partial`: the runs that are unfinished (read_runs), which never PASS unless gate.allow_partial."""
     recorded = recorded or looks.Recorded()
     reasons = run_reasons(infos)
-    cannot = check_rows(rows, "the records") if problems is None else list(problems)
-    if not rows and not cannot:
-        cannot.append("no records")
-    cannot += recorded.problems
+    cannot = _unjudgeable(rows, problems, recorded)
     key = looks.digest(rows, t)
     summary = summarize(rows, label_order) if rows else {}
     weak, not_judged = baseline_problems(summary, t)
@@ -117,23 +90,13 @@ def judge(
     edited = looks.mismatches(recorded, key, t, runs, now)
     if edited:
         return Verdict("CANNOT JUDGE", [*edited, *reasons], summary, capacity=cap, digest=key)
-    for name in policies:
-        summary[name]["gate"] = decision_summary(decisions[name], t)
-        note = unjudged_cells(cells, name, t)
-        not_judged += [note] if note else []
-        own[name] = decisions[name].fail + own[name]
+    not_judged += _decided(decisions, cells, own, summary, t)
     searched = None if chains is None else search.found(chains, decisions, own, summary, cap, t)
     reasons, inconclusive, pending = _reasons(reasons, own, decisions, searched)
     status = "FAIL" if reasons else "INCONCLUSIVE" if inconclusive else "PASS"
-    advise = status == "INCONCLUSIVE" or (searched is not None and pending)
-    pick = {n: decisions[n] for n in pending}
-    advice, extend = _advice(pick, summary, infos, cells) if advise and pick else (None, None)
-    if partial and status == "PASS" and not t.allow_partial:
-        status, advice = "INCONCLUSIVE", UNFINISHED
-        inconclusive.append(f"{UNFINISHED} (gate.allow_partial is false)")
-    declared = declared_variants(policies, infos)
-    for name in declared:
-        summary[name]["kv_ratio_basis"] = "declared"
+    advised = status == "INCONCLUSIVE" or searched is not None  # a search advises on its pending budgets too
+    advice, extend = _advice({n: decisions[n] for n in pending}, summary, infos, cells) if advised else (None, None)
+    status, advice = _unfinished(status, advice, partial, inconclusive, t)
     return Verdict(
         status,
         reasons + inconclusive,
@@ -148,10 +111,41 @@ def judge(
         history=history,
         digest=key,
         partial=list(partial or []),
-        declared=declared,
+        declared=_declared(policies, infos, summary),  # marks their summaries declared
         non_default=non_default(t),
         search=searched.doc if searched is not None else None,
     )
+
+
+def _unjudgeable(rows: list[Row], problems: list[str] | None, recorded: looks.Recorded) -> list[str]:
+    """Why the records cannot be judged: the problems found while reading them (None: `rows` checked here, as the
+    rows of one records file), no rows at all, and the recorded looks' own problems."""
+    cannot = check_rows(rows, "the records") if problems is None else list(problems)
+    if not rows and not cannot:
+        cannot.append("no records")
+    return cannot + recorded.problems
+
+
+def _decided(
+    decisions: dict[str, Decision], cells: list, own: dict[str, list[str]], summary: dict[str, Any], t: Thresholds
+) -> list[str]:
+    """Each judged variant's decision into its summary entry (`gate`) and its failures before its own reasons
+    (`own`, in place); returns the notes on the cells not judged."""
+    notes = []
+    for name in own:
+        summary[name]["gate"] = decision_summary(decisions[name], t)
+        note = unjudged_cells(cells, name, t)
+        notes += [note] if note else []
+        own[name] = decisions[name].fail + own[name]
+    return notes
+
+
+def _declared(policies: dict[str, list[Row]], infos: list[dict], summary: dict[str, Any]) -> list[str]:
+    """The variants whose KV bytes were declared by a server (declared_variants), their summaries marked so."""
+    declared = declared_variants(policies, infos)
+    for name in declared:
+        summary[name]["kv_ratio_basis"] = "declared"
+    return declared
 
 
 def _reasons(
@@ -200,6 +194,17 @@ def _chains(infos: list[dict], policies: dict[str, list[Row]]) -> tuple[search.C
 
 
 UNFINISHED = "the run is unfinished: finish it with resume=true, or judge it as it is with gate.allow_partial=true"
+
+
+def _unfinished(
+    status: str, advice: str | None, partial: list[str] | None, inconclusive: list[str], t: Thresholds
+) -> tuple[str, str | None]:
+    """(status, advice), an unfinished run's PASS made INCONCLUSIVE unless gate.allow_partial: it never PASSes, and
+    the open reasons (`inconclusive`, in place) say why."""
+    if partial and status == "PASS" and not t.allow_partial:
+        inconclusive.append(f"{UNFINISHED} (gate.allow_partial is false)")
+        return "INCONCLUSIVE", UNFINISHED
+    return status, advice
 
 
 def declared_variants(policies: dict[str, list[Row]], infos: list[dict]) -> list[str]:
@@ -264,9 +269,12 @@ def record_reasons(name: str, rows: list[Row], s: dict[str, Any], t: Thresholds)
 
 def _advice(
     decisions: dict[str, Any], summary: dict[str, Any], infos: list[dict], cells: list
-) -> tuple[str, str | None]:
+) -> tuple[str | None, str | None]:
     """How many samples would settle an INCONCLUSIVE verdict, in the task's own terms where one run is judged, and
-    the command that adds them to that run (extend_command; None where there is none)."""
+    the command that adds them to that run (extend_command; None where there is none); (None, None) for no
+    variant."""
+    if not decisions:
+        return None, None
     needs = {name: d.samples_needed for name, d in decisions.items() if d.status == "INCONCLUSIVE"}
     if any(d.uneven for d in decisions.values()):
         return (

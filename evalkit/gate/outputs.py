@@ -6,53 +6,27 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from evalkit.errors import ConfigError
 from evalkit.gate.judge import Verdict
-from evalkit.gate.summary import label_fields
-from evalkit.gate.thresholds import Thresholds
-from evalkit.records import to_json, write_atomic
+from evalkit.records import to_json
+from evalkit.records.merged import label_fields
+from evalkit.records.verdict import (
+    DESCRIPTIVE,
+    SCHEMA,
+    VERDICT,
+    chunked_table,
+    drop_bound,
+    headline_text,
+    note_lines,
+    output_folder,
+    search_lines,
+    search_table,
+    signed,
+    write_text,
+)
+from evalkit.thresholds import Thresholds
 from evalkit.units import fmt_bytes
 
-VERDICT, REPORT = "verdict.json", "report.md"
-SCHEMA = "evalkit.verdict/1"  # verdict.json's version: docs/verdict.schema.json describes it
-
-
-DESCRIPTIVE = "descriptive"  # a fixed-n interval shown beside the gate's bound: not what the gate decided on
-
-
-def drop_bound(s: dict[str, Any]) -> dict[str, Any] | None:
-    """The drop bound the gate decided on for a variant (`s`: its entry in a verdict): {"bounds": [lower, upper],
-    "method"} from its drop check, one-sided each at the gate's confidence, counted in contexts. None where the gate
-    did not judge the drop (the baseline, CANNOT JUDGE, gate.max_drop null): only a descriptive interval is left."""
-    check = ((s.get("gate") or {}).get("checks") or {}).get("drop") if isinstance(s, dict) else None
-    bounds = check.get("bounds") if isinstance(check, dict) else None
-    if not isinstance(bounds, (list, tuple)) or len(bounds) != 2:
-        return None
-    return {"bounds": list(bounds), "method": str(check.get("method"))}
-
-
-def signed(x: Any, digits: int = 3) -> str:
-    """A bound as the outputs print it (+0.203), or `none` where there is none (null in verdict.json, NaN)."""
-    return f"{x:+.{digits}f}" if isinstance(x, (int, float)) and x == x else "none"
-
-
-def output_folder(out: Path) -> Path:
-    """`out`, created if missing; a ConfigError when it is a file or cannot be created."""
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"{out} is a file, not a folder: give --out a folder (it is created if missing)")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ConfigError(f"cannot create {out} ({err.strerror or err}); give --out a writable folder") from None
-    return out
-
-
-def write_text(path: Path, text: str) -> None:
-    """Write a gate output atomically (records.write_atomic), or a ConfigError naming it."""
-    try:
-        write_atomic(path, text)
-    except OSError as err:
-        raise ConfigError(f"could not write {path} ({err.strerror or err}); give --out a writable folder") from None
+REPORT = "report.md"
 
 
 def verdict_doc(verdict: Verdict, t: Thresholds) -> dict[str, Any]:
@@ -79,88 +53,16 @@ def verdict_doc(verdict: Verdict, t: Thresholds) -> dict[str, Any]:
     }
 
 
-def search_lines(search: dict[str, Any] | None) -> list[str]:
-    """A budget search's answer, a line per policy (its statement and what its safe budget buys), and the procedure
-    that shared the error rate (verdict.json's `search`; evalkit.gate.search)."""
-    if not search:
-        return []
-    out = [f"budget search: {search['procedure']}"]
-    for entry in search["policies"].values():
-        out.append(f"{entry['status']}: {entry['statement']}")
-        if entry.get("capacity"):
-            out.append(f"  {entry['capacity']['text']}")
-    return out
-
-
-def search_table(search: dict[str, Any] | None) -> list[str]:
-    """Markdown: every budget of every policy searched, its status, drop bounds and KV ratio."""
-    if not search:
-        return []
-    lines = [
-        "",
-        "## How far each policy can compress",
-        "",
-        *[f"- {line}" for line in search_lines(search)],
-        "",
-        "| policy | budget | status | n | drop [bounds] | KV ratio (decoded from) | context only | why not |",
-        "|---|---:|---|---:|---:|---:|---:|---|",
-    ]
-    for chain, entry in search["policies"].items():
-        for r in entry["steps"]:
-            lo, hi = r.get("drop_bounds") or [None, None]
-            why = "; ".join(r["why"][:1]).replace("|", "/")
-            lines.append(
-                f"| {str(chain).replace('|', '/')} | {r['budget']} | {r['status']} | {r['n']} | {signed(r['drop'])} "
-                f"[{signed(lo)}, {signed(hi)}] | {_ratio(r['kv_ratio'])} | {_ratio(r['kv_ratio_context'])} | {why} |"
-            )
-    return lines
-
-
-def _ratio(x: Any) -> str:
-    """A KV ratio in a table (`-` where none was measured, or it is not finite: null in verdict.json)."""
-    return f"{x:.3f}x" if isinstance(x, (int, float)) and x == x else "-"
-
-
 def headline(verdict: Verdict) -> str:
     """The verdict's first line: the status, and for a PASS on KV bytes no engine observed, or at thresholds other
     than the defaults, that it is one."""
     return headline_text(verdict.status, verdict.declared, verdict.non_default)
 
 
-def headline_text(status: str, declared: list[str], non_default: list[str]) -> str:
-    """headline() from a verdict's fields (verdict.json's `verdict`, `declared_bytes`, `non_default_thresholds`: the
-    report prints the console's words)."""
-    if status != "PASS":
-        return status
-    text = "PASS"
-    if declared:
-        text += (
-            f" on declared KV bytes ({', '.join(declared)}: the bytes follow from the KV dtype declared "
-            "for each server, never observed)"
-        )
-    if non_default:
-        text += f" at thresholds other than the defaults ({len(non_default)} changed, below)"
-    return text
-
-
 def notes(verdict: Verdict) -> list[str]:
     """What the verdict stands on that a reader must know: unfinished runs, bytes declared rather than observed,
     thresholds other than the defaults."""
     return note_lines(verdict.partial, verdict.declared, verdict.non_default)
-
-
-def note_lines(partial: list[str], declared: list[str], non_default: list[str]) -> list[str]:
-    """notes() from a verdict's fields (verdict.json's `unfinished`, `declared_bytes`, `non_default_thresholds`)."""
-    changed = (
-        ["thresholds other than the defaults (conf/gate/default.yaml): " + "; ".join(non_default)]
-        if non_default
-        else []
-    )
-    return (
-        list(partial)
-        + [f"{name}: KV bytes declared from the server's KV dtype (backend=openai), not observed" for name in declared]
-        + changed
-    )
 
 
 def write_outputs(verdict: Verdict, out_dir: Path, t: Thresholds) -> None:
@@ -250,29 +152,6 @@ def tables(verdict: Verdict, t: Thresholds) -> list[str]:
             f"{s['kv_ratio']:.3f}x | {fmt_bytes(s['peak_prefill_kv_bytes'], 'MiB', 1)} |"
         )
     return lines + chunked_table(verdict.chunked)
-
-
-def chunked_table(comparisons: list[dict[str, Any]]) -> list[str]:
-    """Markdown: each chunked variant beside its one-shot twin (empty when the runs hold none)."""
-    if not comparisons:
-        return []
-    lines = [
-        "",
-        "Chunked vs one-shot prefill, paired on the same samples (difference = chunked - one-shot).",
-        "",
-        "| variant | chunk | n | baseline | one-shot | chunked | difference [95% bounds] | chunked lost/gained | "
-        "peak KV one-shot | peak KV chunked | peak tokens chunked |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for c in comparisons:
-        lo, hi = c["difference_bounds"]
-        lines.append(
-            f"| {c['variant']} | {c['chunk']} | {c['n']} | {c['baseline']:.2f} | {c['oneshot']:.2f} | "
-            f"{c['chunked']:.2f} | {c['difference']:+.3f} [{lo:+.3f}, {hi:+.3f}] | {c['chunked_lost']}/"
-            f"{c['chunked_gained']} | {fmt_bytes(c['oneshot_peak_kv_bytes'], 'MiB')} | "
-            f"{fmt_bytes(c['chunked_peak_kv_bytes'], 'MiB')} | {c['chunked_peak_tokens']} |"
-        )
-    return lines
 
 
 def cell_table(cells: list[dict[str, Any]], t: Thresholds) -> list[str]:

@@ -17,9 +17,9 @@ from typing import Any
 
 from evalkit.gate.checks import Evidence
 from evalkit.gate.decide import Decision, Family
-from evalkit.gate.summary import Label
 from evalkit.records import BASELINE, Row
 from evalkit.records.labels import chain_key
+from evalkit.records.merged import Label
 from evalkit.stats.chains import PROCEDURE, test_chains
 
 NOT_TESTED = "NOT TESTED"

@@ -1,6 +1,6 @@
 """Measured variants for the capacity table (plan.runs): each run's variants with their KV bytes as a deployment
 holds them and the gate's verdict from the run's verdict.json, where it judged exactly the rows the folder holds now
-and says what the gate's last look recorded (evalkit.gate.shown, the report's check too; the planner never judges:
+and says what the gate's last look recorded (evalkit.records.shown, the report's check too; the planner never judges:
 each judgement is a look, recorded by the gate)."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from evalkit.errors import ConfigError
-from evalkit.gate.decide import SHOWN_TO_FAIL
-from evalkit.gate.reading import read_runs
-from evalkit.gate.shown import NO_VERDICT, shown_verdict
-from evalkit.gate.summary import is_baseline, label_order
+from evalkit.records.merged import is_baseline, label_order
+from evalkit.records.reading import read_runs
+from evalkit.records.shown import NO_VERDICT, shown_verdict
 from evalkit.records.summary import summarize
+from evalkit.records.verdict import SHOWN_TO_FAIL
 
 
 def measured_variants(run_dirs: list[Path]) -> list[dict[str, Any]]:

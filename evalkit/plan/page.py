@@ -12,7 +12,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from evalkit.report.html import figure, write_page
+from evalkit.html import figure, write_page
 from evalkit.units import fmt_bytes
 
 

@@ -6,7 +6,7 @@ user's class by the name its config gives, unless that name is one of evalkit's 
 for `snapkv`): then by its class name. A display name other than the derived one stands beside it in brackets,
 `none[snapkv]@0.25` (a full cache its user named snapkv), never in its place. Quantized storage is labelled by its
 format (`int4`, `fp8`). The run writes these labels and the gate derives them again from each row's record
-(evalkit.gate.evidence): a row whose label is not the one its record derives is refused.
+(evalkit.records.evidence): a row whose label is not the one its record derives is refused.
 """
 
 from __future__ import annotations

@@ -7,8 +7,10 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
 
+from evalkit.records.merged import is_baseline, label_order
 from evalkit.records.schema import BASELINE, Row, flip_cause
 from evalkit.stats import mcnemar_exact, paired_drop
+from evalkit.thresholds import Thresholds
 from evalkit.units import fmt_bytes
 
 FIDELITY = ("kl_mean", "top1_agreement", "ppl_ratio")
@@ -108,7 +110,7 @@ def summarize(rows: list[Row], order: Callable[[str], Any] = run_order) -> dict[
 
 def decoded(row: Row) -> tuple[int, int]:
     """(variant, full-cache baseline) KV bytes of the cache the answer was decoded from, at its largest, as a
-    deployment holds them; rows without them (refused by the gate: evalkit.gate.evidence) fall back to deployed()."""
+    deployment holds them; rows without them (refused by the gate: evalkit.records.evidence) fall back to deployed()."""
     if row.get("decode_peak_kv_bytes_deployed") and row.get("decode_peak_kv_bytes_baseline_deployed"):
         return row["decode_peak_kv_bytes_deployed"], row["decode_peak_kv_bytes_baseline_deployed"]
     return deployed(row)
@@ -176,3 +178,66 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"  {cell:<50} {c['baseline']:.2f} -> {c['policy']:.2f}  (n={c['n']})" for cell, c in s["cells"].items()
         ]
     return "\n".join(lines)
+
+
+def baseline_problems(summary: dict[str, Any], t: Thresholds) -> tuple[list[str], list[str]]:
+    """A baseline below min_baseline_accuracy (cannot judge), and the cells where it is (not judged)."""
+    if t.min_baseline_accuracy is None:
+        return [], []
+    problems, cells = [], []
+    for name, s in summary.items():
+        if not is_baseline(name):
+            continue
+        of = "" if name == BASELINE else f" ({name})"
+        if s["accuracy"] < t.min_baseline_accuracy:
+            problems.append(
+                f"the full-cache baseline{of} scores {s['accuracy']:.2f} on this task (gate.min_baseline_accuracy is "
+                f"{t.min_baseline_accuracy}): nothing can be learned about the policy; use a stronger model or an "
+                "easier task"
+            )
+            continue
+        cells += [
+            f"cell {cell}{of}: the baseline scores {c['baseline']:.2f} there, below {t.min_baseline_accuracy}"
+            for cell, c in s["cells"].items()
+            if c["baseline"] < t.min_baseline_accuracy
+        ]
+    return problems, cells
+
+
+def chunked_vs_oneshot(rows: list[Row]) -> list[dict[str, Any]]:
+    """Each chunked variant (`h2o@1024:chunk512`) beside the same policy prefilled in one shot (`h2o@1024`), paired
+    on the samples both ran: accuracies, chunked minus one-shot with its 95% CI, and the peak KV bytes of each."""
+    by_label: dict[str, dict[str, Row]] = defaultdict(dict)
+    for r in rows:
+        by_label[r.variant][r.sample_id] = r
+    out = []
+    for label in sorted(by_label, key=label_order):
+        chunked = by_label[label]
+        chunk = (next(iter(chunked.values())).get("prefill") or {}).get("chunk")
+        if not chunk:
+            continue
+        twin = label.replace(f":chunk{chunk}", "", 1)  # the same label, `[folder]` included, without the chunk
+        name = twin.split(" [")[0]
+        base = by_label.get(twin) or by_label.get(name) or {}
+        ids = [i for i in chunked if i in base]
+        if not ids:
+            continue
+        stats = paired([base[i].score for i in ids], [chunked[i].score for i in ids])
+        out.append(
+            {
+                "variant": name,
+                "chunk": chunk,
+                "n": len(ids),
+                "baseline": mean([base[i].baseline_score for i in ids]),
+                "oneshot": stats["baseline"],
+                "chunked": stats["policy"],
+                "difference": 0.0 - stats["drop"],  # 0.0 - x: never a negative zero
+                "difference_bounds": [0.0 - stats["drop_bounds"][1], 0.0 - stats["drop_bounds"][0]],
+                "chunked_lost": stats["lost"],
+                "chunked_gained": stats["gained"],
+                "oneshot_peak_kv_bytes": max(peak_prefill(base[i]) for i in ids),
+                "chunked_peak_kv_bytes": max(chunked[i]["peak_kv_bytes"] for i in ids),
+                "chunked_peak_tokens": max(chunked[i].get("prefill_peak_tokens") or 0 for i in ids),
+            }
+        )
+    return out

@@ -22,16 +22,15 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 from evalkit.errors import ConfigError  # noqa: E402
-from evalkit.gate.judge import baseline_problems
-from evalkit.gate.outputs import chunked_table, output_folder, signed
-from evalkit.gate.reading import read_runs
-from evalkit.gate.summary import chunked_vs_oneshot, group_of, is_baseline, label_order
-from evalkit.gate.thresholds import Thresholds, thresholds
 from evalkit.records import Row
-from evalkit.records.summary import summarize
+from evalkit.records.merged import group_of, is_baseline, label_order
+from evalkit.records.reading import read_runs
+from evalkit.records.summary import baseline_problems, chunked_vs_oneshot, summarize
+from evalkit.records.verdict import chunked_table, output_folder, signed
 from evalkit.report.data import NO_VERDICT, VerdictView, verdict_view
 from evalkit.report.page import drop_bounds, pareto
 from evalkit.report.page import write as write_page
+from evalkit.thresholds import Thresholds, thresholds
 from evalkit.units import fmt_bytes  # noqa: E402
 
 

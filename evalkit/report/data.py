@@ -1,7 +1,7 @@
 """What the report page shows, as plain data: the verdict, the runs, and where each row lies in its samples.jsonl.
 
 The verdict is the gate's own verdict.json, shown only where it judged exactly these runs and these rows and says
-what the gate's last look recorded (evalkit.gate.shown, the planner's check too); the report never judges, since
+what the gate's last look recorded (evalkit.records.shown, the planner's check too); the report never judges, since
 every judgement is a look the gate records. Otherwise the page says there is no verdict for these rows and the command
 that judges them. Fields of verdict.json are read with defaults, so a verdict written by a newer gate still renders.
 """
@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from evalkit.errors import EXIT_FAIL, EXIT_OK, ConfigError
-from evalkit.gate.outputs import VERDICT, drop_bound, headline_text, note_lines
-from evalkit.gate.reading import Records
-from evalkit.gate.shown import NO_VERDICT, shown_verdict
-from evalkit.gate.summary import is_baseline, variant_name
 from evalkit.records import RUN, SAMPLES, Row, loads
+from evalkit.records.merged import is_baseline, variant_name
+from evalkit.records.reading import Records
+from evalkit.records.shown import NO_VERDICT, shown_verdict
+from evalkit.records.verdict import VERDICT, drop_bound, headline_text, note_lines
 
 VERSIONS = ("evalkit", "evalkit_git", "torch", "transformers", "lm_eval", "llama_cpp")
 EXIT = {"PASS": EXIT_OK, "FAIL": EXIT_FAIL, "INCONCLUSIVE": 2, "CANNOT JUDGE": 2}
@@ -72,7 +72,7 @@ def read_json(path: Path) -> dict[str, Any] | None:
 
 
 def verdict_view(run_dirs: list[Path], records: Records) -> VerdictView:
-    """The verdict.json the gate wrote for exactly these runs and rows (evalkit.gate.shown, the planner's check too),
+    """The verdict.json the gate wrote for exactly these runs and rows (evalkit.records.shown, the planner's check too),
     else NO VERDICT with why and the command that judges them (the report never judges: each judgement is a look,
     recorded by the gate)."""
     doc, why = shown_verdict(run_dirs, records)
@@ -114,7 +114,7 @@ def _texts(doc: dict[str, Any], key: str) -> list[str]:
 
 
 def _looks(doc: dict[str, Any]) -> Any:
-    """The look number of the verdict (evalkit.gate.looks), from whichever form the verdict gives it."""
+    """The look number of the verdict (evalkit.records.looks), from whichever form the verdict gives it."""
     looks = doc.get("looks", doc.get("look"))
     if isinstance(looks, list):
         return len(looks)

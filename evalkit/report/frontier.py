@@ -1,5 +1,5 @@
 """A budget search's answer on the report page: the safe frontier of each policy, from the gate's verdict.json
-`search` (evalkit.gate.search), shown only where evalkit.gate.shown says that verdict is the gate's for these rows.
+`search` (evalkit.gate.search), shown only where evalkit.records.shown says that verdict is the gate's for these rows.
 
 The figure: x the KV ratio of the cache each answer was decoded from (each step's kv_ratio, the budget beside its
 point), y the drop with the gate's bounds, the margin (max_drop) as a line, one trace per policy, the safe budget
@@ -15,8 +15,8 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.colors import qualitative
 
-from evalkit.gate.outputs import signed
-from evalkit.report.html import figure
+from evalkit.html import figure
+from evalkit.records.verdict import signed
 
 NOT_TESTED = "NOT TESTED"  # evalkit.gate.search.NOT_TESTED: a budget the search never reached
 SYMBOL = {"PASS": "circle", "INCONCLUSIVE": "circle-open", "FAIL": "x", NOT_TESTED: "circle-open-dot"}
@@ -128,7 +128,7 @@ def _mark(fig: go.Figure, chain: str, entry: dict[str, Any], steps: list[dict[st
 
 def _entry(entry: dict[str, Any]) -> dict[str, Any]:
     """A policy's entry with only its steps that are objects (verdict.json is the gate's: this keeps a page from
-    failing on a hand-edited one, which evalkit.gate.shown does not vouch for field by field)."""
+    failing on a hand-edited one, which evalkit.records.shown does not vouch for field by field)."""
     steps = entry.get("steps") if isinstance(entry.get("steps"), list) else []
     return {**entry, "steps": [s for s in steps if isinstance(s, dict)]}
 

@@ -1,7 +1,7 @@
 """The report as one self-contained page: the verdict first, the trade-off, where each variant fails, every lost
-sample, and each run's own panel (templates/report.html.j2, drawn with Plotly; evalkit.report.html renders it).
+sample, and each run's own panel (templates/report.html.j2, drawn with Plotly; evalkit.html renders it).
 
-Runs of different tasks, models or backends are merged as the gate merges them (evalkit.gate.summary.merge): each
+Runs of different tasks, models or backends are merged as the gate merges them (evalkit.records.merged.merge): each
 row's label carries the variant as its run recorded it and the (task, model, backend) it is compared within, as
 fields, so a variant's name is shown whole and never parsed. Columns every run has sit side by side; each group of
 runs (task, model, backend) has its own baseline, so its own Pareto front, accuracy floor and cells panel, laid out
@@ -13,35 +13,29 @@ from __future__ import annotations
 import html
 import json
 import math
-import os
 from collections import defaultdict
 from datetime import datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import plotly.graph_objects as go
 from plotly.colors import qualitative
 
-from evalkit.gate.decide import SHOWN_TO_FAIL
-from evalkit.gate.judge import baseline_problems
-from evalkit.gate.outputs import DESCRIPTIVE, signed
-from evalkit.gate.reading import Records
-from evalkit.gate.summary import Group, Label, group_of, is_baseline, label_order, variant_name
-from evalkit.gate.thresholds import Thresholds
+from evalkit.html import accuracy_colour, figure, write_page
 from evalkit.records import BASELINE, Row
-from evalkit.records.schema import flip_cause
-from evalkit.records.summary import cell_key, summarize
-from evalkit.report.data import Line, VerdictView, line_of, row_lines, run_folders, run_panel
+from evalkit.records.merged import Group, Label, group_of, is_baseline, label_order, variant_name
+from evalkit.records.reading import Records
+from evalkit.records.summary import baseline_problems, cell_key, summarize
+from evalkit.records.verdict import DESCRIPTIVE, SHOWN_TO_FAIL, signed
+from evalkit.report import grid
+from evalkit.report.data import VerdictView, row_lines, run_folders, run_panel
 from evalkit.report.frontier import search_section
-from evalkit.report.html import accuracy_colour, figure, write_page
+from evalkit.report.lost import lost_samples
+from evalkit.thresholds import Thresholds
 from evalkit.units import fmt_bytes
 
 SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "star", "cross", "pentagon", "hexagon", "triangle-down")
 COLOURS = qualitative.Plotly + qualitative.Dark24  # ten well-separated colours first
-LENGTH_KEYS = ("context_length", "max_length", "needle_context_length")  # a cell grid's columns, when rows have one
-ROW_KEYS = ("depth", "position")  # and its rows
-NOT_MEASURED = "not measured"
 DODGE = 0.015  # share of KV saved between markers that would sit on one point (about a marker apart)
 
 
@@ -276,21 +270,6 @@ def variant_table(summary: dict[str, Any], verdict: VerdictView, rows: list[Row]
 # --- where it fails ----------------------------------------------------------------------------------------------
 
 
-def _value_order(value: Any) -> tuple:
-    """Numbers first in their order, then text: a cell's values sort whatever their kinds."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return (not number, value if number else str(value))
-
-
-def _axes(cells: list[dict]) -> tuple[str | None, str | None, list[str]]:
-    """(column key, row key, facet keys) for the cells of one group: lengths across, depths down, the rest faceted."""
-    common = set.intersection(*(set(c) for c in cells)) if cells else set()
-    col = next((k for k in LENGTH_KEYS if k in common), None)
-    row = next((k for k in ROW_KEYS if k in common), None)
-    varying = sorted(k for k in set().union(*cells) if k not in (col, row) and len({str(c.get(k)) for c in cells}) > 1)
-    return col, row, varying
-
-
 def _cell(stats: dict | None, status: str, min_base: float | None, baseline_panel: bool) -> dict | None:
     if stats is None:
         return None
@@ -323,8 +302,8 @@ def cell_panels(rows: list[Row], summary: dict[str, Any], verdict: VerdictView) 
         cells_of[group_of(r.variant)].setdefault(cell_key(r.cell), r.cell)
     out = []
     for group, cells in sorted(cells_of.items(), key=lambda item: _group_order(item[0])):
-        col, row, facets = _axes(list(cells.values()))
-        layout = _grids(cells, col, row, facets)
+        col, row, facets = grid.axes(list(cells.values()))
+        layout = grid.grids(cells, col, row, facets)
         panels = []
         for name in sorted((n for n in summary if group_of(n) == group), key=label_order):
             stats, base = summary[name]["cells"], is_baseline(name)
@@ -341,117 +320,6 @@ def cell_panels(rows: list[Row], summary: dict[str, Any], verdict: VerdictView) 
             panels.append({"variant": short_label(name), "baseline": base, "grids": grids})
         out.append({"title": titles[group], "col": col, "row": row, "panels": panels})
     return out
-
-
-def _grids(cells: dict[str, dict], col: str | None, row: str | None, facets: list[str]) -> list[dict]:
-    """The layout of one group's cells (their keys in place): one small grid per facet, columns by `col`, rows by
-    `row`, or a plain list of cells when neither applies."""
-    by_facet: dict[str, dict[str, dict]] = defaultdict(dict)
-    for key, c in cells.items():
-        by_facet[" ".join(f"{k}={c.get(k)}" for k in facets)][key] = c
-    grids = []
-    for facet, members in sorted(by_facet.items()):
-        if col is None and row is None:
-            body = [{"label": k, "cells": [k]} for k in sorted(members)]
-            grids.append({"facet": facet, "cols": [""], "rows": body})
-            continue
-        cols = sorted({c.get(col) for c in members.values()}, key=_value_order) if col else [None]
-        ys = sorted({c.get(row) for c in members.values()}, key=_value_order) if row else [None]
-        where = {(c.get(row) if row else None, c.get(col) if col else None): k for k, c in members.items()}
-        body = [{"label": _label(y), "cells": [where.get((y, x)) for x in cols]} for y in ys]
-        grids.append({"facet": facet, "cols": [_label(x) for x in cols], "rows": body})
-    return grids
-
-
-def _label(value: Any) -> str:
-    if value is None:
-        return ""
-    return f"{value:g}" if isinstance(value, float) else str(value)
-
-
-# --- every lost sample -------------------------------------------------------------------------------------------
-
-
-def lost_samples(rows: list[Row], lines: dict[tuple, Line], out: Path) -> list[dict[str, Any]]:
-    """Every sample a variant lost (it scores below the baseline's row for the same sample), with what it answered,
-    what the answer was, the evidence each layer kept, and the line of samples.jsonl that records it."""
-    base: dict[tuple, dict] = {}
-    for r in rows:
-        if is_baseline(r.variant):
-            base.setdefault((group_of(r.variant), r.sample_id), r)
-    lost = []
-    for r in sorted(rows, key=lambda r: (label_order(r.variant), cell_key(r.cell), str(r.sample_id))):
-        if is_baseline(r.variant):
-            continue
-        b = base.get((group_of(r.variant), r.sample_id))
-        if not r.score < (b.score if b else r.baseline_score):
-            continue
-        lost.append(_lost_row(r, b, line_of(r, lines), out))
-    return lost
-
-
-SHOWN_CHARS = 2000  # a text of a row is shown cut here, with its length: one 30 MB prediction must not swell the page
-
-
-def _text(value: Any) -> str:
-    """A row's field as the page shows it: a string, strings joined, or JSON; cut (_cut)."""
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return _cut(value)
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return _cut(" | ".join(value))
-    return _cut(json.dumps(value, ensure_ascii=False, default=str))
-
-
-def _cut(text: str) -> str:
-    """`text` whole, or its first SHOWN_CHARS characters and how long it is."""
-    if len(text) <= SHOWN_CHARS:
-        return text
-    return f"{text[:SHOWN_CHARS]}... [cut: {len(text)} characters in all]"
-
-
-def _cut_strings(value: Any) -> Any:
-    """A row with each of its strings cut (_cut), for the row shown whole beside a lost sample."""
-    if isinstance(value, str):
-        return _cut(value)
-    if isinstance(value, list):
-        return [_cut_strings(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _cut_strings(v) for k, v in value.items()}
-    return value
-
-
-def _href(path: Path, out: Path) -> str:
-    """A link from the page in `out` to `path`: relative and percent-encoded, so never a URL of its own (a folder
-    named `javascript:...` would otherwise be a script the link runs)."""
-    return quote(Path(os.path.relpath(path.resolve(), out.resolve())).as_posix())
-
-
-def _lost_row(r: Row, b: Row | None, line: Line | None, out: Path) -> dict[str, Any]:
-    retained = r.get("evidence_retained_per_layer")
-    retained = retained if isinstance(retained, list) and retained else None
-    cause = flip_cause({**r, "flip": "lost"}) or NOT_MEASURED
-    source = None
-    if line is not None:
-        pretty = json.dumps(_cut_strings(json.loads(line.text)), indent=1, ensure_ascii=False, sort_keys=True)
-        source = {"href": _href(line.path, out), "label": f"{line.path.parent.name}/{line.path.name}:{line.number}",
-                  "path": str(line.path), "line": line.number, "row": pretty}  # fmt: skip
-    return {
-        "variant": r.variant,
-        "cell": cell_key(r.cell),
-        "cause": cause,
-        "sample_id": str(r.sample_id),
-        "context_id": r.get("context_id"),
-        "question": _text(r.get("question")),
-        "prediction": _text(r["prediction"] if "prediction" in r else r.get("response")),
-        "answers": _text(r.get("answers")),
-        "baseline_prediction": _text(b.get("prediction", b.get("response"))) if b else "",
-        "score": r.score,
-        "baseline_score": b.score if b else r.baseline_score,
-        "evidence": [{"layer": i, "value": v, "colour": accuracy_colour(v)} for i, v in enumerate(retained or [])],
-        "source": source,
-    }
 
 
 # --- the page ----------------------------------------------------------------------------------------------------

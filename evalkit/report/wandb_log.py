@@ -15,17 +15,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-from evalkit.gate.reading import read_runs
-from evalkit.gate.shown import shown_verdict
-from evalkit.gate.summary import label_order
-from evalkit.gate.tracked import verdict_fields
 from evalkit.records import SAMPLES, Row, read_rows
+from evalkit.records.merged import label_order
+from evalkit.records.reading import read_runs
+from evalkit.records.shown import shown_verdict
 from evalkit.records.summary import summarize
+from evalkit.records.verdict import VERDICT, verdict_fields
 from evalkit.report.build import report
 from evalkit.tracking import Target, log_to_run, run_id, save_target, wandb_package
 
 DECLARED = "declared"  # evalkit.backends.kvbytes.DECLARED: how a row's kv_bytes_source names declared bytes
-VERDICT = "verdict.json"  # evalkit.gate.outputs.VERDICT
+
 COLUMNS = [
     "sample_id",
     "cell",
@@ -70,7 +70,7 @@ def variant_summary(s: dict[str, Any], rows: list[Row]) -> dict[str, Any]:
         "baseline_accuracy": s["baseline_accuracy"],
         "drop": p["drop"],
         # a fixed-n interval, descriptive: the drop bound the gate decided on is drop_lower / drop_upper, with the
-        # gate's verdict (evalkit.gate.tracked.verdict_fields)
+        # gate's verdict (evalkit.records.verdict.verdict_fields)
         "drop_lower_descriptive": p["drop_bounds"][0],
         "drop_upper_descriptive": p["drop_bounds"][1],
         "drop_method_descriptive": p["method"],
@@ -88,7 +88,7 @@ def variant_summary(s: dict[str, Any], rows: list[Row]) -> dict[str, Any]:
 
 def current_verdict(out_dir: Path) -> dict[str, Any] | None:
     """verdict.json where the gate wrote it for the rows the folder holds now, as its last look records it (the
-    report's and the planner's check, evalkit.gate.shown: an older one judged fewer samples, an edited one is not
+    report's and the planner's check, evalkit.records.shown: an older one judged fewer samples, an edited one is not
     the gate's)."""
     return shown_verdict([out_dir], read_runs([out_dir]))[0]
 

@@ -1,5 +1,5 @@
-"""Variant labels across runs: runs merged into one table, and chunked variants beside their one-shot twins (a
-run's own summary is evalkit.records.summary)."""
+"""Variant labels across runs: runs merged into one table (a run's own summary, and chunked variants beside their
+one-shot twins, are evalkit.records.summary)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from evalkit.records import BASELINE, Row, sample_identity, sample_key
-from evalkit.records.summary import mean, paired, peak_prefill
 
 
 class Group(NamedTuple):
@@ -93,20 +92,10 @@ def merge(runs: list[tuple[Path, dict, list[Row]]]) -> list[Row]:
     measurement in several runs (the baseline that every job of a sweep repeats) is kept once per sample. Nothing
     depends on the order of the runs.
     """
-
-    def model(info: dict) -> str:
-        return _name(info.get("model")) or str(_name((info.get("config") or {}).get("model")))
-
-    def group(info: dict, row: Row) -> Group:
-        config = info.get("config") or {}
-        task, backend = (v.get("name") if isinstance(v, dict) else v for v in map(config.get, ("task", "backend")))
-        # rows name the engine where one other than evalkit's own (hf) ran them
-        return Group(str(row.task or task), model(info), str(row.get("backend") or backend or "hf"))
-
     if len(runs) == 1:
         _, info, rows = runs[0]
-        return [r.replace(variant=Label(r.variant, group=group(info, r))) for r in rows]
-    models = {model(info) for _, info, _ in runs}
+        return [r.replace(variant=Label(r.variant, group=_group(info, r))) for r in rows]
+    models = {_model(info) for _, info, _ in runs}
     tasks = {r.task for _, _, rows in runs for r in rows}
     common = Path(os.path.commonpath([folder for folder, _, _ in runs]))
     labelled = []  # (label, settings, sample key, row, folder)
@@ -114,12 +103,12 @@ def merge(runs: list[tuple[Path, dict, list[Row]]]) -> list[Row]:
         prefix = "/".join(
             [
                 *([str(rows[0].task)] if len(tasks) > 1 and rows else []),
-                *([model(info)] if len(models) > 1 else []),
+                *([_model(info)] if len(models) > 1 else []),
             ]
         )
         identity, where = sample_identity(info), str(folder.relative_to(common)) if folder != common else folder.name
         for r in rows:
-            g = group(info, r)
+            g = _group(info, r)
             measured = [r.get(k) for k in ("policy", "quant", "prefill", "protocol")] + [g.backend]
             settings = json.dumps(measured, sort_keys=True)
             label = Label(r.variant, prefix, group=g)
@@ -139,6 +128,19 @@ def merge(runs: list[tuple[Path, dict, list[Row]]]) -> list[Row]:
             sid = f"{sid}#{hashlib.sha256(key.encode()).hexdigest()[:8]}"
         out.append(r.replace(variant=label, sample_id=sid))
     return out
+
+
+def _model(info: dict) -> str:
+    """The model a run's run.json names (its `model` entry, else its config's)."""
+    return _name(info.get("model")) or str(_name((info.get("config") or {}).get("model")))
+
+
+def _group(info: dict, row: Row) -> Group:
+    """The (task, model, backend) a row of the run `info` is compared within."""
+    config = info.get("config") or {}
+    task, backend = (v.get("name") if isinstance(v, dict) else v for v in map(config.get, ("task", "backend")))
+    # rows name the engine where one other than evalkit's own (hf) ran them
+    return Group(str(row.task or task), _model(info), str(row.get("backend") or backend or "hf"))
 
 
 def answer(row: Row) -> str:
@@ -162,42 +164,3 @@ def _split_labels(labelled: list[tuple[Label, str, str, Row, str]]) -> set[str]:
     return {label for label, s in settings.items() if len(s) > 1} | {
         label for (label, _), a in answers.items() if len(a) > 1
     }
-
-
-def chunked_vs_oneshot(rows: list[Row]) -> list[dict[str, Any]]:
-    """Each chunked variant (`h2o@1024:chunk512`) beside the same policy prefilled in one shot (`h2o@1024`), paired
-    on the samples both ran: accuracies, chunked minus one-shot with its 95% CI, and the peak KV bytes of each."""
-    by_label: dict[str, dict[str, Row]] = defaultdict(dict)
-    for r in rows:
-        by_label[r.variant][r.sample_id] = r
-    out = []
-    for label in sorted(by_label, key=label_order):
-        chunked = by_label[label]
-        chunk = (next(iter(chunked.values())).get("prefill") or {}).get("chunk")
-        if not chunk:
-            continue
-        twin = label.replace(f":chunk{chunk}", "", 1)  # the same label, `[folder]` included, without the chunk
-        name = twin.split(" [")[0]
-        base = by_label.get(twin) or by_label.get(name) or {}
-        ids = [i for i in chunked if i in base]
-        if not ids:
-            continue
-        stats = paired([base[i].score for i in ids], [chunked[i].score for i in ids])
-        out.append(
-            {
-                "variant": name,
-                "chunk": chunk,
-                "n": len(ids),
-                "baseline": mean([base[i].baseline_score for i in ids]),
-                "oneshot": stats["baseline"],
-                "chunked": stats["policy"],
-                "difference": 0.0 - stats["drop"],  # 0.0 - x: never a negative zero
-                "difference_bounds": [0.0 - stats["drop_bounds"][1], 0.0 - stats["drop_bounds"][0]],
-                "chunked_lost": stats["lost"],
-                "chunked_gained": stats["gained"],
-                "oneshot_peak_kv_bytes": max(peak_prefill(base[i]) for i in ids),
-                "chunked_peak_kv_bytes": max(chunked[i]["peak_kv_bytes"] for i in ids),
-                "chunked_peak_tokens": max(chunked[i].get("prefill_peak_tokens") or 0 for i in ids),
-            }
-        )
-    return out

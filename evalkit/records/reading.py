@@ -11,10 +11,10 @@ from pathlib import Path
 
 from evalkit import scoring
 from evalkit.errors import ConfigError
-from evalkit.gate.evidence import judged_fields, run_problems, task_config, undocumented
-from evalkit.gate.summary import answer, is_baseline, merge
 from evalkit.records import RUN, SAMPLES, Row, experiment_config, loads, read_back, torn_line
 from evalkit.records.checks import contradictions
+from evalkit.records.evidence import judged_fields, run_problems, task_config, undocumented
+from evalkit.records.merged import answer, is_baseline, merge
 
 
 @dataclass

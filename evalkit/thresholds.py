@@ -10,8 +10,9 @@ from typing import Any
 
 from evalkit.errors import ConfigError
 from evalkit.fields import number
-from evalkit.gate.contexts import GRADED_FLIP_DELTA
 from evalkit.stats import MULTIPLICITY
+
+GRADED_FLIP_DELTA = 0.1  # the default gate.graded_flip_delta: a graded score must fall by more than this to count
 
 
 @dataclass

@@ -30,7 +30,7 @@ LAYOUT = {
 }
 
 _env = Environment(
-    loader=PackageLoader("evalkit.report", "templates"),
+    loader=PackageLoader("evalkit", "templates"),
     autoescape=select_autoescape(["html", "j2"]),
     undefined=StrictUndefined,  # a name the page uses but was not given is an error here, not a blank on the page
     trim_blocks=True,

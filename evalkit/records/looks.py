@@ -12,7 +12,7 @@ was edited. Older runs kept their looks in run.json["looks"]; those are read (ch
 
 A record: {"look", "at", "digest", "verdict", "reasons", "thresholds", "runs", "variants": {name: {"contexts",
 "questions", "cells": {cell: contexts}}}}. Its verdict and reasons are verdict.json's: the report and the planner show
-a verdict.json only where they agree with the last look (evalkit.gate.shown). Each folder numbers its own looks
+a verdict.json only where they agree with the last look (evalkit.records.shown). Each folder numbers its own looks
 1, 2, 3, with no gap or repeat.
 """
 

@@ -30,7 +30,7 @@ The gate believes no number a row claims that it can derive from another row or 
 - a sample is identified across folders by its content digest and its id where run.json records one, else by its
   run's sample identity and its id (evalkit.records.sample_key): rows of different runs whose ids collide are never
   taken for the same sample, and the same sample drawn again under another seed is never two
-  (evalkit.gate.summary.merge).
+  (evalkit.records.merged.merge).
 
 Each contradiction names `file:line` and the field; the gate then says CANNOT JUDGE (exit 2).
 """

@@ -1,9 +1,9 @@
 """Which verdict.json speaks for the rows in some run folders: the one check that the report and the planner make
 before they show a verdict (neither judges: each judgement is a look, recorded by the gate).
 
-A verdict.json is the gate's for these rows when it names these runs, its digest (evalkit.gate.looks.digest) is that
+A verdict.json is the gate's for these rows when it names these runs, its digest (evalkit.records.looks.digest) is that
 of the rows the folders hold now at its thresholds, and its verdict and reasons are those of the last look of that
-digest every folder's looks.jsonl records, the looks numbered 1, 2, 3 (evalkit.gate.looks.read refuses anything
+digest every folder's looks.jsonl records, the looks numbered 1, 2, 3 (evalkit.records.looks.read refuses anything
 else). Of that digest: a sweep's job folder records its own look, then the look that judged it beside the others. A
 verdict.json edited after the gate wrote it (a PASS written over an INCONCLUSIVE, its reasons emptied) disagrees with
 its look; anything else is "no verdict for these rows", with why in one line. A CANNOT JUDGE (no look: nothing was
@@ -16,11 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from evalkit.errors import ConfigError
-from evalkit.gate import looks
-from evalkit.gate.outputs import VERDICT
-from evalkit.gate.reading import Records, run_folders
-from evalkit.gate.thresholds import thresholds
-from evalkit.records import loads
+from evalkit.records import loads, looks
+from evalkit.records.reading import Records, run_folders
+from evalkit.records.verdict import VERDICT
+from evalkit.thresholds import thresholds
 
 NO_VERDICT = "NO VERDICT"  # no verdict.json of the gate speaks for these rows
 CANNOT_JUDGE = "CANNOT JUDGE"
