@@ -2,7 +2,7 @@
 
 `decode_variants` decodes every cache prepared for a sample: caches whose kept tokens equal an earlier one's, stored the
 same way and never evicting while decoding, reuse that decode (the outcome records whose, `decoded_like`); the rest
-decode greedily in one batch (evalkit.engine.decode.decode_lanes), or one by one when teacher-forced or on a model with
+decode greedily in one batch (evalkit.engine.decode.decode_batch), or one by one when teacher-forced or on a model with
 sliding-window layers. A batch's seconds are shared out evenly among its caches.
 """
 
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
-from evalkit.engine.decode import Decoded, Lane, batchable, decode_lanes
+from evalkit.engine.decode import Decoded, Lane, batchable, decode_batch, greedy, teacher_forced
 from evalkit.kv.cache import (
     allocated_per_layer,
     allowed_per_layer,
@@ -58,7 +58,7 @@ class Outcome:
     tokens_allowed: list[int | float] = field(default_factory=list)
     decoded_like: str | None = None  # the variant whose decode this one reused: the same kept tokens, stored alike
     decode_batch: int = (
-        1  # caches decoded together in one batch (evalkit.engine.decode.decode_lanes), this one included
+        1  # caches decoded together in one batch (evalkit.engine.decode.decode_batch), this one included
     )
 
 
@@ -196,13 +196,20 @@ def run_decodes(
     """Decode each job's cache: greedy ones that can batch in one batch, the others alone. Returns per job the decode,
     its seconds (a batch's shared out evenly) and the number of caches decoded with it."""
     together = [] if forced else [i for i, job in enumerate(jobs) if batchable(job.cache)]
-    groups = [together] if together else []
-    groups += [[i] for i in range(len(jobs)) if i not in together]
     decoded: dict[int, tuple[Decoded, float, int]] = {}
-    for group in groups:
+    if together:
         t = time.perf_counter()
-        lanes = [Lane(jobs[i].cache, jobs[i].after) for i in group]
-        got = decode_lanes(model, lanes, question, max_new_tokens, stop_ids, forced, batched=group is together)
-        share = (time.perf_counter() - t) / len(group)
-        decoded.update({i: (dec, share, len(group)) for i, dec in zip(group, got, strict=True)})
+        lanes = [Lane(jobs[i].cache, jobs[i].after) for i in together]
+        got = decode_batch(model, lanes, question, max_new_tokens, stop_ids)
+        share = (time.perf_counter() - t) / len(together)
+        decoded.update({i: (dec, share, len(together)) for i, dec in zip(together, got, strict=True)})
+    for i, job in enumerate(jobs):
+        if i in decoded:
+            continue
+        t = time.perf_counter()
+        if forced:
+            dec = teacher_forced(model, job.cache, question, job.after)
+        else:
+            dec = greedy(model, job.cache, question, max_new_tokens, stop_ids, job.after)
+        decoded[i] = (dec, time.perf_counter() - t, 1)
     return [decoded[i] for i in range(len(jobs))]
