@@ -1,12 +1,12 @@
 """Decoding a sample's caches together (engine.decode.decode_batch) and sharing the decode of caches that keep the
-same tokens (evalkit.engine.outcome.decode_jobs): each variant's result must be what decoding it alone gives."""
+same tokens (evalkit.engine.outcome.decode_variants): each variant's result must be what decoding it alone gives."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from evalkit.engine.decode import Row, decode_batch, greedy
+from evalkit.engine.decode import Lane, decode_batch, greedy
 from evalkit.engine.engine import Variant, evictor, prefill, run_sample
 from evalkit.kv.cache import held_positions, kv_bytes, share
 from evalkit.kv.quantized import QuantSpec
@@ -50,7 +50,7 @@ def caches(prepared, only=None):
     for i, (cache, pol) in enumerate(prepared):
         if only is None or i in only:
             copy = share(cache)
-            rows.append(Row(copy, evictor(copy, pol) if pol is not None else None))
+            rows.append(Lane(copy, evictor(copy, pol) if pol is not None else None))
     return rows
 
 

@@ -35,20 +35,72 @@ class Decoded:
         self.peak_deployed = max(self.peak_deployed, deployed_bytes(cache))
 
 
-def step(
-    model: torch.nn.Module, cache: Cache, ids: Tensor, after_forward: Callable[[], None] | None, result: Decoded
-) -> Tensor:
-    """One forward of `ids` (1, q) over `cache`, observed (H2O's running mass, the sliding window of queries); then
-    `after_forward` (eviction). Returns the last position's float32 logits; what the cache held before eviction counts
-    towards `result`'s peaks."""
-    out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1, **observe(StepRecorder(), cache))
-    result.saw(cache)  # before eviction: what the step really held
-    if after_forward is not None:
-        after_forward()
-    return out.logits[0, -1].float()
+@dataclass
+class Lane:
+    """One cache to decode, and what runs after each of its forwards (eviction)."""
+
+    cache: Cache
+    after_forward: Callable[[], None] | None = None
+
+
+def forward(model: torch.nn.Module, caches: list[Cache], ids: Tensor, batched: bool) -> Tensor:
+    """One forward of `ids` (rows, q) over `caches`, observed (H2O's running mass, the sliding window of queries):
+    a lone cache directly, several (or one when `batched`) as one batch of BatchedLayers. Returns each row's last
+    position's float32 logits (rows, vocab)."""
+    if batched:
+        cache = Cache(layers=[BatchedLayer(caches, i) for i in range(len(caches[0].layers))])
+        watch = observe(None, cache)
+    else:
+        (cache,) = caches
+        watch = observe(StepRecorder(), cache)
+    out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1, **watch)
+    return out.logits[:, -1].float()
 
 
 @torch.inference_mode()
+def decode_lanes(
+    model: torch.nn.Module,
+    lanes: list[Lane],
+    ids: Tensor,
+    max_new_tokens: int,
+    stop_ids: set[int],
+    forced: bool = False,
+    batched: bool = False,
+) -> list[Decoded]:
+    """The one decode loop. Greedy: feed `ids` (1, q), the question, to every lane's cache, then the token each
+    chose, until its stop token or `max_new_tokens`. `forced`: feed `ids` (1, M) one token a step whatever the model
+    would have said (logits[j] predicts ids[j + 1]). Every lane's `after_forward` runs after each of its forwards
+    (eviction), what its cache held before counting towards its peaks. `batched`: the lanes share each forward."""
+    results = [Decoded() for _ in lanes]
+    active = list(range(len(lanes)))
+    steps = ids.shape[1] - 1 if forced else max_new_tokens
+    step_ids = ids[:, :1] if forced else ids
+    for n in range(steps):
+        rows = step_ids.expand(len(active), -1) if step_ids.shape[0] == 1 else step_ids
+        logits = forward(model, [lanes[r].cache for r in active], rows, batched)
+        still = []
+        for j, r in enumerate(active):
+            res, lane = results[r], lanes[r]
+            res.saw(lane.cache)  # before eviction: what the step really held
+            if lane.after_forward is not None:
+                lane.after_forward()
+            res.logits.append(logits[j])
+            if forced:
+                still.append(r)
+                continue
+            res.tokens.append(int(logits[j].argmax()))
+            if res.tokens[-1] not in stop_ids:
+                still.append(r)
+        if not still:
+            break
+        active = still
+        if forced:
+            step_ids = ids[:, n + 1 : n + 2]
+        else:
+            step_ids = torch.tensor([results[r].tokens[-1] for r in active], device=ids.device)[:, None]
+    return results
+
+
 def greedy(
     model: torch.nn.Module,
     cache: Cache,
@@ -58,18 +110,9 @@ def greedy(
     after_forward: Callable[[], None] | None = None,
 ) -> Decoded:
     """Feed `ids` (the question) then decode greedily; `after_forward` runs after every forward (eviction)."""
-    result = Decoded()
-    for _ in range(max_new_tokens):
-        logits = step(model, cache, ids, after_forward, result)
-        result.tokens.append(int(logits.argmax()))
-        result.logits.append(logits)
-        if result.tokens[-1] in stop_ids:
-            break
-        ids = torch.tensor([[result.tokens[-1]]], device=ids.device)
-    return result
+    return decode_lanes(model, [Lane(cache, after_forward)], ids, max_new_tokens, stop_ids)[0]
 
 
-@torch.inference_mode()
 def teacher_forced(
     model: torch.nn.Module, cache: Cache, tokens: Tensor, after_forward: Callable[[], None] | None = None
 ) -> Decoded:
@@ -77,19 +120,7 @@ def teacher_forced(
 
     One token a step, so policies that evict while decoding do so exactly as they would while generating.
     """
-    result = Decoded()
-    for j in range(tokens.shape[1] - 1):
-        logits = step(model, cache, tokens[:, j : j + 1], after_forward, result)
-        result.logits.append(logits)
-    return result
-
-
-@dataclass
-class Row:
-    """One cache to decode in a batch, and what runs after each of its forwards (eviction), as `greedy` takes them."""
-
-    cache: Cache
-    after_forward: Callable[[], None] | None = None
+    return decode_lanes(model, [Lane(cache, after_forward)], tokens, 0, set(), forced=True)[0]
 
 
 class BatchedLayer(DynamicLayer):
@@ -146,33 +177,10 @@ def batchable(cache: Cache) -> bool:
     )
 
 
-@torch.inference_mode()
 def decode_batch(
-    model: torch.nn.Module, rows: list[Row], ids: Tensor, max_new_tokens: int, stop_ids: set[int]
+    model: torch.nn.Module, lanes: list[Lane], ids: Tensor, max_new_tokens: int, stop_ids: set[int]
 ) -> list[Decoded]:
-    """Feed `ids` (1, q), the question, to every row's cache, then decode greedily, all rows in one batch per
-    forward; a row leaves the batch at its stop token or after `max_new_tokens`. Each row's result is that of
+    """Feed `ids` (1, q), the question, to every lane's cache, then decode greedily, all lanes in one batch per
+    forward; a lane leaves the batch at its stop token or after `max_new_tokens`. Each lane's result is that of
     `greedy` on its cache alone (the same tokens, logits equal within float tolerance, the same peak)."""
-    results = [Decoded() for _ in rows]
-    active = list(range(len(rows)))
-    step_ids = ids.expand(len(rows), -1)
-    for _ in range(max_new_tokens):
-        caches = [rows[r].cache for r in active]
-        batch = Cache(layers=[BatchedLayer(caches, i) for i in range(len(caches[0].layers))])
-        out = model(input_ids=step_ids, cache=batch, use_cache=True, logits_to_keep=1, **observe(None, batch))
-        still, next_ids = [], []
-        for j, r in enumerate(active):
-            res = results[r]
-            res.saw(rows[r].cache)  # before eviction: what the step held
-            if rows[r].after_forward is not None:
-                rows[r].after_forward()
-            step = out.logits[j, -1].float()
-            res.tokens.append(int(step.argmax()))
-            res.logits.append(step)
-            if res.tokens[-1] not in stop_ids:
-                still.append(r)
-                next_ids.append(res.tokens[-1])
-        if not still:
-            break
-        active, step_ids = still, torch.tensor(next_ids, device=ids.device)[:, None]
-    return results
+    return decode_lanes(model, lanes, ids, max_new_tokens, stop_ids, batched=True)

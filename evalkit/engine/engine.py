@@ -19,7 +19,7 @@ from transformers.cache_utils import Cache
 from evalkit.attention.observation import Observation, PrefillRecorder, StepRecorder
 from evalkit.attention.sdpa import observe
 from evalkit.engine.decode import Decoded, greedy, teacher_forced
-from evalkit.engine.outcome import Held, Job, Outcome, decode_jobs, outcome
+from evalkit.engine.outcome import Held, Outcome, VariantDecode, decode_variants, outcome
 from evalkit.kv.cache import (
     compress,
     enforce,
@@ -184,7 +184,8 @@ def decode(
     """The baseline's and every variant's Outcome for one question (1, q) after the compressed context: each decodes
     from a copy of its cache (greedy; or teacher-forced when `forced`), a policy that evicts while decoding doing so
     after every forward. The decodes run as one batch, and a variant that keeps the same tokens as another reuses
-    its decode (evalkit.engine.outcome.decode_jobs). `evidence`: the context positions whose retention is recorded."""
+    its decode (evalkit.engine.outcome.decode_variants). `evidence`: the context positions whose retention is
+    recorded."""
     first = compressed.decodes == 0
     compressed.decodes += 1
     jobs = []
@@ -194,8 +195,8 @@ def decode(
         policy = s.variant.policy if s.variant is not None else None
         after = evictor(cache, policy) if policy is not None else None
         ok = s.variant is None or shareable(s.variant)
-        jobs.append(Job(s.name, cache, dict(seconds), s.prefill_peak, after, ok))
-    outcomes = decode_jobs(model, jobs, question, max_new_tokens, stop_ids, forced, list(evidence))
+        jobs.append(VariantDecode(s.name, cache, dict(seconds), s.prefill_peak, after, ok))
+    outcomes = decode_variants(model, jobs, question, max_new_tokens, stop_ids, forced, list(evidence))
     return outcomes[0], outcomes[1:]
 
 

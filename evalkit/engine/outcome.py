@@ -1,6 +1,6 @@
 """What a variant (or the baseline) did on one sample, and the decoding of all of a sample's caches.
 
-`decode_jobs` decodes every cache prepared for a sample: caches whose kept tokens equal an earlier one's, stored the
+`decode_variants` decodes every cache prepared for a sample: caches whose kept tokens equal an earlier one's, stored the
 same way and never evicting while decoding, reuse that decode (the outcome records whose, `decoded_like`); the rest
 decode greedily in one batch (evalkit.engine.decode.decode_batch), or one by one when teacher-forced or on a model with
 sliding-window layers. A batch's seconds are shared out evenly among its caches.
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
-from evalkit.engine.decode import Decoded, Row, batchable, decode_batch, greedy, teacher_forced
+from evalkit.engine.decode import Decoded, Lane, batchable, decode_batch, greedy, teacher_forced
 from evalkit.kv.cache import (
     allocated_per_layer,
     allowed_per_layer,
@@ -122,8 +122,9 @@ def outcome(
 
 
 @dataclass
-class Job:
-    """One cache to decode for a sample, with what its outcome needs besides the decode."""
+class VariantDecode:
+    """One variant's (or the baseline's) cache to decode for a sample, with what its outcome needs besides the
+    decode."""
 
     name: str
     cache: Cache
@@ -131,7 +132,7 @@ class Job:
     prefill_peak: tuple[int, int]  # (bytes, tokens) at most while the context was prefilled
     after: Callable[[], None] | None = None  # eviction after every forward (engine.evictor)
     shareable: bool = False  # stores its kept tokens plainly and never evicts while decoding: may share a decode
-    held: Held | None = None  # filled by decode_jobs, before any decoding
+    held: Held | None = None  # filled by decode_variants, before any decoding
     retained: list[float] = field(default_factory=list)
 
 
@@ -145,9 +146,9 @@ def same_kept(a: Cache, b: Cache) -> bool:
     return True
 
 
-def decode_jobs(
+def decode_variants(
     model: torch.nn.Module,
-    jobs: list[Job],
+    jobs: list[VariantDecode],
     question: Tensor,
     max_new_tokens: int,
     stop_ids: set[int],
@@ -185,7 +186,12 @@ def decode_jobs(
 
 
 def run_decodes(
-    model: torch.nn.Module, jobs: list[Job], question: Tensor, max_new_tokens: int, stop_ids: set[int], forced: bool
+    model: torch.nn.Module,
+    jobs: list[VariantDecode],
+    question: Tensor,
+    max_new_tokens: int,
+    stop_ids: set[int],
+    forced: bool,
 ) -> list[tuple[Decoded, float, int]]:
     """Decode each job's cache: greedy ones that can batch in one batch, the others alone. Returns per job the decode,
     its seconds (a batch's shared out evenly) and the number of caches decoded with it."""
@@ -193,8 +199,8 @@ def run_decodes(
     decoded: dict[int, tuple[Decoded, float, int]] = {}
     if together:
         t = time.perf_counter()
-        rows = [Row(jobs[i].cache, jobs[i].after) for i in together]
-        got = decode_batch(model, rows, question, max_new_tokens, stop_ids)
+        lanes = [Lane(jobs[i].cache, jobs[i].after) for i in together]
+        got = decode_batch(model, lanes, question, max_new_tokens, stop_ids)
         share = (time.perf_counter() - t) / len(together)
         decoded.update({i: (dec, share, len(together)) for i, dec in zip(together, got, strict=True)})
     for i, job in enumerate(jobs):

@@ -70,7 +70,7 @@ def _answers(value: Any) -> Any:
 
 
 @dataclass
-class Row:
+class DatasetRow:
     """A validated dataset row: its index, the sample it makes, and what scoring and decoding need of it."""
 
     index: int
@@ -97,8 +97,8 @@ class HfTask(Task):
     needle_depths: list[float] = field(default_factory=list)  # needle_in_haystack: percent depths of the needle
     needle_context_length: int | None = None  # needle_in_haystack: context tokens the essay is cut to
     max_new_tokens: int = 32  # rows without a max_new_tokens column
-    rows: list[Row] = field(default_factory=list, repr=False)
-    _by_id: dict[str, Row] = field(default_factory=dict, init=False, repr=False)
+    rows: list[DatasetRow] = field(default_factory=list, repr=False)
+    _by_id: dict[str, DatasetRow] = field(default_factory=dict, init=False, repr=False)
     _truncation: dict[str, dict | None] = field(default_factory=dict, init=False, repr=False)
 
     def lengths(self) -> list[int]:
@@ -143,7 +143,7 @@ class HfTask(Task):
 
     # --- reading and validating -----------------------------------------------------------------------------------
 
-    def read(self) -> list[Row]:
+    def read(self) -> list[DatasetRow]:
         ds = load(self.path, self.config, self.data_dir, self.split)
         mapping = {**COLUMNS, **self.columns}
         names = set(ds.column_names)
@@ -206,7 +206,7 @@ class HfTask(Task):
         random.Random(self.seed).shuffle(order)
         return sorted(order[:k])
 
-    def _row(self, index: int, raw: dict, mapping: dict, module) -> tuple[Row | None, list[str]]:
+    def _row(self, index: int, raw: dict, mapping: dict, module) -> tuple[DatasetRow | None, list[str]]:
         get = {k: (raw.get(c) if c else None) for k, c in mapping.items()}
         sid = str(get["id"]) if mapping["id"] else str(index)
         subtask = get["subtask"]
@@ -250,9 +250,9 @@ class HfTask(Task):
         sample = Sample(
             sid, get["context"], get["question"] or "", candidate["answers"], cell, answer_prefix=prefix or ""
         )
-        return Row(index, sample, budget, extra), []
+        return DatasetRow(index, sample, budget, extra), []
 
-    def _expand_needles(self, rows: list[Row]) -> list[Row]:
+    def _expand_needles(self, rows: list[DatasetRow]) -> list[DatasetRow]:
         """needle_in_haystack: each row once per depth (its context is built in samples(), with the tokenizer)."""
         if not self.needle_depths:
             return rows
@@ -261,7 +261,7 @@ class HfTask(Task):
             for depth in self.needle_depths:
                 cell = {**row.sample.cell, "depth": depth, "context_length": self.needle_context_length}
                 sample = replace(row.sample, id=f"{row.sample.id}@{depth:g}", cell=cell)
-                out.append(Row(row.index, sample, row.max_new_tokens, {**row.extra, "depth": depth}))
+                out.append(DatasetRow(row.index, sample, row.max_new_tokens, {**row.extra, "depth": depth}))
         return out
 
     # --- samples --------------------------------------------------------------------------------------------------
@@ -279,7 +279,7 @@ class HfTask(Task):
         window = self.context_window or _tokenizer_window(tokenizer)
         self._check_answer_budgets(rows, window)
         out, refused = [], []
-        groups: dict[str, list[Row]] = {}
+        groups: dict[str, list[DatasetRow]] = {}
         for row in rows:
             groups.setdefault(row.sample.context, []).append(row)
         for group in groups.values():
@@ -299,7 +299,7 @@ class HfTask(Task):
             )
         return out
 
-    def _check_answer_budgets(self, rows: list[Row], window: int | None) -> None:
+    def _check_answer_budgets(self, rows: list[DatasetRow], window: int | None) -> None:
         """A row's own max_new_tokens cannot exceed the tokens the model takes at all: named by row and column."""
         big = [r for r in rows if window is not None and r.max_new_tokens and r.max_new_tokens >= window]
         if big:
@@ -311,7 +311,7 @@ class HfTask(Task):
                 "data, or drop the column to use task.max_new_tokens"
             )
 
-    def _fit(self, tokenizer, group: list[Row], window: int | None) -> tuple[list[Sample] | None, Any]:
+    def _fit(self, tokenizer, group: list[DatasetRow], window: int | None) -> tuple[list[Sample] | None, Any]:
         """The group's samples with their shared context cut in the middle to fit `window` (prompt + answer) for
         the longest of them, and the record of what was done (None: nothing); (None, rows) when refused."""
 
