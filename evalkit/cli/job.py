@@ -8,10 +8,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from evalkit import contract, sigint
 from evalkit.backends import Driven
 from evalkit.cli.spec import RunSpec, take
 from evalkit.engine.hf import HFEngine
-from evalkit.kv import contract
 from evalkit.run import runner
 from evalkit.run.loop import Engine
 
@@ -24,7 +24,8 @@ def job_spec(cfg: DictConfig, out_dir: Path) -> RunSpec:
 def run(spec: RunSpec) -> dict[str, Any]:
     """Run the spec's task with the baseline and its variants (or another engine's, backend=...) into its folder;
     return the summary."""
-    with contract.guarding([v.policy for v in spec.variants]):  # a user's policy raising anywhere is its fault: exit 2
+    # a user's policy raising anywhere is its fault (exit 2), unless a SIGINT reached the process: the user's stop
+    with contract.guarding([v.policy for v in spec.variants], sigint.received):
         return runner.run(spec, engine(spec))
 
 
