@@ -1,4 +1,4 @@
-"""What the run-time policy contract (evalkit.kv.contract) costs: the seconds spent in its checks, as a share of the
+"""What the run-time policy contract (evalkit.contract) costs: the seconds spent in its checks, as a share of the
 seconds of the runs they guard, on SmolLM2.
 
     python benchmarks/contract_cost.py [--lengths 1024 4096] [--samples 2]
@@ -19,11 +19,11 @@ import time
 
 from omegaconf import OmegaConf
 
-from evalkit import policies as policy_module
+from evalkit import contract
 from evalkit.cli.spec import model_spec
+from evalkit.contract import policy as policy_module
 from evalkit.engine import models
 from evalkit.engine.engine import run_sample
-from evalkit.kv import contract
 from evalkit.kv.variant import Variant
 from evalkit.policies import adakv, chunkkv
 from evalkit.policies.adakv import AdaKV
@@ -51,7 +51,7 @@ def timed(fn):
 
 
 def instrument() -> None:
-    """Wrap every check where it is looked up: evalkit.kv.contract's functions, and checked_scores in the modules that
+    """Wrap every check where it is looked up: evalkit.contract's functions, and checked_scores in the modules that
     call it (the base select, AdaKV, ChunkKV)."""
     for name in CHECKS:
         setattr(contract, name, timed(getattr(contract, name)))

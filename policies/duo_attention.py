@@ -115,7 +115,7 @@ class DuoAttention(KVPolicy):
 
     def protected(self, view: LayerView, k: int) -> Tensor:
         """What it keeps by its roles, whatever any score says: a retrieval head's every token, a streaming head's
-        sinks and recent tokens (the policy contract counts them, evalkit.kv.contract)."""
+        sinks and recent tokens (the policy contract counts them, evalkit.contract)."""
         return view.real & (self.window(view) | ~self.heads(view)[None, :, None])
 
     def over(self, view: LayerView, k: int) -> bool:

@@ -22,7 +22,7 @@ class FullCache(KVPolicy):
         return seen
 
     def protected(self, view: LayerView, k: int) -> Tensor:
-        return view.real  # every token, whatever the budget says: the policy contract counts them (evalkit.kv.contract)
+        return view.real  # every token, whatever the budget says: the policy contract counts them (evalkit.contract)
 
     def compresses(self) -> bool:
         return False

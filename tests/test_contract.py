@@ -1,4 +1,4 @@
-"""The policy contract, checked at run time for every policy (evalkit.kv.contract): a policy that keeps more than its
+"""The policy contract, checked at run time for every policy (evalkit.contract): a policy that keeps more than its
 budget, returns duplicate or out-of-range indices, scores NaN, or raises, stops with a PolicyError (exit 2) naming
 the policy, the layer and what it did, never "a bug in evalkit"; every built-in policy passes (the tests of
 test_cache_invariants run every one of them through the same check).
@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch import Tensor
 
+from evalkit import contract
 from evalkit.attention.observation import AttentionMass
 from evalkit.errors import ConfigError, PolicyError
-from evalkit.kv import contract
 from evalkit.kv.cache import allowed_per_layer, held_per_layer
 from evalkit.kv.variant import Variant
 from evalkit.policies import KVPolicy, LayerView

@@ -16,12 +16,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from evalkit import contract
 from evalkit.backends import Backend, BackendSpec
 from evalkit.config.choices import check_shadowed, options, searchpath, unknown_choice
 from evalkit.engine import models
 from evalkit.errors import ConfigError
 from evalkit.fields import cli, describe, fits, init_fields, unknown_key
-from evalkit.kv import contract
 from evalkit.kv.quantized import QuantSpec
 from evalkit.kv.variant import Variant
 from evalkit.modelspec import ModelSpec

@@ -7,10 +7,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from evalkit import contract, sigint
 from evalkit.backends import Driven
 from evalkit.cli.spec import Parts, parts, run_spec
 from evalkit.engine.hf import HFEngine
-from evalkit.kv import contract
 from evalkit.run import runner
 from evalkit.run.interrupt import Stop
 from evalkit.run.loop import Engine
@@ -25,7 +25,8 @@ def job_spec(cfg: DictConfig, out_dir: Path) -> tuple[RunSpec, Parts]:
 def run(spec: RunSpec, built: Parts, stop: Stop | None = None) -> dict[str, Any]:
     """Run the spec's task with the baseline and its variants (or another engine's, backend=...) into its folder,
     until `stop` is asked (the command's Ctrl-C; None: a stop no signal asks); return the summary."""
-    with contract.guarding([v.policy for v in built.variants]):  # a user's policy raising anywhere is its fault: 2
+    # a user's policy raising anywhere is its fault (exit 2), unless a SIGINT reached the process: the user's stop
+    with contract.guarding([v.policy for v in built.variants], sigint.received):
         return runner.run(spec, built.task, built.variants, engine(spec, built), stop or Stop())
 
 

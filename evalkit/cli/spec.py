@@ -13,11 +13,11 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from evalkit import contract, sigint
 from evalkit.backends import Backend, BackendSpec
 from evalkit.cli import search
 from evalkit.cli.config import backend, build, check_settings, listed_variants, validate, variants
 from evalkit.config.gatefile import resolved
-from evalkit.kv import contract
 from evalkit.kv.variant import Variant
 from evalkit.modelspec import ModelSpec
 from evalkit.runspec import LoggerSpec, PrefillSpec, RunSpec
@@ -95,7 +95,7 @@ def parts(cfg: DictConfig, check: bool = True) -> Parts:
     engine = backend(node, other, task) if other is not None else None
     chosen = tuple(variants(cfg, search.variants(cfg) if search.budgets(cfg) else None)) if engine is None else ()
     policies = [v.policy for v in chosen]
-    with contract.guarding(policies):  # a user's policy raising anywhere is its fault: exit 2
+    with contract.guarding(policies, sigint.received):  # a user's policy raising anywhere is its fault: exit 2
         check_settings(cfg)
         gate = gate_spec(cfg.gate)
         if check:

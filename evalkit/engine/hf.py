@@ -8,12 +8,12 @@ import time
 from collections.abc import Generator
 from typing import Any
 
+from evalkit import contract
 from evalkit.engine import models
 from evalkit.engine.divergence import logit_divergence
 from evalkit.engine.engine import Outcome, compress_context, decode
 from evalkit.engine.probes import NeedleProbes
 from evalkit.engine.rows import budget_clipped, hf_engine, kv_fields, prediction_text
-from evalkit.kv import contract
 from evalkit.kv.variant import Variant
 from evalkit.modelspec import ModelSpec
 from evalkit.records import Job, Result

@@ -54,7 +54,7 @@ class Outcome:
     # copy), packed-triton or packed-reference (the packed store, read by the Triton kernel or the PyTorch reference)
     attention_path: str = "dense"
     tokens_allocated: list[int] = field(default_factory=list)  # per layer, slots per KV head (ragged: the longest)
-    # per layer, the tokens per KV head the policy contract allowed (budget + declared protected; evalkit.kv.contract)
+    # per layer, the tokens per KV head the policy contract allowed (budget + declared protected; evalkit.contract)
     tokens_allowed: list[int | float] = field(default_factory=list)
     decoded_like: str | None = None  # the variant whose decode this one reused: the same kept tokens, stored alike
     decode_batch: int = (

@@ -22,10 +22,10 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
+from evalkit import contract
 from evalkit.attention.observation import Observation
 from evalkit.attention.sdpa import require_named
-from evalkit.kv import contract
-from evalkit.policies import KVPolicy, LayerView, gather_tokens
+from evalkit.contract import KVPolicy, LayerView, gather_tokens
 
 
 class EvictingLayer(DynamicLayer):
@@ -161,7 +161,7 @@ def compress(cache: Cache, policy: KVPolicy, observations: dict[int, dict[Observ
 
 def enforce(cache: Cache, policy: KVPolicy) -> None:
     """Evict until every evictable layer holds the policy's target for the tokens seen, checking the policy's
-    contract as it goes (evalkit.kv.contract): indices unique and in range, the tokens held within the budget plus the
+    contract as it goes (evalkit.contract): indices unique and in range, the tokens held within the budget plus the
     tokens the policy declares protected. Each layer records what it was allowed (`allowed`, (B, Hkv))."""
     evictable = [i for i, layer in enumerate(cache.layers) if isinstance(layer, EvictingLayer)]
     n_layers = len(cache.layers)
@@ -197,7 +197,7 @@ def enforce(cache: Cache, policy: KVPolicy) -> None:
 
 def add_tokens(cache: Cache, policy: KVPolicy) -> None:
     """The tokens `policy` adds once the prompt is compressed (KVPolicy.added, RestoreKV's restore tokens), appended
-    to every layer after the context, then held with the rest to the budget (evalkit.kv.contract)."""
+    to every layer after the context, then held with the rest to the budget (evalkit.contract)."""
     evictable = [i for i, layer in enumerate(cache.layers) if isinstance(layer, EvictingLayer)]
     added = {}
     for i in evictable:
@@ -296,7 +296,7 @@ def held_per_layer(cache: Cache) -> list[int | float]:
 
 
 def allowed_per_layer(cache: Cache) -> list[int | float]:
-    """Tokens each layer was allowed per KV head at its last eviction (evalkit.kv.contract: the budget plus the tokens
+    """Tokens each layer was allowed per KV head at its last eviction (evalkit.contract: the budget plus the tokens
     the policy declares protected; the mean over heads, 2 decimals); a layer that does not evict: what it holds."""
     held = held_per_layer(cache)
     out = []

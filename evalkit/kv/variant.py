@@ -9,12 +9,12 @@ from typing import Any
 
 from transformers.cache_utils import Cache
 
+from evalkit import contract
 from evalkit.attention.observation import Observation
+from evalkit.contract import KVPolicy
 from evalkit.errors import ConfigError
-from evalkit.kv import contract
 from evalkit.kv.cache import add_tokens, compress
 from evalkit.kv.quantized import QuantSpec, quantize_cache
-from evalkit.policies import KVPolicy
 from evalkit.records.labels import variant_label
 
 

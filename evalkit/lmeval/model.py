@@ -12,12 +12,12 @@ from lm_eval.api.model import LM
 from torch import Tensor
 from tqdm import tqdm
 
+from evalkit import contract
 from evalkit.engine import models
 from evalkit.engine.engine import Compressed, Outcome, compress_context, decode, run_sample
 from evalkit.engine.probes import NeedleProbes
 from evalkit.engine.rows import baseline_fields, kv_fields
 from evalkit.errors import ConfigError
-from evalkit.kv import contract
 from evalkit.kv.variant import Variant
 from evalkit.tasks.prompt import Prompt, context_digest
 

@@ -11,7 +11,7 @@ The gate believes no number a row claims that it can derive from another row or 
   outside protocol=query_aware the prefilled context is the document (`document_id` equals `context_id`);
 - scores are finite and within the scorers' range [0, 1]; KV bytes finite and non-negative, the full cache's above 0;
 - a variant's tokens held, summed over its layers, are within what its policy contract allowed (`tokens_allowed_per
-  _layer`, the budget plus the tokens the policy declares protected, evalkit.kv.contract), and its deployed bytes match
+  _layer`, the budget plus the tokens the policy declares protected, evalkit.contract), and its deployed bytes match
   the tokens it holds (dense storage: the baseline's bytes per token and layer times the tokens held; quantized
   storage: at most that);
 - every score is the one the task's scorer gives the row's prediction (evalkit.scoring; the scorer the run's task
