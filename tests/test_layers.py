@@ -1,15 +1,16 @@
 """The architecture as a test (docs/architecture.md): the folders are the layers. Every import statement of evalkit/,
-policies/ and kernels/ is walked, those inside functions included (a `TYPE_CHECKING` block, for annotations,
-excepted), and each folder imports only itself and the folders it sits on:
+policies/ and kernels/ is walked, those inside functions and in `TYPE_CHECKING` blocks included, and each folder
+imports only itself and the folders it sits on (issue 52's picture):
 
-    evalkit/cli/            every command line, Hydra's config composed, the run spec built once
-      evalkit/run/          one sample loop for every engine, resume, the writer
-        evalkit/backends/   llama.cpp and OpenAI-compatible servers    } the engines: each turns a sample
-        evalkit/lmeval/     lm-eval's driver                            } into outcomes, never importing the run
-          evalkit/engine/   the HF engine: load, prefill once, compress, decode
-            evalkit/tasks/ -> evalkit/kv/ -> policies/ -> evalkit/attention/ -> kernels/ -> leaves
-      evalkit/plan/ -> evalkit/report/ -> evalkit/gate/ -> leaves: no torch, nothing of the pipeline
-      evalkit/config/       Hydra's config names, overrides and gate files, no torch: the command lines' alone
+    evalkit/cli/              every command line, Hydra's config composed, the run spec built once
+      evalkit/run/            one sample loop for every engine, resume, the writer
+        evalkit/engine/       the HF engine: load, prefill once, compress, decode       } the engines: each turns a
+        evalkit/backends/     llama.cpp and OpenAI-compatible servers (on engine/)      } sample into outcomes,
+        evalkit/lmeval/       lm-eval's driver (on engine/)                              } never importing the run
+          evalkit/tasks/  evalkit/kv/  policies/            samples; KV storage; the policies (kv/ never policies/)
+            evalkit/contract/  evalkit/attention/  kernels/ the policy contract; attention observed; Triton kernels
+      evalkit/gate/  evalkit/report/  evalkit/plan/   beside the run, reading records only: each on the leaves alone
+      evalkit/config/         Hydra's config names, overrides and gate files, no torch: the command lines' alone
     leaves: the modules directly in evalkit/, evalkit/records/, evalkit/scoring/, evalkit/stats/: nothing above them
 
 There is no exceptions list: no module sits outside its folder's layer. A module's own `__main__.py` is an entry
@@ -32,32 +33,27 @@ LEAVES = "leaves"
 LEAF_PACKAGES = ("records", "scoring", "stats")  # folders of leaves: they import only leaves
 ENTRY = "entry points"
 # Each folder and the folders it may import (besides itself and the leaves).
+BOTTOM = {"evalkit.contract", "evalkit.attention", "evalkit.kernels"}
+MIDDLE = {"evalkit.tasks", "evalkit.kv", "evalkit.policies"}
 SITS_ON = {
     "evalkit.kernels": set(),
     "evalkit.attention": {"evalkit.kernels"},
     "evalkit.contract": {"evalkit.attention", "evalkit.kernels"},
-    "evalkit.policies": {"evalkit.contract", "evalkit.attention", "evalkit.kernels"},
-    "evalkit.kv": {"evalkit.contract", "evalkit.attention", "evalkit.kernels"},
     "evalkit.tasks": set(),
-    "evalkit.engine": {
-        "evalkit.tasks",
-        "evalkit.kv",
-        "evalkit.policies",
-        "evalkit.contract",
-        "evalkit.attention",
-        "evalkit.kernels",
-    },
-    "evalkit.gate": set(),
+    "evalkit.kv": BOTTOM,
+    "evalkit.policies": BOTTOM,
+    "evalkit.engine": MIDDLE | BOTTOM,
+    "evalkit.backends": {"evalkit.engine"} | MIDDLE | BOTTOM,
+    "evalkit.lmeval": {"evalkit.engine"} | MIDDLE | BOTTOM,
+    "evalkit.run": {"evalkit.engine", "evalkit.backends", "evalkit.lmeval"} | MIDDLE | BOTTOM,
+    "evalkit.gate": set(),  # beside the run, reading records only
     "evalkit.report": set(),
-    "evalkit.config": set(),
     "evalkit.plan": set(),
+    "evalkit.config": set(),
 }
-SITS_ON["evalkit.backends"] = {"evalkit.engine", *SITS_ON["evalkit.engine"]}
-SITS_ON["evalkit.lmeval"] = {"evalkit.engine", *SITS_ON["evalkit.engine"]}
-SITS_ON["evalkit.run"] = {"evalkit.backends", "evalkit.lmeval", *SITS_ON["evalkit.backends"]}
-SITS_ON["evalkit.cli"] = {
-    "evalkit.run", "evalkit.config", "evalkit.gate", "evalkit.report", "evalkit.plan", *SITS_ON["evalkit.run"]
-}
+SITS_ON["evalkit.cli"] = {"evalkit.run", "evalkit.config", "evalkit.gate", "evalkit.report", "evalkit.plan"} | SITS_ON[
+    "evalkit.run"
+]
 TORCH_FREE = {LEAVES, "evalkit.config", "evalkit.gate", "evalkit.report", "evalkit.plan"}
 HEAVY = ("torch", "transformers", "triton")
 
@@ -86,15 +82,9 @@ def folder(module: str) -> str:
 
 
 def imports(module: str, path: Path, known: dict[str, Path]) -> list[tuple[str, int, bool]]:
-    """(imported module, line, inside a function) for every import statement outside TYPE_CHECKING blocks; an
+    """(imported module, line, inside a function) for every import statement, those in TYPE_CHECKING blocks too; an
     evalkit module by its own name, an external one by its top-level package."""
     tree = ast.parse(path.read_text())
-    typing_only = {
-        id(sub)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-        for sub in ast.walk(node)
-    }
     in_function = {
         id(sub)
         for node in ast.walk(tree)
@@ -104,7 +94,7 @@ def imports(module: str, path: Path, known: dict[str, Path]) -> list[tuple[str, 
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out = []
     for node in ast.walk(tree):
-        if id(node) in typing_only or not isinstance(node, (ast.Import, ast.ImportFrom)):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
             continue
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
