@@ -180,10 +180,9 @@ def check_declared(policy: KVPolicy) -> None:
 
 def adds_tokens(policy: KVPolicy) -> bool:
     """Whether the policy defines `added` (tokens after a one-shot compression), itself or in the policy it wraps."""
-    method = type(policy).added
-    if method is Wrapper.added:
+    if isinstance(policy, Wrapper) and "added" in policy.delegated:
         return adds_tokens(policy.inner)
-    return method is not KVPolicy.added
+    return type(policy).added is not KVPolicy.added
 
 
 def check_needs(policy: KVPolicy) -> None:

@@ -180,6 +180,20 @@ class KVPolicy:
             )
 
 
+# What KVPolicy builds from its other members: a wrapper that changes one of those has its own, by the base rule over
+# its members (evalkit.contract.wrapper), not its inner policy's. A wrapper that chooses by its own rule (select,
+# over) ranks layer by layer, whatever its inner policy would.
+DERIVED: dict[str, frozenset[str]] = {
+    "select": frozenset({"score", "protected"}),
+    "over": frozenset({"select"}),
+    "select_layers": frozenset({"select", "over"}),
+    "ranks_across_layers": frozenset({"select", "over", "select_layers"}),
+    "held": frozenset({"min_tokens"}),
+    "target": frozenset({"held", "asked", "min_tokens"}),
+    "keep_per_layer": frozenset({"target", "held", "asked", "min_tokens"}),
+}
+
+
 def checked_scores(policy: KVPolicy, scores: object, view: LayerView) -> Tensor:
     """`score`'s answer as float32 (B, Hkv, T), or a PolicyError: the wrong shape, or a score that is NaN or infinite
     on a token that holds one (padding slots of a ragged layer are not scored)."""
