@@ -97,6 +97,7 @@ class KVCompose(KVPolicy):
     decode: bool = False
     chunkable: ClassVar[bool] = False  # its scores need the whole context read again
     decodable: ClassVar[bool] = False
+    ranks_across_layers: ClassVar[bool] = True  # its composite ranking spans every layer (select_layers)
 
     @property
     def ragged(self) -> bool:  # type: ignore[override]

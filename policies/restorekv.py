@@ -212,6 +212,7 @@ class RestoreKV(KVzip):
 
     name: str = "restorekv"
     weights_path: str | None = None
+    adds_tokens: ClassVar[bool] = True  # its restore tokens, after the context (added)
 
     def restore_tokens(self) -> int:
         """n: how many restore tokens the folder holds (read once)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 import torch
@@ -242,6 +243,7 @@ class Adds(Recent):
 
     name: str = "adds"
     count: int = 2
+    adds_tokens: ClassVar[bool] = True
 
     def added(self, view: LayerView) -> tuple[Tensor, Tensor] | None:
         b, h, _, d = view.keys.shape
@@ -300,6 +302,6 @@ def test_a_policy_that_adds_tokens_is_refused_a_chunked_prefill():
         Variant(ChunkableAdds(budget=0.25), chunk=32).validate()
     with pytest.raises(ConfigError, match="adds tokens after the prompt"):
         Variant(ChunkKV(inner=ChunkableAdds(), budget=0.25), chunk=32).validate()
-    assert contract.adds_tokens(ChunkKV(inner=Adds(), budget=0.25))
-    assert not contract.adds_tokens(ChunkKV(inner=Recent(), budget=0.25))
+    assert ChunkKV(inner=Adds(), budget=0.25).adds_tokens
+    assert not ChunkKV(inner=Recent(), budget=0.25).adds_tokens
     Variant(H2O(budget=0.25), chunk=32).validate()

@@ -3,7 +3,6 @@ what a policy sees (view), what it is (policy, wrapper), whose fault an exceptio
 of every policy at run time (checks). It reads no process-wide state: whoever calls it passes what it must know."""
 
 from evalkit.contract.checks import (
-    adds_tokens,
     allowance,
     check_added,
     check_added_layers,
@@ -31,7 +30,6 @@ __all__ = [
     "Probe",
     "Probes",
     "Wrapper",
-    "adds_tokens",
     "allowance",
     "calling",
     "check_added",

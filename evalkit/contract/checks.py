@@ -33,7 +33,6 @@ from evalkit.attention.observation import Observation
 from evalkit.contract.faults import calling, describe, users
 from evalkit.contract.policy import KVPolicy
 from evalkit.contract.view import LayerView
-from evalkit.contract.wrapper import Wrapper
 from evalkit.errors import ConfigError, PolicyError
 
 
@@ -176,14 +175,6 @@ def check_declared(policy: KVPolicy) -> None:
             f"{describe(owner)} sets budget_counts_tokens = False, which only evalkit's own none and duo_attention "
             "may: a policy holds at most its budget plus the min_tokens() - 1 tokens it protects; remove it"
         )
-
-
-def adds_tokens(policy: KVPolicy) -> bool:
-    """Whether the policy defines `added` (tokens after a one-shot compression), itself or in the policy it wraps."""
-    method = type(policy).added
-    if method is Wrapper.added:
-        return adds_tokens(policy.inner)
-    return method is not KVPolicy.added
 
 
 def check_needs(policy: KVPolicy) -> None:

@@ -43,6 +43,12 @@ class KVPolicy:
     # stated `min_tokens() - 1` (sinks, windows). False: the budget is not a count of tokens (FullCache keeps them
     # all, DuoAttention's budget is a share of heads) and every protected token counts; evalkit's own policies only.
     budget_counts_tokens: ClassVar[bool] = True
+    # Chooses for all evicting layers at once (KVzip's global ranking) in `select_layers`; False: evalkit asks each
+    # layer in turn (`over`, then `select`) and holds each to its own budget.
+    ranks_across_layers: ClassVar[bool] = False
+    adds_tokens: ClassVar[bool] = (
+        False  # adds tokens after a one-shot compression (`added`: RestoreKV's restore tokens)
+    )
 
     def needs(self) -> tuple[Observation, ...]:
         """What the engine must record in attention for it, beyond the held keys and values (H2O's mass, SnapKV's
@@ -102,16 +108,9 @@ class KVPolicy:
         """Tokens held per layer; uniform here, layer-dependent policies override it."""
         return [self.target(seen)] * n_layers
 
-    @property
-    def ranks_across_layers(self) -> bool:
-        """Whether the policy chooses for all evicting layers at once (KVzip's global ranking), in `select_layers`;
-        otherwise evalkit asks each layer in turn (`over`, then `select`) and holds each to its own budget. A policy
-        that overrides `select_layers` ranks across layers unless it says otherwise here."""
-        return type(self).select_layers is not KVPolicy.select_layers
-
     def select_layers(self, views: dict[int, LayerView], targets: dict[int, int]) -> dict[int, Tensor]:
-        """For a policy that ranks across layers: per evicting layer (index -> its view), the indices it keeps (as
-        `select` returns them), together within the sum of the layers' targets."""
+        """For a policy that ranks across layers (`ranks_across_layers`): per evicting layer (index -> its view), the
+        indices it keeps (as `select` returns them), together within the sum of the layers' targets."""
         raise NotImplementedError(f"{self.name} ranks layer by layer: evalkit calls over() and select() per layer")
 
     def select(self, view: LayerView, k: int) -> Tensor:
@@ -134,7 +133,8 @@ class KVPolicy:
         """Tokens the policy adds to the layer once the prompt is compressed (one-shot), after the context: keys
         (already rotated at the positions seen .. seen + n - 1) and values, each (B, Hkv, n, D), the same n in every
         layer (RestoreKV's restore tokens). They count against the budget, and the question follows them. The engine
-        checks them (evalkit.contract.check_added). None (the default): nothing is added."""
+        checks them (evalkit.contract.check_added). Asked only of a policy that declares `adds_tokens`; None: nothing
+        is added."""
         return None
 
     def continues_from_held(self) -> bool:
@@ -178,6 +178,20 @@ class KVPolicy:
                 f"policy.budget keeps {kept} tokens ({what}), fewer than the {self.min_tokens()} that "
                 f"{self.name} needs (its protected tokens plus one); raise policy.budget"
             )
+
+
+# What KVPolicy builds from its other members: a wrapper that changes one of those has its own, by the base rule over
+# its members (evalkit.contract.wrapper), not its inner policy's. A wrapper that chooses by its own rule (select,
+# over) ranks layer by layer, whatever its inner policy would.
+DERIVED: dict[str, frozenset[str]] = {
+    "select": frozenset({"score", "protected"}),
+    "over": frozenset({"select"}),
+    "select_layers": frozenset({"select", "over"}),
+    "ranks_across_layers": frozenset({"select", "over", "select_layers"}),
+    "held": frozenset({"min_tokens"}),
+    "target": frozenset({"held", "asked", "min_tokens"}),
+    "keep_per_layer": frozenset({"target", "held", "asked", "min_tokens"}),
+}
 
 
 def checked_scores(policy: KVPolicy, scores: object, view: LayerView) -> Tensor:

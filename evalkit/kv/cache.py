@@ -198,6 +198,8 @@ def enforce(cache: Cache, policy: KVPolicy) -> None:
 def add_tokens(cache: Cache, policy: KVPolicy) -> None:
     """The tokens `policy` adds once the prompt is compressed (KVPolicy.added, RestoreKV's restore tokens), appended
     to every layer after the context, then held with the rest to the budget (evalkit.contract)."""
+    if not policy.adds_tokens:  # declared: only such a policy is asked
+        return
     evictable = [i for i, layer in enumerate(cache.layers) if isinstance(layer, EvictingLayer)]
     added = {}
     for i in evictable:

@@ -71,7 +71,7 @@ class Variant:
             return
         if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1:
             raise ConfigError(f"prefill.chunk={self.chunk!r}: give a whole number of tokens such as 512")
-        if contract.adds_tokens(self.policy):
+        if self.policy.adds_tokens:
             raise ConfigError(
                 f"{self.name}: {self.policy.name} adds tokens after the prompt once it is compressed in one pass, "
                 "which a chunked prefill never is; use prefill=oneshot"
