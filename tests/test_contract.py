@@ -305,3 +305,22 @@ def test_a_policy_that_adds_tokens_is_refused_a_chunked_prefill():
     assert ChunkKV(inner=Adds(), budget=0.25).adds_tokens
     assert not ChunkKV(inner=Recent(), budget=0.25).adds_tokens
     Variant(H2O(budget=0.25), chunk=32).validate()
+
+
+def test_the_contract_reraises_an_interrupt_and_the_caller_says_whose_it_is():
+    """The contract reads no SIGINT state: a KeyboardInterrupt from a user's policy leaves `calling` still an
+    interrupt, and `guarding` makes it the policy's fault only when its caller (the command line, which owns
+    interrupts) says no SIGINT reached the process."""
+    policy = Recent()
+
+    def stop():
+        with contract.calling(policy, "score", 1):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        stop()
+    with pytest.raises(KeyboardInterrupt), contract.guarding([policy], lambda: True):
+        stop()
+    with pytest.raises(PolicyError, match=r"raised KeyboardInterrupt in score\(\) at layer 1: no Ctrl-C was pressed"):
+        with contract.guarding([policy], lambda: False):
+            stop()

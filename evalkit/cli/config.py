@@ -16,7 +16,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from evalkit import contract
+from evalkit import contract, sigint
 from evalkit.backends import Backend, BackendSpec
 from evalkit.config.choices import check_shadowed, options, searchpath, unknown_choice
 from evalkit.engine import models
@@ -230,7 +230,8 @@ def variants(cfg: DictConfig, made: list[Variant] | None = None) -> list[Variant
         chunked = [dataclasses.replace(v, chunk=prefill.get("chunk") if v.chunk is None else v.chunk) for v in out]
         out = ([v for v in out if v.chunk is None] if prefill.get("compare_oneshot") else []) + chunked
     for v in out:
-        v.validate()
+        with contract.guarding([v.policy], sigint.received):  # a user's policy raising here is its fault: exit 2
+            v.validate()
     names = [v.name for v in out]
     if len(set(names)) != len(names):
         raise ConfigError(f"variants: {sorted({n for n in names if names.count(n) > 1})} are listed more than once")

@@ -45,6 +45,8 @@ def calling(policy: KVPolicy, method: str, layer_idx: int | None = None) -> Iter
     passes through (exit 3)."""
     try:
         yield
+    except PolicyInterrupt:  # named already, by the call it went through first
+        raise
     except BaseException as err:  # noqa: BLE001 - whatever the user's code raises, SystemExit(0) included
         fault = policy_fault(err, [policy], method, layer_idx)
         if fault is None:
