@@ -5,7 +5,7 @@ verdict.json), into gate files and into the planner's values.
 Invariants: the gate exits 0, 1 or 2, never 3 and never with a traceback; a verdict.json it writes validates against
 docs/verdict.schema.json; the report exits 0 or 2 and, in a sweep, never replaces the gate's exit code; the planner
 exits 0 or 2. The fields come from the readers themselves (records.checks, gate.evidence, gate.thresholds,
-plan.settings, gate.looks) and from every path in the real files, so a field a reader accepts is a field mutated.
+plan.settings, records.looks) and from every path in the real files, so a field a reader accepts is a field mutated.
 
 A fixed budget of derandomized examples (EXAMPLES per property) keeps the file within the suite's time on one core.
 """
@@ -137,10 +137,11 @@ def dotted(names) -> list[tuple]:
     return [tuple(n.split(".")) for n in names]
 
 
-# The fields each reader accepts, from the readers themselves: run.json (gate.evidence's RUN_NEEDS and KINDS,
+# The fields each reader accepts, from the readers themselves: run.json (records.evidence's RUN_NEEDS and KINDS,
 # records' RunInfo, and what records.sample_identity and the advice read of the config), a row (records.checks'
-# ROW_FIELDS, SHAPES and OPTIONAL_BYTES, records.schema's NAMED, gate.evidence's HF_FIELDS), a look record (gate.looks'
-# format), the thresholds (gate.thresholds) and the planner's values (plan.settings); every path in the real files too
+# ROW_FIELDS, SHAPES and OPTIONAL_BYTES, records.schema's NAMED, records.evidence's HF_FIELDS), a look record
+# (records.looks' format), the thresholds (evalkit.thresholds) and the planner's values (plan.settings); every path in
+# the real files too
 RUN_FIELDS = dotted(
     [k for k, _ in RUN_NEEDS] + [k for k, _, _ in KINDS] + [f.name for f in dataclasses.fields(RunInfo)]
     + ["config.seed", "config.task.samples_per_cell", "config.task.limit", "config.task.fraction",

@@ -281,6 +281,18 @@ def test_the_report_and_the_planner_load_without_torch():
     assert res.returncode == 0, res.stderr[-2000:]
 
 
+
+def test_the_report_and_the_planner_load_nothing_of_the_gate():
+    """They read records and the gate's verdict.json through the leaves (evalkit.records.shown, .verdict): before,
+    the report imported evalkit.gate.judge to compute the baseline's problems, and the planner gate.decide."""
+    code = (
+        "import sys, evalkit.report.build, evalkit.report.__main__, evalkit.report.wandb_log, evalkit.plan.guide, "
+        "evalkit.plan.measured, evalkit.plan.outputs; "
+        "bad = sorted(m for m in sys.modules if m.startswith('evalkit.gate')); assert not bad, bad"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+
 def test_links_are_relative_paths_and_a_long_prediction_is_shown_cut(tmp_path):
     """A run folder named `javascript:alert(1)` beside the report: before, its lost samples linked
     `href="javascript:alert(1)/samples.jsonl"`, a script the link ran. Now the link is the relative path,

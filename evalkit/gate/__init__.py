@@ -1,2 +1,3 @@
-"""The verdict, with no torch: records read and cross-checked (reading, evidence), summarized (summary), judged
-(stats, decide and the modules they use; judge) and written (outputs); `python -m evalkit.gate` (command)."""
+"""The verdict, with no torch: records read, merged and cross-checked by the leaves (evalkit.records: reading,
+merged, evidence), judged (stats, decide and the modules they use; judge) and written (outputs: verdict.json and
+report.md; junit: JUnit XML; pipeline: CI's outputs; tracked: W&B); `python -m evalkit.gate` (command)."""

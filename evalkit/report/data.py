@@ -40,7 +40,7 @@ class VerdictView:
     looks: Any = None  # how many times these records were judged (sequential looks), when the verdict says
     cells: list[dict[str, Any]] = field(default_factory=list)
     variant_status: dict[str, str] = field(default_factory=dict)
-    # the drop bound the gate decided on, per variant: {"bounds": [lower, upper], "method"} (outputs.drop_bound)
+    # the drop bound the gate decided on, per variant: {"bounds": [lower, upper], "method"} (records.verdict.drop_bound)
     drop: dict[str, dict[str, Any]] = field(default_factory=dict)
     headline: str = ""  # the console's first line (a PASS at thresholds other than the defaults says so)
     notes: list[str] = field(default_factory=list)  # the console's notes: unfinished, declared bytes, thresholds
