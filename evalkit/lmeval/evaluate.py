@@ -131,8 +131,14 @@ def evaluate(
     """Run lm-eval tasks for every variant from one prefill per context (EvalkitLM) and replay the baseline and the
     other variants; per call (calls), each document's Job and Results (documents) and lm-eval's output by
     variant. `task.metadata` is lm-eval's task metadata (RULER's max_seq_lengths; its tokenizer, by default the
-    model's)."""
+    model's). A variant lm-eval cannot run is refused at once, before any call."""
     refuse_reconstruction(variants)
+    return _evaluate(task, loaded, variants, lm_args or {}, seeds)
+
+
+def _evaluate(
+    task, loaded: models.LoadedModel, variants: list[Variant], lm_args: dict, seeds: dict | None
+) -> Generator[tuple[list[tuple[Job, list[Result]]], dict]]:
     metadata = task.lm_eval_metadata()
     if "tokenizer" not in metadata and "pretrained" not in metadata:
         metadata["tokenizer"] = model_tokenizer(loaded)
@@ -141,7 +147,7 @@ def evaluate(
     plan = choose_metrics(manager.load(objects)["tasks"], task.metric)
     fixed = {"task_manager": manager, "num_fewshot": task.num_fewshot, "bootstrap_iters": 0, "log_samples": True}
     fixed |= {"gen_kwargs": task.lm_eval_gen_kwargs(), **{k: v for k, v in (seeds or {}).items() if v is not None}}
-    lm = EvalkitLM(loaded, variants, **(lm_args or {}))
+    lm = EvalkitLM(loaded, variants, **lm_args)
     names = [v.name for v in variants]
     for call in calls(manager, objects, task.limit, task.documents_per_call):
         for store in lm.kv_of.values():
