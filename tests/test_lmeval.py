@@ -401,9 +401,8 @@ def paired_by_hand(manager, objects, variant_answers, baseline_answers, limit, m
     run = simple_evaluate(model=Scripted(variant_answers), **kwargs)
     base = simple_evaluate(model=Scripted(baseline_answers), **kwargs)
     plan = lm_metrics.choose_metrics(manager.load(objects)["tasks"], metric)
-    lm = SimpleNamespace(kv={}, kv_baseline={}, variant=SimpleNamespace(name="v"))
     head = {"run_id": "by-hand", "task": "lm_eval", "protocol": "query_agnostic"}
-    answered = lm_evaluate.documents([(lm, run)], base, plan)
+    answered = lm_evaluate.documents([("v", {}, run)], {}, base, plan)
     return [row.to_dict() for job, results in answered for row in pair(head, job.row, results)]
 
 

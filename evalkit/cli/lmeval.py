@@ -1,19 +1,22 @@
-"""lm-eval's own command line with the evalkit model (`python -m evalkit.lmeval --model evalkit ...`): the paired
-records written beside lm-eval's output, under evalkit's exit codes."""
+"""lm-eval's own command line with the evalkit model (`python -m evalkit.lmeval --model evalkit ...`): lm-eval's
+parser reads the command; `--model evalkit` runs through evalkit's sample loop (evalkit.run.loop: the folder's lock,
+resume, Ctrl-C, run.json), its paired records written as documents finish, lm-eval's table and output beside; any
+other model runs as lm-eval runs it. Under evalkit's exit codes."""
 
 from __future__ import annotations
 
-import functools
 import sys
 import time
-import uuid
 from importlib.resources import files
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from lm_eval._cli import HarnessCLI
 from lm_eval.api.registry import register_model
-from lm_eval.utils import simple_parse_args_string
+from lm_eval.config.evaluate_config import EvaluatorConfig
+from lm_eval.loggers import EvaluationTracker
+from lm_eval.utils import make_table
 from omegaconf import OmegaConf
 
 from evalkit.cli.config import variants as parse_variants
@@ -21,25 +24,26 @@ from evalkit.cli.spec import model_spec
 from evalkit.config.choices import did_you_mean, options
 from evalkit.engine import models
 from evalkit.errors import ConfigError
-from evalkit.lmeval.evaluate import documents, load_tasks, model_tokenizer, refuse_reconstruction
-from evalkit.lmeval.metrics import choose_metrics
+from evalkit.lmeval.evaluate import LmevalEngine, refuse_reconstruction
 from evalkit.lmeval.model import EvalkitLM
+from evalkit.lock import RunLock
 from evalkit.modelspec import ModelSpec
-from evalkit.records import BASELINE, RUN, SAMPLES, Job, RecordWriter, Result, RunInfo, pair, write_json
-from evalkit.run.loop import finish
-from evalkit.run.resume import versions
-from evalkit.tasks.lmeval_index import task_dir, task_manager
+from evalkit.records import SAMPLES, cut_torn
+from evalkit.run.loop import finish, run_samples
+from evalkit.run.resume import start
+from evalkit.tasks.lmeval import LmEvalTask
+from evalkit.tasks.lmeval_index import task_dir
 
-if TYPE_CHECKING:
-    from lm_eval.tasks import TaskManager
-
-# What `--model_args` takes for the evalkit model (CommandLineLM's own arguments).
+# What `--model_args` takes for the evalkit model: CommandLineLM's own arguments, then the command line's (where the
+# records go, whether to continue them, how many documents lm-eval answers per call).
 MODEL_ARGS = ("model", "variant", "device", "max_gen_toks", "rolling_split", "metric", "records")
+RUN_ARGS = ("resume", "documents_per_call")
+SEEDS = ("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed")  # lm-eval's --seed, in order
 
 
-def unknown_arg(key: str) -> str:
-    hint = did_you_mean(key, list(MODEL_ARGS))
-    return f"--model_args {key}=...: the evalkit model takes no {key!r}{hint}; its arguments: {', '.join(MODEL_ARGS)}"
+def unknown_arg(key: str, valid: tuple[str, ...] = MODEL_ARGS) -> str:
+    hint = did_you_mean(key, list(valid))
+    return f"--model_args {key}=...: the evalkit model takes no {key!r}{hint}; its arguments: {', '.join(valid)}"
 
 
 def model_config(name: str) -> ModelSpec:
@@ -80,108 +84,110 @@ class CommandLineLM(EvalkitLM):
         super().__init__(loaded, parsed, max_gen_toks, rolling_split, metric, records)
 
 
-def write_records(out_dir: Path, answered: list[tuple[Job, list[Result]]], run_info: RunInfo, task_name: str) -> dict:
-    """samples.jsonl (each document's rows paired with the baseline's, as the Hydra route writes them), run.json
-    and summary.json in out_dir; the summary."""
-
-    if (out_dir / SAMPLES).exists():
-        raise ConfigError(f"{out_dir} already holds results; choose another folder with --model_args records=DIR")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(out_dir / RUN, run_info.to_dict())
-    writer = RecordWriter(out_dir / SAMPLES)
-    try:
-        for job, results in answered:
-            writer.write(*pair(run_info.head(task_name), job.row, results))
-    finally:
-        writer.close()
-    summary = finish(out_dir, sys.stderr)
-    variant = answered[0][1][-1].variant if answered else "variant"
-    print(f"evalkit: paired records (baseline and {variant}): {out_dir}", file=sys.stderr)
-    return summary
+def model_args(given: dict[str, Any]) -> dict[str, Any]:
+    """The command line's `--model_args` for the evalkit model, defaults filled in; an unknown key is refused."""
+    valid = MODEL_ARGS + RUN_ARGS
+    unknown = sorted(set(given) - set(valid))
+    if unknown:
+        raise ConfigError(unknown_arg(unknown[0], valid))
+    out = {"model": "smollm2-135m", "variant": "none@1.0", "device": "cpu", "max_gen_toks": 64, "rolling_split": 0.5}
+    out |= {"metric": None, "records": None, "resume": False, "documents_per_call": None, **given}
+    if str(out["device"]).startswith("cuda") and not torch.cuda.is_available():
+        print(f"evalkit: device={out['device']} but CUDA is not available; running on the CPU", file=sys.stderr)
+        out["device"] = "cpu"
+    if not isinstance(out["resume"], bool):
+        raise ConfigError(f"--model_args resume={out['resume']!r}: give True or False")
+    return out
 
 
-def _paired_evaluate(real, *, model=None, model_args=None, **kwargs):
-    """lm-eval's simple_evaluate for its command line: `--model evalkit` runs the variant, replays its baseline
-    through lm-eval on the same task objects, and writes evalkit's paired records (write_records) beside lm-eval's
-    own output; the variant's results go back to lm-eval's command line. Any other model runs as lm-eval runs it."""
-    if model != "evalkit":
-        return real(model=model, model_args=model_args, **kwargs)
-    if kwargs.get("use_cache"):
+def lm_eval_task(cfg: EvaluatorConfig, args: dict[str, Any]) -> LmEvalTask:
+    """The lm-eval tasks the command names as evalkit's task=lm_eval (its --metadata less the evalkit model's own
+    arguments, which lm-eval merges into it)."""
+    metadata = {k: v for k, v in (cfg.metadata or {}).items() if k not in MODEL_ARGS + RUN_ARGS}
+    include = cfg.include_path if isinstance(cfg.include_path, list) else [cfg.include_path]
+    return LmEvalTask(
+        tasks=[str(t) for t in cfg.tasks],
+        limit=cfg.limit,
+        num_fewshot=cfg.num_fewshot,
+        metadata=metadata,
+        gen_kwargs=dict(cfg.gen_kwargs or {}),
+        metric=args["metric"],
+        documents_per_call=None if args["documents_per_call"] is None else int(args["documents_per_call"]),
+        include=[str(p) for p in include if p],
+    )
+
+
+def paired(cfg: EvaluatorConfig) -> dict:
+    """`--model evalkit`: the variant and the baseline on lm-eval's tasks through evalkit's sample loop, into
+    `records=DIR` (resume=True continues a run stopped there); lm-eval's table and output for the variant."""
+    if cfg.use_cache:
         raise ConfigError("--use_cache: a cached answer has no baseline beside it; run the evalkit model without it")
-    args = simple_parse_args_string(model_args) if isinstance(model_args, str) else dict(model_args or {})
-    extra = {k: kwargs.get(k) for k in ("batch_size", "max_batch_size", "device")}
-    lm = CommandLineLM.create_from_arg_obj(args, extra)
-    refuse_reconstruction([lm.variant])
-    names = kwargs.pop("tasks")
-    manager = _manager(kwargs.pop("task_manager", None), names, {**args, **(kwargs.get("metadata") or {})}, lm)
-    objects = load_tasks(
-        manager, list(names), {k: kwargs.get(k) for k in ("random_seed", "numpy_random_seed", "torch_random_seed")}
-    )
-    plan = choose_metrics(manager.load(objects)["tasks"], lm.metric, "--model_args metric")
-    asked_samples = bool(kwargs.pop("log_samples", False))
+    if cfg.samples:
+        raise ConfigError("--samples: the evalkit model runs every document (or --limit); drop --samples")
+    args = model_args(dict(cfg.model_args or {}))
+    cfg.process_tasks(cfg.metadata)  # lm-eval's own refusal of a task it does not know
+    task = lm_eval_task(cfg, args)
+    (variant,) = parse_variants(OmegaConf.create({"seed": 0, "variants": [args["variant"]]}))
+    refuse_reconstruction([variant])
+    if task.documents_per_call is not None and cfg.output_path:
+        raise ConfigError("--output_path: lm-eval's results need one call over every document; drop documents_per_call")
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
-    run = real(model=lm, tasks=objects, task_manager=manager, log_samples=True, **kwargs)
-    quiet = {**kwargs, "evaluation_tracker": None}
-    baseline = real(model=lm.baseline(), tasks=objects, task_manager=manager, log_samples=True, **quiet)
-    answered = documents([(lm, run)], baseline, plan)
-    label = "".join(c if c.isalnum() or c in "@.+-_" else "_" for c in lm.variant.name)
-    out = Path(lm.records or Path("results") / "lm_eval_cli" / lm.loaded.name / label / started.replace(":", "-"))
-    write_records(out, answered, _run_info(lm, list(names), args, kwargs, started), "lm_eval")
-    write_json(out / "lm_eval_results.json", {BASELINE: baseline["results"], lm.variant.name: run["results"]})
-    if not asked_samples:
-        run.pop("samples", None)
-    run.setdefault("config", {})["model"] = "evalkit"
-    return run
-
-
-def _manager(manager: TaskManager | None, names: list, metadata: dict, lm: CommandLineLM) -> TaskManager:
-    """lm-eval's task manager (lm-eval's own, when it has one with a tokenizer), with the model's own tokenizer
-    where the command line names none (RULER would read `model=`, evalkit's config name, as a tokenizer to size
-    its haystacks)."""
-    if not (metadata.get("tokenizer") or metadata.get("pretrained")):
-        metadata["tokenizer"] = model_tokenizer(lm.loaded)
-    elif manager is not None:
-        return manager
-    include = manager.include_path if manager is not None else None
-    paths = [str(p) for p in (include if isinstance(include, (list, tuple)) else [include])] if include else None
-    return task_manager(names if all(isinstance(n, str) for n in names) else None, metadata, paths)
-
-
-def _run_info(lm: CommandLineLM, names: list[str], args: dict, kwargs: dict, started: str) -> RunInfo:
-    """run.json of a command-line run: what the gate needs (config, model fingerprint, versions) and the command."""
-    task = {"name": "lm_eval", "tasks": names, "metric": lm.metric}
-    task |= {k: kwargs.get(k) for k in ("limit", "num_fewshot", "metadata")}
-    config = {"model": {"name": lm.loaded.name}, "task": task, "variants": [lm.variant.name], "model_args": args}
-    return RunInfo(
-        run_id=uuid.uuid4().hex[:12],
-        route="lm_eval command line (python -m evalkit.lmeval)",
-        config={**config, "protocol": "query_agnostic", "seed": 0},
-        versions=versions(),
-        command=sys.argv,
-        started=started,
-        protocol="query_agnostic",
-        seed=0,
-        model=lm.loaded.info(),
+    label = "".join(c if c.isalnum() or c in "@.+-_" else "_" for c in variant.name)
+    out = Path(args["records"] or Path("results") / "lm_eval_cli" / args["model"] / label / started.replace(":", "-"))
+    seeds = dict(zip(SEEDS, cfg.seed or [], strict=False))
+    lm_args = {k: args[k] for k in ("max_gen_toks", "rolling_split")}
+    engine = LmevalEngine(
+        model_config(args["model"]), args["device"], task, [variant], out, lm_args=lm_args, seeds=seeds
     )
+    config = {"model": {"name": args["model"]}, "task": task_config(task), "variants": [variant.name]}
+    config |= {"model_args": {k: v for k, v in args.items() if k not in ("records", "resume")}}
+    with RunLock(out):
+        run_info = start(out, {**config, "protocol": "query_agnostic", "seed": 0}, args["resume"], task)
+        run_info.route = "lm_eval command line (python -m evalkit.lmeval)"
+        cut_torn(out / SAMPLES)
+        run_samples(engine, out, run_info, task, None)
+        finish(out, sys.stderr)
+    print(f"evalkit: paired records (baseline and {variant.name}): {out}", file=sys.stderr)
+    return engine.outputs.get(variant.name, {})
+
+
+def task_config(task: LmEvalTask) -> dict[str, Any]:
+    """What run.json records of the task: what decides the documents and how they are scored."""
+    keys = ("name", "tasks", "limit", "num_fewshot", "metadata", "gen_kwargs", "metric", "documents_per_call")
+    return {k: getattr(task, k) for k in keys}
+
+
+def lm_eval_output(cfg: EvaluatorConfig, run: dict) -> None:
+    """lm-eval's own output of the variant's run: its table, and its results (and samples, --log_samples) under
+    --output_path."""
+    if not run:
+        return
+    samples = run.pop("samples", {})
+    print(make_table(run))
+    if cfg.output_path:
+        tracker = EvaluationTracker(**{**cfg.hf_hub_log_args, "output_path": cfg.output_path})
+        tracker.general_config_tracker.log_experiment_args("evalkit", dict(cfg.model_args or {}), None, None, False)
+        tracker.save_results_aggregated(results=run, samples=samples if cfg.log_samples else None)
+        for name in run.get("configs", {}) if cfg.log_samples else ():
+            tracker.save_results_samples(task_name=name, samples=samples[name])
 
 
 def main() -> int:
     """lm-eval's own command line, with evalkit's model registered and its offline tasks on the include path,
     under evalkit's exit codes (lm-eval reports bad arguments, such as an unknown task, as ValueError: exit 2).
-    With `--model evalkit`, the paired records are written too (_paired_evaluate)."""
-    import lm_eval
-    from lm_eval.__main__ import cli_evaluate
-
+    `--model evalkit` runs through evalkit's sample loop (paired); any other model as lm-eval runs it."""
     if "--include_path" not in sys.argv:
         sys.argv += ["--include_path", str(task_dir())]
-    real = lm_eval.simple_evaluate
-    lm_eval.simple_evaluate = functools.partial(_paired_evaluate, real)
+    parser = HarnessCLI()
     try:
-        cli_evaluate()
+        args = parser.parse_args()
+        if getattr(args, "command", None) == "run" and args.model == "evalkit":
+            cfg = EvaluatorConfig.from_cli(args)
+            lm_eval_output(cfg, paired(cfg))
+        else:
+            parser.execute(args)
     except ConfigError:
         raise
     except ValueError as err:
         raise ConfigError(f"lm-eval: {str(err).splitlines()[0]}") from None
-    finally:
-        lm_eval.simple_evaluate = real
     return 0

@@ -1,8 +1,9 @@
 """lm-eval integration: the `evalkit` model for lm-evaluation-harness, with any policy and quantization.
 
-Every request is answered twice from one prefill: by the full cache (the baseline) and by the compressed one
-(the variant). lm-eval scores the variant's answers; the baseline's are kept and replayed through lm-eval a
-second time (`EvalkitLM.baseline()`), so both are scored by lm-eval's own metrics on the same documents.
+Every request is answered from one prefill by the full cache (the baseline) and by each variant's compressed one
+(prefill once, compress many). lm-eval scores the first variant's answers; the baseline's and the other variants'
+are kept and replayed through lm-eval (`EvalkitLM.baseline()`, `EvalkitLM.replay(name)`), so all are scored by
+lm-eval's own metrics on the same documents.
 
 Every request type runs as the engine runs a sample (`evalkit.engine.engine.run_sample`): the context is prefilled and
 compressed (in one shot, or in chunks for `:chunkN` variants), then the continuation is fed one token at a time
@@ -15,9 +16,10 @@ prefill (the full cache exists during a one-shot prefill), compression and every
     python -m evalkit.lmeval --model evalkit --model_args model=tiny-random,variant=snapkv@0.5 \\
         --tasks evalkit_recall                                                      # lm-eval's own command line
 
-Both routes write the same paired records (samples.jsonl: a baseline and a variant row per document, with flips;
-summary.json; run.json). Each row is scored by one per-document metric chosen before any document runs
-(choose_metrics: `task.metric`, or a default per task, or a refusal); for lm-eval's RULER (Hsieh et al. 2024, "RULER:
-What's the Real Context Size of Your Long-Context Language Models?", arXiv:2404.06654) that is the score at the
+Both routes write the same paired records through evalkit.run.loop (samples.jsonl: a baseline and a variant row per
+document, with flips; summary.json; run.json), under the folder's lock, with resume and Ctrl-C. Each row is scored
+by one per-document metric chosen before any document runs (choose_metrics: `task.metric`, or a default per task,
+or a refusal); for lm-eval's RULER (Hsieh et al. 2024, "RULER: What's the Real Context Size of Your Long-Context
+Language Models?", arXiv:2404.06654) that is the score at the
 document's own length, never the -1 lm-eval logs under the lengths a document was not generated at.
 """

@@ -3,12 +3,14 @@ Results for the run's sample loop (LmevalEngine), and lm-eval's results."""
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Generator
 from pathlib import Path
 
 import numpy as np
 import torch
+from lm_eval import simple_evaluate
 from platformdirs import user_cache_dir
 
 from evalkit.engine import models
@@ -64,15 +66,16 @@ def load_tasks(manager, names: list[str], seeds: dict | None = None) -> list:
 
 
 def documents(
-    runs: list[tuple[EvalkitLM, dict]], baseline: dict, plan: dict[str, str | None]
+    runs: list[tuple[str, dict, dict]], kv_baseline: dict, baseline: dict, plan: dict[str, str | None]
 ) -> list[tuple[Job, list[Result]]]:
-    """One Job per document with its Results from lm-eval's logged samples: the baseline's (replayed beside the
-    first variant) and each variant's, scored by the planned per-document metric (choose_metrics), with what each
-    answered and the KV bytes of the document's compressed context."""
-    (first, first_run), out = runs[0], []
-    for task, docs in first_run["samples"].items():
+    """One Job per document with its Results from lm-eval's logged samples: the baseline's (replayed) and each
+    variant's (runs: its name, the KV bytes noted per document, lm-eval's output), scored by the planned
+    per-document metric (choose_metrics), with what each answered and the KV bytes of the document's compressed
+    context."""
+    out = []
+    for task, docs in runs[0][2]["samples"].items():
         base = {d["doc_id"]: d for d in baseline["samples"][task]}
-        logged = [(lm, {d["doc_id"]: d for d in run["samples"][task]}) for lm, run in runs]
+        logged = [(name, kv, {d["doc_id"]: d for d in run["samples"][task]}) for name, kv, run in runs]
         for d in docs:
             metric, _ = doc_score(task, d, plan)
             cell = {"lm_eval_task": task}
@@ -81,10 +84,8 @@ def documents(
             sid = f"{task}/{d['doc_id']}"
             key = (task, d["doc_id"])
             row = {"sample_id": sid, "cell": cell, "metric": metric, "answers": d.get("target")}
-            results = [_result(BASELINE, base[d["doc_id"]], task, plan, first.kv_baseline.get(key, {}))]
-            results += [
-                _result(lm.variant.name, by_id[d["doc_id"]], task, plan, lm.kv.get(key, {})) for lm, by_id in logged
-            ]
+            results = [_result(BASELINE, base[d["doc_id"]], task, plan, kv_baseline.get(key, {}))]
+            results += [_result(name, by_id[d["doc_id"]], task, plan, kv.get(key, {})) for name, kv, by_id in logged]
             out.append((Job(sid, row), results))
     return out
 
@@ -101,50 +102,84 @@ def _result(name: str, doc: dict, task: str, plan: dict[str, str | None], kv: di
 
 class LmevalEngine(HFEngine):
     """lm-eval's driver as the sample loop's engine: the model loaded and the policies prepared as evalkit's own
-    engine does, then lm-eval runs every request in one call and each document comes back as a Job with its
-    Results; lm-eval's own results go to lm_eval_results.json."""
+    engine does, then lm-eval runs the requests and each document comes back as a Job with its Results, every
+    `task.documents_per_call` documents (None: all in one call); lm-eval's own results go to lm_eval_results.json.
+    `lm_args`: EvalkitLM's settings (max_gen_toks, rolling_split); `seeds`: lm-eval's (load_tasks)."""
 
-    interruptible = False  # lm-eval runs every request in one call: Ctrl-C stops it at once
+    interruptible = False  # lm-eval runs a call's requests at once: Ctrl-C stops it at once
 
-    def __init__(self, model: ModelSpec, device: str, task, variants: list[Variant], out_dir: Path):
+    def __init__(self, model: ModelSpec, device: str, task, variants: list[Variant], out_dir: Path, **settings):
         super().__init__(model, device, task, variants)
         self.out_dir = out_dir
+        self.lm_args, self.seeds = settings.get("lm_args") or {}, settings.get("seeds")
+        self.results: dict = {}  # lm_eval_results.json: lm-eval's results by variant (by call, when several)
+        self.outputs: dict[str, dict] = {}  # lm-eval's whole output of the latest call, by variant
 
     def run(self, jobs: list[Job]) -> Generator[tuple[Job, list[Result]]]:
-        answered, results = evaluate(self.task, self.loaded, self.variants)
-        write_json(self.out_dir / "lm_eval_results.json", results)
-        yield from answered
+        calls = evaluate(self.task, self.loaded, self.variants, self.lm_args, self.seeds)
+        for n, (answered, outputs) in enumerate(calls):
+            results = {name: out["results"] for name, out in outputs.items()}
+            self.results = results if n == 0 else {"calls": [*self.results.get("calls", [self.results]), results]}
+            self.outputs = outputs
+            write_json(self.out_dir / "lm_eval_results.json", self.results)
+            yield from answered
 
 
-def evaluate(task, loaded: models.LoadedModel, variants: list[Variant]) -> tuple[list[tuple[Job, list[Result]]], dict]:
-    """Run lm-eval tasks for every variant and, by replay, the baseline; each document's Job and Results
-    (documents) and lm-eval's results. `task.metadata` is lm-eval's task metadata (RULER's max_seq_lengths; its
-    tokenizer, by default the model's)."""
-    from lm_eval import simple_evaluate
-
+def evaluate(
+    task, loaded: models.LoadedModel, variants: list[Variant], lm_args: dict | None = None, seeds: dict | None = None
+) -> Generator[tuple[list[tuple[Job, list[Result]]], dict]]:
+    """Run lm-eval tasks for every variant from one prefill per context (EvalkitLM) and replay the baseline and the
+    other variants; per call (calls), each document's Job and Results (documents) and lm-eval's output by
+    variant. `task.metadata` is lm-eval's task metadata (RULER's max_seq_lengths; its tokenizer, by default the
+    model's). A variant lm-eval cannot run is refused at once, before any call."""
     refuse_reconstruction(variants)
+    return _evaluate(task, loaded, variants, lm_args or {}, seeds)
+
+
+def _evaluate(
+    task, loaded: models.LoadedModel, variants: list[Variant], lm_args: dict, seeds: dict | None
+) -> Generator[tuple[list[tuple[Job, list[Result]]], dict]]:
     metadata = task.lm_eval_metadata()
     if "tokenizer" not in metadata and "pretrained" not in metadata:
         metadata["tokenizer"] = model_tokenizer(loaded)
-    manager = task_manager(list(task.tasks), metadata)
-    objects = load_tasks(manager, list(task.tasks))
+    manager = task_manager(list(task.tasks), metadata, task.include_paths())
+    objects = load_tasks(manager, list(task.tasks), seeds)
     plan = choose_metrics(manager.load(objects)["tasks"], task.metric)
-    kwargs = {
-        "tasks": objects,
-        "task_manager": manager,
-        "limit": task.limit,
-        "log_samples": True,
-        "num_fewshot": task.num_fewshot,
-        "bootstrap_iters": 0,
-        "gen_kwargs": task.lm_eval_gen_kwargs(),
-    }
-    runs, results, baseline = [], {}, None
-    for variant in variants:
-        lm = EvalkitLM(loaded, variant)
-        run = simple_evaluate(model=lm, **kwargs)
-        if baseline is None:
-            baseline = simple_evaluate(model=lm.baseline(), **kwargs)
-            results[BASELINE] = baseline["results"]
-        results[variant.name] = run["results"]
-        runs.append((lm, run))
-    return documents(runs, baseline, plan), results
+    fixed = {"task_manager": manager, "num_fewshot": task.num_fewshot, "bootstrap_iters": 0, "log_samples": True}
+    fixed |= {"gen_kwargs": task.lm_eval_gen_kwargs(), **{k: v for k, v in (seeds or {}).items() if v is not None}}
+    lm = EvalkitLM(loaded, variants, **lm_args)
+    names = [v.name for v in variants]
+    for call in calls(manager, objects, task.limit, task.documents_per_call):
+        for store in lm.kv_of.values():
+            store.clear()  # a call's KV bytes are its own documents'
+        runs = [simple_evaluate(model=lm, **fixed, **call)]  # every variant answers here, from one prefill
+        runs += [simple_evaluate(model=lm.replay(name), **fixed, **call) for name in names[1:]]
+        baseline = simple_evaluate(model=lm.baseline(), **fixed, **call)
+        runs_kv = [(n, by_document(lm.kv_of[n], call), r) for n, r in zip(names, runs, strict=True)]
+        answered = documents(runs_kv, by_document(lm.kv_baseline, call), baseline, plan)
+        yield answered, {BASELINE: baseline, **dict(zip(names, runs, strict=True))}
+
+
+def by_document(noted: dict, call: dict) -> dict:
+    """The KV bytes noted per (task, request's doc_id), by (task, document id): lm-eval numbers the requests of a
+    call that names its documents (`samples`) by their place among them, and logs each document's own id."""
+    samples = call.get("samples")
+    if not samples:
+        return noted
+    return {(task, samples[task][place]): fields for (task, place), fields in noted.items()}
+
+
+def calls(manager, objects: list, limit: float | None, per_call: int | None) -> list[dict]:
+    """What each lm-eval call runs: every task whole (`limit` documents of each), or each task's documents
+    `per_call` at a time (lm-eval's `samples`), so that a run's rows are written as its documents finish."""
+    if per_call is None:
+        return [{"tasks": objects, "limit": limit}]
+    out = []
+    for name, leaf in manager.load(objects)["tasks"].items():
+        n = len(leaf.eval_docs)
+        count = n if limit is None else min(n, math.ceil(n * limit) if limit < 1.0 else int(limit))
+        out += [
+            {"tasks": [leaf], "samples": {name: list(range(i, min(i + per_call, count)))}}
+            for i in range(0, count, per_call)
+        ]
+    return out

@@ -19,6 +19,7 @@ from evalkit.engine.probes import NeedleProbes
 from evalkit.engine.rows import baseline_fields, kv_fields
 from evalkit.errors import ConfigError
 from evalkit.kv.variant import Variant
+from evalkit.records import BASELINE
 from evalkit.tasks.prompt import Prompt, context_digest
 
 
@@ -47,13 +48,15 @@ def _scored(logits: list[Tensor], targets: Tensor) -> tuple[float, bool]:
 
 
 class EvalkitLM(LM):
-    """An lm-eval model running an evalkit variant beside the full-cache baseline, on a loaded model. lm-eval's
+    """An lm-eval model running evalkit variants beside the full-cache baseline, on a loaded model: each context is
+    prefilled once and compressed for every variant (prefill once, compress many). lm-eval scores the first
+    variant's answers; the baseline's and the other variants' are replayed (`baseline()`, `replay(name)`). lm-eval's
     command line builds it from strings (evalkit.cli.lmeval.CommandLineLM); the run pipeline from objects."""
 
     def __init__(
         self,
         loaded: models.LoadedModel,
-        variant: Variant,
+        variant: Variant | list[Variant],
         max_gen_toks: int = 64,
         rolling_split: float = 0.5,
         metric: str | None = None,
@@ -61,45 +64,66 @@ class EvalkitLM(LM):
     ):
         super().__init__()
         self.loaded, self.model, self.tok = loaded, loaded.model, loaded.tokenizer
-        self.variant = variant
-        with contract.calling(variant.policy, "prepare"):  # once per policy (DuoAttention's roles)
-            variant.policy.prepare(loaded.model, NeedleProbes(loaded.tokenizer))
+        self.variants = list(variant) if isinstance(variant, list) else [variant]
+        self.variant = self.variants[0]  # the one lm-eval scores directly
+        for v in self.variants:
+            with contract.calling(v.policy, "prepare"):  # once per policy (DuoAttention's roles)
+                v.policy.prepare(loaded.model, NeedleProbes(loaded.tokenizer))
         self.max_gen_toks, self.rolling_split = int(max_gen_toks), float(rolling_split)
         # lm-eval's command line (main): the per-document metric of the paired records, and where they are written
         self.metric, self.records = metric, records
-        self.baseline_answers: dict[str, Any] = {}
-        # (task, doc) -> the KV bytes of its requests: the variant's (compressed context, final, peak), the baseline's
-        self.kv: dict[tuple[str, int], dict[str, Any]] = {}
-        self.kv_baseline: dict[tuple[str, int], dict[str, Any]] = {}
+        # by variant name (and `baseline`): the answers to every request seen, and per (task, doc) the KV bytes of
+        # its requests (compressed context, final, peak)
+        names = [BASELINE, *(v.name for v in self.variants)]
+        self.answers: dict[str, dict[str, Any]] = {n: {} for n in names}
+        self.kv_of: dict[str, dict[tuple[str, int], dict[str, Any]]] = {n: {} for n in names}
+        self.baseline_answers, self.kv, self.kv_baseline = (
+            self.answers[BASELINE],
+            self.kv_of[names[1]],
+            self.kv_of[BASELINE],
+        )
 
     def baseline(self) -> LM:
         """An lm-eval model that replays the baseline's answers to the requests this one has seen."""
-        return _Replay(self.baseline_answers)
+        return self.replay(BASELINE)
+
+    def replay(self, name: str) -> LM:
+        """An lm-eval model that replays variant `name`'s (or the baseline's) answers to the requests seen."""
+        return _Replay(self.answers[name])
 
     # -- helpers ------------------------------------------------------------------------------------------
     def _ids(self, text: str, special: bool = True) -> list[int]:
         return self.tok(text, add_special_tokens=special).input_ids
 
     def _context(self, ids: Tensor, where: str) -> Compressed:
-        """Prefill ids (1, n) and compress them as the engine does (evalkit.engine.engine.compress_context)."""
-        self.variant.check(ids.shape[1], where)
-        return compress_context(self.model, ids, [self.variant])
+        """Prefill ids (1, n) once and compress them for every variant as the engine does
+        (evalkit.engine.engine.compress_context)."""
+        for v in self.variants:
+            v.check(ids.shape[1], where)
+        return compress_context(self.model, ids, self.variants)
 
-    def _both(self, compressed: Compressed, tokens: Tensor) -> tuple[Outcome, Outcome]:
-        """(variant, baseline) teacher-forced on tokens (1, M) after the compressed context, as the engine decodes a
-        continuation: one token a step, the variant's policy evicting while decoding if it does; logits[j]
-        predicts tokens[j + 1]."""
-        baseline, (variant,) = decode(self.model, compressed, tokens, 0, set(), forced=True)
-        return variant, baseline
+    def _all(self, compressed: Compressed, tokens: Tensor) -> tuple[Outcome, list[Outcome]]:
+        """(baseline, each variant) teacher-forced on tokens (1, M) after the compressed context, as the engine
+        decodes a continuation: one token a step, a policy evicting while decoding if it does; logits[j] predicts
+        tokens[j + 1]."""
+        return decode(self.model, compressed, tokens, 0, set(), forced=True)
 
-    def _note(self, request, variant: Outcome, baseline: Outcome, context: Tensor) -> None:
-        """The KV bytes of a request's variant and baseline, recorded for its document (fields as in the engine's
+    def _answer(self, kind: str, args: tuple, baseline: Any, answers: list[Any]) -> Any:
+        """Keep every variant's answer and the baseline's to a request for the replays; the first variant's, which
+        lm-eval scores directly."""
+        for name, answer in zip([BASELINE, *(v.name for v in self.variants)], [baseline, *answers], strict=True):
+            self.answers[name][_key(kind, args)] = answer
+        return answers[0]
+
+    def _note(self, request, outcomes: list[Outcome], baseline: Outcome, context: Tensor) -> None:
+        """The KV bytes of a request's variants and baseline, recorded for its document (fields as in the engine's
         records; the peaks and final bytes are the largest over the document's requests); `context` (1, n): the ids
         prefilled and compressed, which name the document's context (its first request's)."""
         n_context = context.shape[1]
         context_id = context_digest(context[0].cpu().numpy().tobytes())
         key = (request.task_name, request.doc_id)
-        for store, o, which in ((self.kv, variant, self.variant), (self.kv_baseline, baseline, None)):
+        noted = [(self.kv_of[v.name], o, v) for v, o in zip(self.variants, outcomes, strict=True)]
+        for store, o, which in [*noted, (self.kv_baseline, baseline, None)]:
             # an lm-eval document is one row: its document is what its first request prefilled, as its context
             ids = {"context_id": context_id, "document_id": context_id}
             new = {**kv_fields(o, which, n_context), **baseline_fields(baseline), **ids}
@@ -125,10 +149,10 @@ class EvalkitLM(LM):
                 cont = context[len(ctx) :] + requests[i].args[1]
                 cont_ids = self._ids(ctx + cont)[len(ctx_ids) :] or self._ids(cont, special=False)
                 targets = torch.tensor(cont_ids, dtype=torch.long, device=ids.device)
-                variant, baseline = self._both(prefilled, torch.cat([ids[0, -1:], targets])[None])
-                out[i] = _scored(variant.logits, targets)
-                self.baseline_answers[_key("loglikelihood", requests[i].args)] = _scored(baseline.logits, targets)
-                self._note(requests[i], variant, baseline, ids[:, :-1])
+                baseline, outcomes = self._all(prefilled, torch.cat([ids[0, -1:], targets])[None])
+                scored = [_scored(o.logits, targets) for o in outcomes]
+                out[i] = self._answer("loglikelihood", requests[i].args, _scored(baseline.logits, targets), scored)
+                self._note(requests[i], outcomes, baseline, ids[:, :-1])
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -146,11 +170,10 @@ class EvalkitLM(LM):
             # the rest: a context of split - 1 tokens prefilled and compressed, then teacher-forced from its last
             prefilled = self._context(ids_t[:, : split - 1], "rolling document")
             tail = ids_t[:, split - 1 :]
-            variant, baseline = self._both(prefilled, tail)
-            out.append(head_lp + _scored(variant.logits, tail[0, 1:])[0])
-            base = head_lp + _scored(baseline.logits, tail[0, 1:])[0]
-            self.baseline_answers[_key("loglikelihood_rolling", req.args)] = base
-            self._note(req, variant, baseline, ids_t[:, : split - 1])
+            baseline, outcomes = self._all(prefilled, tail)
+            base, *scored = (head_lp + _scored(o.logits, tail[0, 1:])[0] for o in [baseline, *outcomes])
+            out.append(self._answer("loglikelihood_rolling", req.args, base, scored))
+            self._note(req, outcomes, baseline, ids_t[:, : split - 1])
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
@@ -162,13 +185,15 @@ class EvalkitLM(LM):
             until = [until] if isinstance(until, str) else list(until)
             ids = torch.tensor([self._ids(context)])
             prompt = Prompt(ids, ids.shape[1] - 1, [], "query_agnostic")
-            self.variant.check(prompt.n_context, "generate_until context")
+            for v in self.variants:
+                v.check(prompt.n_context, "generate_until context")
             max_new = int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
-            base, (var,) = run_sample(self.model, prompt, [self.variant], max_new, stop)
-            self._note(req, var, base, ids[:, : prompt.n_context])
-            texts = [self._cut(self.tok.decode(o.tokens, skip_special_tokens=True), until) for o in (var, base)]
-            out.append(texts[0])
-            self.baseline_answers[_key("generate_until", req.args)] = texts[1]
+            base, outcomes = run_sample(self.model, prompt, self.variants, max_new, stop)
+            self._note(req, outcomes, base, ids[:, : prompt.n_context])
+            base_text, *texts = (
+                self._cut(self.tok.decode(o.tokens, skip_special_tokens=True), until) for o in [base, *outcomes]
+            )
+            out.append(self._answer("generate_until", req.args, base_text, texts))
         return out
 
     @staticmethod

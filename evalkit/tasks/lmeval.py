@@ -33,6 +33,9 @@ class LmEvalTask(Task):
     gen_kwargs: dict[str, Any] = field(default_factory=dict)
     # the per-document metric rows are scored by: one name for every task, or {task: name}; null: the default
     metric: str | dict[str, str] | None = None
+    # documents per lm-eval call: rows are written as each call finishes (null: every document in one call)
+    documents_per_call: int | None = None
+    include: list[str] | None = None  # task folders in place of evalkit's bundled one (lm-eval's --include_path)
     external: ClassVar[bool] = True  # evaluated by lm-eval (evalkit.lmeval.evaluate), not sample by sample
 
     def lengths(self) -> list[int]:
@@ -42,6 +45,9 @@ class LmEvalTask(Task):
         """task.metadata without its null entries (the preset declares the keys RULER reads, unset)."""
         return {k: v for k, v in self.metadata.items() if v is not None}
 
+    def include_paths(self) -> list[str] | None:
+        return list(self.include) if self.include else None
+
     def lm_eval_gen_kwargs(self) -> dict[str, Any] | None:
         """task.gen_kwargs without its null entries; None when nothing is set (each task's own generation_kwargs)."""
         return {k: v for k, v in self.gen_kwargs.items() if v is not None} or None
@@ -50,6 +56,10 @@ class LmEvalTask(Task):
         super().validate()
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"task.limit={self.limit}: give a number of documents >= 1, or null for all of them")
+        if self.documents_per_call is not None and self.documents_per_call < 1:
+            raise ConfigError(
+                f"task.documents_per_call={self.documents_per_call}: give a number of documents >= 1, or null"
+            )
         if self.num_fewshot is not None and self.num_fewshot < 0:
             raise ConfigError(f"task.num_fewshot={self.num_fewshot} is negative; give 0 or more, or null")
         lengths = self.metadata.get("max_seq_lengths")
