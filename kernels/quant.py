@@ -79,6 +79,38 @@ def _online_softmax_step(m_i, l_i, acc, s, v):
 
 
 @triton.jit
+def _packed_keys(kp_ptr, ks_ptr, km_ptr, h, d, t, valid, TQ, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
+    """Keys of tokens `t`, per channel: (D, BLOCK) codes from bytes along the tokens, a scale and a minimum per
+    (channel, token group)."""
+    PER: tl.constexpr = 8 // BITS
+    MASK: tl.constexpr = 2**BITS - 1
+    kmask = valid[None, :]
+    kb = tl.load(kp_ptr + (h * D + d[:, None]) * (TQ // PER) + t[None, :] // PER, mask=kmask, other=0)
+    kq = (kb.to(tl.int32) >> ((t[None, :] % PER) * BITS)) & MASK
+    kidx = (h * D + d[:, None]) * (TQ // GROUP) + t[None, :] // GROUP
+    k_scale = tl.load(ks_ptr + kidx, mask=kmask, other=0).to(tl.float32)
+    k = kq.to(tl.float32) * k_scale + tl.load(km_ptr + kidx, mask=kmask, other=0).to(tl.float32)
+    return k
+
+
+@triton.jit
+def _packed_values(
+    vp_ptr, vs_ptr, vm_ptr, h, d, t, valid, TQ, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr
+):
+    """Values of tokens `t`, per token: (BLOCK, D) codes from bytes along the channels, a scale and a minimum per
+    (token, channel group)."""
+    PER: tl.constexpr = 8 // BITS
+    MASK: tl.constexpr = 2**BITS - 1
+    vmask = valid[:, None]
+    vb = tl.load(vp_ptr + (h * TQ + t[:, None]) * (D // PER) + d[None, :] // PER, mask=vmask, other=0)
+    vq = (vb.to(tl.int32) >> ((d[None, :] % PER) * BITS)) & MASK
+    vidx = (h * TQ + t[:, None]) * (D // GROUP) + d[None, :] // GROUP
+    v_scale = tl.load(vs_ptr + vidx, mask=vmask, other=0).to(tl.float32)
+    v = vq.to(tl.float32) * v_scale + tl.load(vm_ptr + vidx, mask=vmask, other=0).to(tl.float32)
+    return v
+
+
+@triton.jit
 def _decode_attention_kernel(
     q_ptr,
     kp_ptr,
@@ -110,8 +142,6 @@ def _decode_attention_kernel(
     pid = tl.program_id(0)
     split = tl.program_id(1)
     h = (pid // HQ) * HKV + (pid % HQ) // (HQ // HKV)  # flat (batch, kv head)
-    PER: tl.constexpr = 8 // BITS
-    MASK: tl.constexpr = 2**BITS - 1
     d = tl.arange(0, D)
     q = tl.load(q_ptr + pid * D + d).to(tl.float32) * scaling
     m_i = -float("inf")
@@ -123,21 +153,9 @@ def _decode_attention_kernel(
         for start in range(lo, hi, BLOCK):
             t = start + tl.arange(0, BLOCK)
             valid = t < hi
-            # keys, per channel: (D, BLOCK) codes from bytes along the tokens, a scale per (channel, token group)
-            kmask = valid[None, :]
-            kb = tl.load(kp_ptr + (h * D + d[:, None]) * (TQ // PER) + t[None, :] // PER, mask=kmask, other=0)
-            kq = (kb.to(tl.int32) >> ((t[None, :] % PER) * BITS)) & MASK
-            kidx = (h * D + d[:, None]) * (TQ // GROUP) + t[None, :] // GROUP
-            k_scale = tl.load(ks_ptr + kidx, mask=kmask, other=0).to(tl.float32)
-            k = kq.to(tl.float32) * k_scale + tl.load(km_ptr + kidx, mask=kmask, other=0).to(tl.float32)
+            k = _packed_keys(kp_ptr, ks_ptr, km_ptr, h, d, t, valid, TQ, D, BITS, GROUP)
             s = tl.where(valid, tl.sum(q[:, None] * k, axis=0), -float("inf"))
-            # values, per token: (BLOCK, D) codes from bytes along the channels
-            vmask = valid[:, None]
-            vb = tl.load(vp_ptr + (h * TQ + t[:, None]) * (D // PER) + d[None, :] // PER, mask=vmask, other=0)
-            vq = (vb.to(tl.int32) >> ((d[None, :] % PER) * BITS)) & MASK
-            vidx = (h * TQ + t[:, None]) * (D // GROUP) + d[None, :] // GROUP
-            v_scale = tl.load(vs_ptr + vidx, mask=vmask, other=0).to(tl.float32)
-            v = vq.to(tl.float32) * v_scale + tl.load(vm_ptr + vidx, mask=vmask, other=0).to(tl.float32)
+            v = _packed_values(vp_ptr, vs_ptr, vm_ptr, h, d, t, valid, TQ, D, BITS, GROUP)
             m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, v)
     else:
         for start in range(0, TR, BLOCK):
