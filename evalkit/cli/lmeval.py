@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lm_eval._cli import HarnessCLI
+from lm_eval.__main__ import HarnessCLI
 from lm_eval.api.registry import register_model
 from lm_eval.config.evaluate_config import EvaluatorConfig
 from lm_eval.loggers import EvaluationTracker

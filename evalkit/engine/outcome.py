@@ -164,7 +164,8 @@ def decode_variants(
             firsts = (j for j in range(i) if like.get(j) == j and same_kept(jobs[j].cache, job.cache))
             like[i] = next(firsts, i)
     run = [i for i in range(len(jobs)) if like.get(i, i) == i]
-    got = run_decodes(model, [jobs[i] for i in run], question, max_new_tokens, stop_ids, forced)
+    lanes = [Lane(jobs[i].cache, jobs[i].after) for i in run]
+    got = run_decodes(model, lanes, question, max_new_tokens, stop_ids, forced)
     by_job = dict(zip(run, got, strict=True))
     outcomes = []
     for i, job in enumerate(jobs):
@@ -186,30 +187,24 @@ def decode_variants(
 
 
 def run_decodes(
-    model: torch.nn.Module,
-    jobs: list[VariantDecode],
-    question: Tensor,
-    max_new_tokens: int,
-    stop_ids: set[int],
-    forced: bool,
+    model: torch.nn.Module, lanes: list[Lane], question: Tensor, max_new_tokens: int, stop_ids: set[int], forced: bool
 ) -> list[tuple[Decoded, float, int]]:
-    """Decode each job's cache: greedy ones that can batch in one batch, the others alone. Returns per job the decode,
-    its seconds (a batch's shared out evenly) and the number of caches decoded with it."""
-    together = [] if forced else [i for i, job in enumerate(jobs) if batchable(job.cache)]
+    """Decode each lane's cache: greedy ones that can batch in one batch, the others alone. Returns per lane the
+    decode, its seconds (a batch's shared out evenly) and the number of caches decoded with it."""
+    together = [] if forced else [i for i, lane in enumerate(lanes) if batchable(lane.cache)]
     decoded: dict[int, tuple[Decoded, float, int]] = {}
     if together:
         t = time.perf_counter()
-        lanes = [Lane(jobs[i].cache, jobs[i].after) for i in together]
-        got = decode_batch(model, lanes, question, max_new_tokens, stop_ids)
+        got = decode_batch(model, [lanes[i] for i in together], question, max_new_tokens, stop_ids)
         share = (time.perf_counter() - t) / len(together)
         decoded.update({i: (dec, share, len(together)) for i, dec in zip(together, got, strict=True)})
-    for i, job in enumerate(jobs):
+    for i, lane in enumerate(lanes):
         if i in decoded:
             continue
         t = time.perf_counter()
         if forced:
-            dec = teacher_forced(model, job.cache, question, job.after)
+            dec = teacher_forced(model, lane.cache, question, lane.after_forward)
         else:
-            dec = greedy(model, job.cache, question, max_new_tokens, stop_ids, job.after)
+            dec = greedy(model, lane.cache, question, max_new_tokens, stop_ids, lane.after_forward)
         decoded[i] = (dec, time.perf_counter() - t, 1)
-    return [decoded[i] for i in range(len(jobs))]
+    return [decoded[i] for i in range(len(lanes))]
