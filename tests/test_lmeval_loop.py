@@ -126,3 +126,27 @@ def test_the_lm_eval_command_line_resumes_after_a_kill_9(tmp_path):
     whole = kept[: kept.rfind(b"\n") + 1]  # a row torn by the kill is cut, and written again whole
     assert rows.read_bytes().startswith(whole)
     assert json.loads((records / "run.json").read_text())["resumed"]
+
+
+def test_the_lm_eval_command_line_stops_on_ctrl_c_after_the_call_in_flight(tmp_path):
+    """Ctrl-C (SIGINT) once some documents' rows are written: the call in flight finishes, its rows written whole,
+    and the command exits 130 naming how to resume; resume=True then finishes the run."""
+    records = tmp_path / "records"
+    env = {**os.environ, **OFFLINE, "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen(
+        lm_eval_cli(records), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    rows, deadline = records / SAMPLES, time.time() + 300
+    while not (rows.exists() and len(rows.read_bytes().splitlines()) >= 2) and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-2000:]
+    assert "resume=True" in err and "Traceback" not in err
+    written = [json.loads(line) for line in rows.read_text().splitlines()]  # every row whole
+    assert 2 <= len(written) < 12 and len(written) % 2 == 0, "stopped after a whole document, before the last"
+    done = subprocess.run(
+        lm_eval_cli(records, ",resume=True"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(read_rows(rows)) == 12

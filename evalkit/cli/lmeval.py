@@ -23,12 +23,13 @@ from evalkit.cli.config import variants as parse_variants
 from evalkit.cli.spec import model_spec
 from evalkit.config.choices import did_you_mean, options
 from evalkit.engine import models
-from evalkit.errors import ConfigError
+from evalkit.errors import EXIT_INTERRUPTED, ConfigError
 from evalkit.lmeval.evaluate import LmevalEngine, refuse_reconstruction
 from evalkit.lmeval.model import EvalkitLM
 from evalkit.lock import RunLock
 from evalkit.modelspec import ModelSpec
 from evalkit.records import SAMPLES, cut_torn
+from evalkit.run import interrupt
 from evalkit.run.loop import finish, run_samples
 from evalkit.run.resume import start
 from evalkit.tasks.lmeval import LmEvalTask
@@ -141,11 +142,16 @@ def paired(cfg: EvaluatorConfig) -> dict:
     )
     config = {"model": {"name": args["model"]}, "task": task_config(task), "variants": [variant.name]}
     config |= {"model_args": {k: v for k, v in args.items() if k not in ("records", "resume")}}
-    with RunLock(out):
+    stop = interrupt.Stop()  # the command's: the first Ctrl-C stops after the documents in flight
+    with RunLock(out), stop.deferred():
         run_info = start(out, {**config, "protocol": "query_agnostic", "seed": 0}, args["resume"], task)
         run_info.route = "lm_eval command line (python -m evalkit.lmeval)"
         cut_torn(out / SAMPLES)
-        run_samples(engine, out, run_info, task, None)
+        try:
+            run_samples(engine, out, run_info, task, None, stop)
+        except interrupt.Interrupted as err:
+            print(f"evalkit: {err}; to resume: add resume=True to --model_args (records={out})", file=sys.stderr)
+            raise SystemExit(EXIT_INTERRUPTED) from None
         finish(out, sys.stderr)
     print(f"evalkit: paired records (baseline and {variant.name}): {out}", file=sys.stderr)
     return engine.outputs.get(variant.name, {})

@@ -106,7 +106,11 @@ class LmevalEngine(HFEngine):
     `task.documents_per_call` documents (None: all in one call); lm-eval's own results go to lm_eval_results.json.
     `lm_args`: EvalkitLM's settings (max_gen_toks, rolling_split); `seeds`: lm-eval's (load_tasks)."""
 
-    interruptible = False  # lm-eval runs a call's requests at once: Ctrl-C stops it at once
+    @property
+    def interruptible(self) -> bool:
+        """Ctrl-C waits for the documents in flight when they come a call at a time (task.documents_per_call);
+        one lm-eval call over every document is stopped at once (the rows written are whole all the same)."""
+        return self.task.documents_per_call is not None
 
     def __init__(self, model: ModelSpec, device: str, task, variants: list[Variant], out_dir: Path, **settings):
         super().__init__(model, device, task, variants)
