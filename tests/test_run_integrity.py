@@ -183,7 +183,7 @@ def test_resume_with_more_samples_extends_a_finished_run(finished, tmp_path):
 def test_an_internal_error_exits_3_with_its_traceback(tmp_path, mode):
     script = (
         "import sys, evalkit.cli.job\n"
-        "def broken(spec): raise RuntimeError('boom')\n"
+        "def broken(*args): raise RuntimeError('boom')\n"
         "evalkit.cli.job.run = broken\n"
         "from evalkit.cli.main import main\n"
         f"sys.argv = ['evalkit', *{mode!r}, 'model=tiny-random', 'hydra.run.dir={tmp_path}', "
