@@ -271,27 +271,30 @@ def test_plan_writes_a_page_with_its_tables_and_an_interactive_pressure_plot(tmp
     assert all(point in named for point in doc["pressure"]["points"])
 
 
-def test_the_report_and_the_planner_load_without_torch():
-    code = (
-        "import sys, evalkit.report.build, evalkit.report.__main__, evalkit.report.page, evalkit.report.data, "
-        "evalkit.html, evalkit.cli.plan, evalkit.plan.page; "
-        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')]; assert not bad, bad"
-    )
+def loads_none(modules: str, unwanted: str) -> None:
+    """Importing `modules` in a fresh interpreter loads no module `m` for which the expression `unwanted` holds."""
+    code = f"import sys, {modules}; bad = sorted(m for m in sys.modules if {unwanted}); assert not bad, bad"
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
 
+
+def test_the_report_and_the_planner_load_without_torch():
+    loads_none(
+        "evalkit.report.build, evalkit.report.__main__, evalkit.report.page, evalkit.report.data, evalkit.html, "
+        "evalkit.cli.plan, evalkit.plan.page",
+        "m.split('.')[0] in ('torch', 'transformers')",
+    )
 
 
 def test_the_report_and_the_planner_load_nothing_of_the_gate():
     """They read records and the gate's verdict.json through the leaves (evalkit.records.shown, .verdict): before,
     the report imported evalkit.gate.judge to compute the baseline's problems, and the planner gate.decide."""
-    code = (
-        "import sys, evalkit.report.build, evalkit.report.__main__, evalkit.report.wandb_log, evalkit.plan.guide, "
-        "evalkit.plan.measured, evalkit.plan.outputs; "
-        "bad = sorted(m for m in sys.modules if m.startswith('evalkit.gate')); assert not bad, bad"
+    loads_none(
+        "evalkit.report.build, evalkit.report.__main__, evalkit.report.wandb_log, evalkit.plan.guide, "
+        "evalkit.plan.measured, evalkit.plan.outputs",
+        "m.startswith('evalkit.gate')",
     )
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr[-2000:]
+
 
 def test_links_are_relative_paths_and_a_long_prediction_is_shown_cut(tmp_path):
     """A run folder named `javascript:alert(1)` beside the report: before, its lost samples linked
