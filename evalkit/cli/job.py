@@ -1,4 +1,4 @@
-"""One job of the command line: its run spec and parts, built with its folder, run."""
+"""One job of the command line: its run spec, built with its folder, and its parts (the pre-check's), run."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from evalkit import contract, sigint
 from evalkit.backends import Driven
-from evalkit.cli.spec import Parts, parts, run_spec
+from evalkit.cli.spec import Parts, job_key, parts, run_spec
 from evalkit.engine.hf import HFEngine
 from evalkit.run import runner
 from evalkit.run.interrupt import Stop
@@ -17,9 +17,20 @@ from evalkit.run.loop import Engine
 from evalkit.runspec import RunSpec
 
 
-def job_spec(cfg: DictConfig, out_dir: Path) -> tuple[RunSpec, Parts]:
-    """The run spec of a job's config, writing into `out_dir`, and the objects it names (checked by the pre-check)."""
-    return run_spec(cfg, out_dir), parts(cfg, check=False)
+def job_spec(cfg: DictConfig, out_dir: Path, built: Parts | None = None) -> tuple[RunSpec, Parts]:
+    """The run spec of a job's config, writing into `out_dir`, and the objects it names: `built`, the pre-check's,
+    never built again; None: built here, without the checks against the model (a config the caller checked)."""
+    return run_spec(cfg, out_dir), built if built is not None else parts(cfg, check=False)
+
+
+def handed(prechecked: dict[tuple[str, ...], Parts], cfg: DictConfig, overrides: list[str], in_sweep: bool) -> Parts:
+    """A job's parts: those the pre-check built for it, taken out of `prechecked` (a command's one job, or the
+    sweep's job its overrides name: evalkit.cli.spec.job_key), or else built and checked here (a sweep's job the
+    pre-check left to the jobs, or one in a worker process)."""
+    if len(prechecked) == 1 and not in_sweep:
+        return prechecked.popitem()[1]
+    built = prechecked.pop(job_key(overrides), None)
+    return built if built is not None else parts(cfg)
 
 
 def run(spec: RunSpec, built: Parts, stop: Stop | None = None) -> dict[str, Any]:

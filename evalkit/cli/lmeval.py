@@ -23,6 +23,7 @@ from evalkit.cli.config import variants as parse_variants
 from evalkit.cli.spec import model_spec
 from evalkit.config.choices import did_you_mean, options
 from evalkit.engine import models
+from evalkit.engine.hf import prepare_policies
 from evalkit.errors import EXIT_INTERRUPTED, ConfigError
 from evalkit.lmeval.evaluate import LmevalEngine, refuse_reconstruction
 from evalkit.lmeval.model import EvalkitLM
@@ -82,6 +83,7 @@ class CommandLineLM(EvalkitLM):
             device = "cpu"
         (parsed,) = parse_variants(OmegaConf.create({"seed": 0, "variants": [variant]}))
         loaded = models.load(model_config(model), device)
+        prepare_policies([parsed], loaded)  # once, as evalkit's engine prepares its own (EvalkitLM takes them ready)
         super().__init__(loaded, parsed, max_gen_toks, rolling_split, metric, records)
 
 

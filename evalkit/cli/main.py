@@ -91,12 +91,15 @@ def sweeping(argv: list[str]) -> bool:
 
 
 class HydraJob:
-    """What Hydra runs for each job of the command line (its task function): the run spec built with its folder, run
-    until the command's `stop` is asked, logged, gated. A sweep's worker process (joblib) receives it pickled: there it
-    starts as the command line does (in_worker), with the stop request its command had when it sent the job."""
+    """What Hydra runs for each job of the command line (its task function): the run spec built with its folder and
+    run with the parts the pre-check built for it (`prechecked`, by job_key; a job it did not build builds and checks
+    its own), until the command's `stop` is asked, logged, gated. A sweep's worker process (joblib) receives it
+    pickled, without the parts (objects of this process): there it starts as the command line does (in_worker), with
+    the stop request its command had when it sent the job."""
 
-    def __init__(self, stop: interrupt.Stop) -> None:
+    def __init__(self, stop: interrupt.Stop, prechecked: dict | None = None) -> None:
         self.stop = stop
+        self.prechecked = dict(prechecked or {})
 
     def __reduce__(self):
         return in_worker, (self.stop.requested(),)
@@ -113,11 +116,11 @@ class HydraJob:
             raise InternalError(traceback.format_exc()) from None
 
     def _run(self, cfg: DictConfig, hc, in_sweep: bool) -> None:
-        from evalkit.cli.job import job_spec, run
+        from evalkit.cli.job import handed, job_spec, run
 
         out_dir = Path(hc.runtime.output_dir)
         _inside_results_root(cfg, hc, out_dir)
-        spec, built = job_spec(cfg, out_dir)
+        spec, built = job_spec(cfg, out_dir, handed(self.prechecked, cfg, list(hc.overrides.task), in_sweep))
         with self.stop.deferred():
             run(spec, built, self.stop)
         lg = spec.logger
@@ -148,9 +151,11 @@ def in_worker(stopped: bool) -> HydraJob:
     return HydraJob(stop)
 
 
-def run_jobs(stop: interrupt.Stop) -> None:
-    """Hydra runs the command line's job, or its sweep's jobs, with `stop` as their stop request."""
-    hydra.main(version_base="1.3", config_path="pkg://evalkit.conf", config_name="config")(HydraJob(stop))()
+def run_jobs(stop: interrupt.Stop, prechecked: dict | None = None) -> None:
+    """Hydra runs the command line's job, or its sweep's jobs, with `stop` as their stop request and the parts the
+    pre-check built for them (`prechecked`, by job_key)."""
+    job = HydraJob(stop, prechecked)
+    hydra.main(version_base="1.3", config_path="pkg://evalkit.conf", config_name="config")(job)()
 
 
 def _inside_results_root(cfg: DictConfig, hc, out_dir: Path) -> None:
@@ -221,6 +226,7 @@ def main() -> None:
     sys.argv[1:] = argv
     register_resolvers()
     stop = interrupt.Stop()  # the command's: asked by the first Ctrl-C while its jobs run
+    prechecked = {}  # the parts the pre-check built, by job: handed to the jobs, never built again
     try:
         check_choices(argv)
         modes = {"-m", "--multirun", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion"} & set(argv)
@@ -229,7 +235,8 @@ def main() -> None:
         if running(argv):  # --help, --cfg, ... are Hydra's to answer, with nothing of evalkit's loaded
             from evalkit.cli.precheck import precheck
 
-            precheck(argv)  # Hydra's errors, unknown keys and bad values, as one line each, before Hydra runs
+            # Hydra's errors, unknown keys and bad values, as one line each, before Hydra runs; the parts built
+            prechecked = precheck(argv)
         if not any(a in NOT_RUNNING for a in argv):
             check_writable(results_folder(argv))
     except ConfigError as err:
@@ -240,7 +247,7 @@ def main() -> None:
         sys.exit(internal(traceback.format_exc()))
     try:
         with stop.deferred():  # the first Ctrl-C lets every job finish the sample in flight
-            run_jobs(stop)
+            run_jobs(stop, prechecked)
     except JobError as err:
         fail(err)
     except InternalError as err:

@@ -2,8 +2,9 @@
 objects it names (the task, the variants, another engine, the gate's thresholds), every check that needs no model
 made on the way. Everything below the command line reads the spec and those objects, never the config.
 
-The pre-check builds and checks each job's parts before Hydra runs (`check`); the job builds its own with its folder,
-leaving out the checks against the model the pre-check made (the task validated once per command)."""
+The pre-check builds and checks each job's parts before Hydra runs (`check`) and hands them to the job, which builds
+only its run spec with its folder: each object is built once per command. A job the pre-check did not build (a
+sweep's job beyond those it checks, or one in a worker process) builds and checks its own."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from evalkit.backends import Backend, BackendSpec
 from evalkit.cli import search
 from evalkit.cli.config import backend, build, check_settings, listed_variants, validate, variants
 from evalkit.config.gatefile import resolved
+from evalkit.config.overrides import parse
 from evalkit.kv.variant import Variant
 from evalkit.modelspec import ModelSpec
 from evalkit.runspec import LoggerSpec, PrefillSpec, RunSpec
@@ -125,7 +127,16 @@ def run_spec(cfg: DictConfig, out_dir: Path) -> RunSpec:
     )
 
 
-def check(cfg: DictConfig) -> None:
-    """Everything a job's config can be checked for before a model loads: its parts built, its logger reached."""
-    parts(cfg)
+def check(cfg: DictConfig) -> Parts:
+    """Everything a job's config can be checked for before a model loads: its parts built (returned, for the job to
+    run), its logger reached."""
+    built = parts(cfg)
     logger_spec(cfg.get("logger"))
+    return built
+
+
+def job_key(overrides: list[str]) -> tuple[str, ...]:
+    """What names a job among a command's: its overrides, less Hydra's own (its folder, its launcher), written as
+    Hydra's sweeper writes a job's (`key=value`, the value as Hydra prints it), sorted."""
+    mine = [o for o in parse(overrides) if not o.get_key_element().lstrip("+~").startswith(("hydra.", "hydra/"))]
+    return tuple(sorted(f"{o.get_key_element()}={o.get_value_element_as_str()}" for o in mine))

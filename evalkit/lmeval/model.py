@@ -12,10 +12,8 @@ from lm_eval.api.model import LM
 from torch import Tensor
 from tqdm import tqdm
 
-from evalkit import contract
 from evalkit.engine import models
 from evalkit.engine.engine import Compressed, Outcome, compress_context, decode, run_sample
-from evalkit.engine.probes import NeedleProbes
 from evalkit.engine.rows import baseline_fields, kv_fields
 from evalkit.errors import ConfigError
 from evalkit.kv.variant import Variant
@@ -51,7 +49,9 @@ class EvalkitLM(LM):
     """An lm-eval model running evalkit variants beside the full-cache baseline, on a loaded model: each context is
     prefilled once and compressed for every variant (prefill once, compress many). lm-eval scores the first
     variant's answers; the baseline's and the other variants' are replayed (`baseline()`, `replay(name)`). lm-eval's
-    command line builds it from strings (evalkit.cli.lmeval.CommandLineLM); the run pipeline from objects."""
+    command line builds it from strings (evalkit.cli.lmeval.CommandLineLM); the run pipeline from objects. Its
+    variants' policies come prepared (KVPolicy.prepare, once per policy: evalkit.engine.hf.prepare_policies), by
+    whoever loaded the model (LmevalEngine.open, CommandLineLM)."""
 
     def __init__(
         self,
@@ -66,9 +66,6 @@ class EvalkitLM(LM):
         self.loaded, self.model, self.tok = loaded, loaded.model, loaded.tokenizer
         self.variants = list(variant) if isinstance(variant, list) else [variant]
         self.variant = self.variants[0]  # the one lm-eval scores directly
-        for v in self.variants:
-            with contract.calling(v.policy, "prepare"):  # once per policy (DuoAttention's roles)
-                v.policy.prepare(loaded.model, NeedleProbes(loaded.tokenizer))
         self.max_gen_toks, self.rolling_split = int(max_gen_toks), float(rolling_split)
         # lm-eval's command line (main): the per-document metric of the paired records, and where they are written
         self.metric, self.records = metric, records
