@@ -17,8 +17,12 @@ pytest.importorskip("lm_eval", reason="pip install 'lm-eval>=0.4.9,<0.5' for the
 from omegaconf import OmegaConf  # noqa: E402
 
 from evalkit.cli.config import variants as parse_variants  # noqa: E402
-from evalkit.lmeval.evaluate import evaluate  # noqa: E402
+from evalkit.cli.spec import model_spec  # noqa: E402
+from evalkit.lmeval.evaluate import LmevalEngine, evaluate  # noqa: E402
 from evalkit.records import SAMPLES, read_rows  # noqa: E402
+from evalkit.run import interrupt  # noqa: E402
+from evalkit.run.loop import run_samples  # noqa: E402
+from evalkit.run.resume import start  # noqa: E402
 from evalkit.tasks.lmeval import LmEvalTask  # noqa: E402
 from tests.conftest import ROOT  # noqa: E402
 
@@ -85,6 +89,65 @@ def test_documents_run_a_call_at_a_time_answer_as_in_one_call(tiny):
             k: r.fields[k] for k in ("kv_bytes", "context_id", "peak_kv_bytes")
         }, key
     assert len({r.fields["context_id"] for r in split.values()}) == DOCUMENTS
+
+
+class CountingEngine(LmevalEngine):
+    """lm-eval's engine counting the prefills (forwards of more than one token) of the model it loads, each by the
+    length of its input; with `stop`, asking it once `stop_after` prefills ran (as a Ctrl-C during that document)."""
+
+    def __init__(
+        self, out, variants, stop: interrupt.Stop | None = None, stop_after: int = 0, per_call: int | None = 1
+    ):
+        task = LmEvalTask(tasks=["evalkit_recall"], limit=6, documents_per_call=per_call)
+        tiny = model_spec(OmegaConf.load(ROOT / "conf" / "model" / "tiny-random.yaml"))
+        super().__init__(tiny, "cpu", task, variants, out)
+        self.prefills: list[int] = []
+        self.stop, self.stop_after = stop, stop_after
+
+    def open(self, jobs):
+        opened = super().open(jobs)
+        self.loaded.model.register_forward_pre_hook(self.count, with_kwargs=True)
+        return opened
+
+    def count(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and ids.shape[1] > 1:
+            self.prefills.append(ids.shape[1])
+            if self.stop is not None and len(self.prefills) == self.stop_after:
+                self.stop.request()
+
+
+def loop_run(engine: CountingEngine, out, resume: bool, stop: interrupt.Stop) -> None:
+    """The sample loop over lm-eval's engine into `out`, as the lm-eval command line runs it."""
+    out.mkdir(exist_ok=True)
+    config = {"model": {"name": "tiny-random"}, "task": {"tasks": ["evalkit_recall"], "limit": 6}, "seed": 0}
+    run_info = start(out, {**config, "protocol": "query_agnostic"}, resume, engine.task)
+    run_samples(engine, out, run_info, engine.task, None, stop)
+
+
+@pytest.mark.parametrize("per_call", [1, None])
+def test_a_resumed_lm_eval_run_prefills_only_the_documents_left(tmp_path, per_call):
+    """Stopped after two of six documents (one lm-eval call each), the resumed run prefills the four documents left,
+    not the six (one context per document, prefilled once for every variant): the documents whose baseline and
+    variant rows are written are neither prefilled nor decoded again, whether the rest run a call each or in one
+    call (`per_call` None: lm-eval's `samples` name the four). Every row ends in samples.jsonl once, those of the
+    first two documents as the first run wrote them. Before, the resumed run prefilled all six again."""
+    out, variants = tmp_path / "run", parsed(["snapkv@0.5", "knorm@0.5"])
+    stop = interrupt.Stop()
+    first = CountingEngine(out, variants, stop, stop_after=2)
+    with pytest.raises(interrupt.Interrupted):
+        loop_run(first, out, False, stop)
+    kept = (out / SAMPLES).read_bytes()
+    assert len(first.prefills) == 2 and len(kept.splitlines()) == 2 * 3  # two documents, baseline and 2 variants
+    resumed = CountingEngine(out, variants, per_call=per_call)
+    loop_run(resumed, out, True, interrupt.Stop())
+    assert len(resumed.prefills) == 4
+    ids = [(r.sample_id, r.variant) for r in read_rows(out / SAMPLES)]
+    names = ("baseline", "snapkv@0.5", "knorm@0.5")
+    assert sorted(ids) == sorted((f"evalkit_recall/{i}", v) for i in range(6) for v in names)
+    assert (out / SAMPLES).read_bytes().startswith(kept)
+    calls = json.loads((out / "lm_eval_results.json").read_text())["calls"]  # the first run's two, then the rest's
+    assert len(calls) == (6 if per_call else 3) and all(sorted(c) == sorted(names) for c in calls)
 
 
 def lm_eval_cli(records, *extra: str) -> list[str]:

@@ -3,10 +3,13 @@ Results for the run's sample loop (LmevalEngine), and lm-eval's results."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import sys
 from collections.abc import Generator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,8 +24,10 @@ from evalkit.kv.variant import Variant
 from evalkit.lmeval.metrics import OWN_LENGTH, choose_metrics, doc_score
 from evalkit.lmeval.model import EvalkitLM
 from evalkit.modelspec import ModelSpec
-from evalkit.records import BASELINE, Job, Result, write_json
+from evalkit.records import BASELINE, SAMPLES, Job, Result, Row, read_rows, write_json
 from evalkit.tasks.lmeval_index import task_manager
+
+LM_EVAL_RESULTS = "lm_eval_results.json"  # lm-eval's own results of a run, beside its rows
 
 
 def refuse_reconstruction(variants: list[Variant]) -> None:
@@ -104,7 +109,8 @@ class LmevalEngine(HFEngine):
     """lm-eval's driver as the sample loop's engine: the model loaded and the policies prepared as evalkit's own
     engine does, then lm-eval runs the requests and each document comes back as a Job with its Results, every
     `task.documents_per_call` documents (None: all in one call); lm-eval's own results go to lm_eval_results.json.
-    `lm_args`: EvalkitLM's settings (max_gen_toks, rolling_split); `seeds`: lm-eval's (load_tasks)."""
+    A document whose rows the folder holds already for the baseline and every variant (a resumed run) is not run
+    again. `lm_args`: EvalkitLM's settings (max_gen_toks, rolling_split); `seeds`: lm-eval's (load_tasks)."""
 
     @property
     def interruptible(self) -> bool:
@@ -118,30 +124,55 @@ class LmevalEngine(HFEngine):
         self.lm_args, self.seeds = settings.get("lm_args") or {}, settings.get("seeds")
         self.results: dict = {}  # lm_eval_results.json: lm-eval's results by variant (by call, when several)
         self.outputs: dict[str, dict] = {}  # lm-eval's whole output of the latest call, by variant
+        self.done: frozenset[str] = frozenset()  # the documents (sample ids) the folder holds every row of
+
+    def open(self, jobs: list[Job]) -> dict[str, Any]:
+        """As evalkit's engine opens; the documents already done read from the folder's rows (the loop, which holds
+        its lock, has cut a torn last row), and the results of the calls that wrote them."""
+        self.done = complete(read_rows(self.out_dir / SAMPLES), [BASELINE, *self.variant_names()])
+        previous = self.out_dir / LM_EVAL_RESULTS
+        if self.done:
+            print(f"evalkit: resuming {self.out_dir}: {len(self.done)} documents already done", file=sys.stderr)
+            self.results = json.loads(previous.read_text()) if previous.exists() else {}
+        return super().open(jobs)
 
     def run(self, jobs: list[Job]) -> Generator[tuple[Job, list[Result]]]:
-        calls = evaluate(self.task, self.loaded, self.variants, self.lm_args, self.seeds)
-        for n, (answered, outputs) in enumerate(calls):
+        calls = evaluate(self.task, self.loaded, self.variants, self.lm_args, self.seeds, self.done)
+        for answered, outputs in calls:
             results = {name: out["results"] for name, out in outputs.items()}
-            self.results = results if n == 0 else {"calls": [*self.results.get("calls", [self.results]), results]}
+            self.results = {"calls": [*self.results.get("calls", [self.results]), results]} if self.results else results
             self.outputs = outputs
-            write_json(self.out_dir / "lm_eval_results.json", self.results)
+            write_json(self.out_dir / LM_EVAL_RESULTS, self.results)
             yield from answered
 
 
+def complete(rows: list[Row], names: list[str]) -> frozenset[str]:
+    """The sample ids `rows` hold a row of for each of `names` (the baseline and every variant)."""
+    held: dict[str, set[str]] = {}
+    for r in rows:
+        held.setdefault(r.sample_id, set()).add(r.variant)
+    return frozenset(sid for sid, variants in held.items() if variants.issuperset(names))
+
+
 def evaluate(
-    task, loaded: models.LoadedModel, variants: list[Variant], lm_args: dict | None = None, seeds: dict | None = None
+    task,
+    loaded: models.LoadedModel,
+    variants: list[Variant],
+    lm_args: dict | None = None,
+    seeds: dict | None = None,
+    done: frozenset[str] = frozenset(),
 ) -> Generator[tuple[list[tuple[Job, list[Result]]], dict]]:
     """Run lm-eval tasks for every variant from one prefill per context (EvalkitLM) and replay the baseline and the
     other variants; per call (calls), each document's Job and Results (documents) and lm-eval's output by
-    variant. `task.metadata` is lm-eval's task metadata (RULER's max_seq_lengths; its tokenizer, by default the
-    model's). A variant lm-eval cannot run is refused at once, before any call."""
+    variant; the documents `done` names (sample ids, `task/doc_id`) left out. `task.metadata` is lm-eval's task
+    metadata (RULER's max_seq_lengths; its tokenizer, by default the model's). A variant lm-eval cannot run is
+    refused at once, before any call."""
     refuse_reconstruction(variants)
-    return _evaluate(task, loaded, variants, lm_args or {}, seeds)
+    return _evaluate(task, loaded, variants, lm_args or {}, seeds, done)
 
 
 def _evaluate(
-    task, loaded: models.LoadedModel, variants: list[Variant], lm_args: dict, seeds: dict | None
+    task, loaded: models.LoadedModel, variants: list[Variant], lm_args: dict, seeds: dict | None, done: frozenset[str]
 ) -> Generator[tuple[list[tuple[Job, list[Result]]], dict]]:
     metadata = task.lm_eval_metadata()
     if "tokenizer" not in metadata and "pretrained" not in metadata:
@@ -153,7 +184,7 @@ def _evaluate(
     fixed |= {"gen_kwargs": task.lm_eval_gen_kwargs(), **{k: v for k, v in (seeds or {}).items() if v is not None}}
     lm = EvalkitLM(loaded, variants, **lm_args)
     names = [v.name for v in variants]
-    for call in calls(manager, objects, task.limit, task.documents_per_call):
+    for call in calls(manager, objects, task.limit, task.documents_per_call, done):
         for store in lm.kv_of.values():
             store.clear()  # a call's KV bytes are its own documents'
         runs = [simple_evaluate(model=lm, **fixed, **call)]  # every variant answers here, from one prefill
@@ -173,17 +204,24 @@ def by_document(noted: dict, call: dict) -> dict:
     return {(task, samples[task][place]): fields for (task, place), fields in noted.items()}
 
 
-def calls(manager, objects: list, limit: float | None, per_call: int | None) -> list[dict]:
+def calls(manager, objects: list, limit: float | None, per_call: int | None, done: frozenset[str] = frozenset()):
     """What each lm-eval call runs: every task whole (`limit` documents of each), or each task's documents
-    `per_call` at a time (lm-eval's `samples`), so that a run's rows are written as its documents finish."""
-    if per_call is None:
+    `per_call` at a time (lm-eval's `samples`), so that a run's rows are written as its documents finish. The
+    documents `done` names (`task/doc_id`: a resumed run's) are left out, and a call left with none is not made."""
+    if per_call is None and not done:
         return [{"tasks": objects, "limit": limit}]
-    out = []
+    todo = {}
     for name, leaf in manager.load(objects)["tasks"].items():
         n = len(leaf.eval_docs)
         count = n if limit is None else min(n, math.ceil(n * limit) if limit < 1.0 else int(limit))
-        out += [
-            {"tasks": [leaf], "samples": {name: list(range(i, min(i + per_call, count)))}}
-            for i in range(0, count, per_call)
-        ]
-    return out
+        todo[name] = (leaf, [i for i in range(count) if f"{name}/{i}" not in done])
+    if per_call is None:  # the documents left, in one call
+        left = {name: (leaf, ids) for name, (leaf, ids) in todo.items() if ids}
+        if not left:
+            return []
+        return [{"tasks": [leaf for leaf, _ in left.values()], "samples": {k: ids for k, (_, ids) in left.items()}}]
+    return [
+        {"tasks": [leaf], "samples": {name: ids[i : i + per_call]}}
+        for name, (leaf, ids) in todo.items()
+        for i in range(0, len(ids), per_call)
+    ]
