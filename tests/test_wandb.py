@@ -297,3 +297,12 @@ def test_a_verdict_older_than_the_last_row_is_not_logged(tmp_path, offline):
     for r in map(read_back, log_run(run_dir, "evalkit", mode="offline")):
         assert "verdict" not in r["summary"] and r["summary"]["n"] == 12
         assert r["artifacts"]["evalkit-r2"] == {"samples.jsonl", "report.html"}
+
+
+def test_a_table_column_of_mixed_kinds_is_written_as_text():
+    """W&B refuses a table whose column mixes numbers and text (a JSONL's `depth: "deep"` beside `depth: 0.5`)."""
+    from evalkit.report.wandb_fields import uniform
+
+    rows = [["a", 0.5, 1, True, None], ["b", "deep", 2.0, False, None], ["c", None, 3, True, "x"]]
+    assert uniform(rows) == [["a", "0.5", 1, True, None], ["b", "deep", 2.0, False, None], ["c", None, 3, True, "x"]]
+    assert uniform([]) == []

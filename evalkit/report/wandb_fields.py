@@ -132,7 +132,7 @@ def sample_table(rows: list[Row]) -> tuple[list[str], list[list[Any]]]:
     keys = cell_keys(rows)
     columns = COLUMNS + [k if k not in COLUMNS else f"cell_{k}" for k in keys]
     data = [[_value(r, c) for c in COLUMNS] + [_plain(r.cell.get(k)) for k in keys] for r in rows]
-    return columns, data
+    return columns, uniform(data)
 
 
 def cell_table(s: dict[str, Any], rows: list[Row]) -> tuple[list[str], list[list[Any]]]:
@@ -145,7 +145,7 @@ def cell_table(s: dict[str, Any], rows: list[Row]) -> tuple[list[str], list[list
         cell = cells.get(label) or {}
         metrics = [c["n"], c["policy"], c["baseline"], c["drop"], c["lost"], c["gained"]]
         data.append([_plain(cell.get(k)) for k in keys] + metrics)
-    return keys + CELL_COLUMNS, data
+    return keys + CELL_COLUMNS, uniform(data)
 
 
 def cell_summary(s: dict[str, Any]) -> dict[str, Any]:
@@ -155,6 +155,20 @@ def cell_summary(s: dict[str, Any]) -> dict[str, Any]:
         | {"lost": c["lost"], "gained": c["gained"]}
         for label, c in s["cells"].items()
     }
+
+
+def uniform(data: list[list[Any]]) -> list[list[Any]]:
+    """The table with one kind of value per column, as W&B requires of a table: a column that mixes kinds (a JSONL's
+    `depth: "deep"` beside `depth: 0.5`) is written as text throughout."""
+    kinds = [{_kind(v) for v in column if v is not None} for column in zip(*data, strict=True)]
+    mixed = {i for i, k in enumerate(kinds) if len(k) > 1}
+    return [[str(v) if i in mixed and v is not None else v for i, v in enumerate(row)] for row in data]
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "bool"
+    return "number" if isinstance(value, (int, float)) else type(value).__name__
 
 
 def _value(row: Row, column: str) -> Any:
