@@ -6,9 +6,9 @@ A run's W&B id comes from its evalkit identity (run.json's `run_id`, kept across
 
 One id, one run: every write is the whole run (evalkit.report.wandb_log). Online, W&B resumes the run of the id
 (resume="allow"). Offline, W&B cannot append to an offline run: each init writes a new offline-run-TIME-ID folder,
-and `wandb sync` of a second folder of one id replaces what the first uploaded (wandb/wandb#3841, #5865). So the
-offline folders of the id are removed before the whole run is written again: the folder left is the run, complete,
-and `offline_runs` counts them.
+and `wandb sync` of a second folder of one id replaces what the first uploaded (wandb/wandb#3841, #5865). So once the
+whole run is written again, the id's earlier offline folders are removed: the folder left is the run, complete, and
+`offline_runs` counts them.
 """
 
 from __future__ import annotations
@@ -107,11 +107,9 @@ def log_to_run(
 ) -> Path:
     """Open (or resume) the W&B run `wandb_id`, add the config, summary fields, media and an artifact; return its
     local folder. `media` and `artifact` are the caller's, built with the `wandb` package. Offline, the id's earlier
-    offline folders are removed first: what is written is the whole run (see the module's note)."""
+    offline folders are removed once it is written: what is written is the whole run (see the module's note)."""
     mode = resolved_mode(target.mode)
-    if mode == "offline":
-        for old in offline_runs(Path(target.dir)).get(wandb_id, []):
-            shutil.rmtree(old)
+    earlier = offline_runs(Path(target.dir)).get(wandb_id, []) if mode == "offline" else []
     run = wandb_package().init(
         id=wandb_id,
         resume="allow",
@@ -131,6 +129,9 @@ def log_to_run(
         run.log_artifact(artifact)
     local = Path(run.dir).parent
     run.finish()
+    for old in earlier:  # replaced by the whole run just written (kept where writing it failed)
+        if old.resolve() != local.resolve():
+            shutil.rmtree(old, ignore_errors=True)
     return local
 
 
