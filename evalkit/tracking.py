@@ -1,8 +1,14 @@
 """Weights & Biases runs: one per (evalkit run, variant), with ids a later command derives again.
 
 A run's W&B id comes from its evalkit identity (run.json's `run_id`, kept across resumes) and the variant's name, so
-`python -m evalkit.gate --wandb` logs its verdict to the very runs `logger=wandb` created. Where they went (project,
-entity, group, mode, folder) is written beside the records, in `wandb.json`. Plain values only: no config objects.
+`python -m evalkit.gate --wandb` and an extended run log to the very runs `logger=wandb` created. Where they went
+(project, entity, group, mode, folder) is written beside the records, in `wandb.json`. Plain values only.
+
+One id, one run: every write is the whole run (evalkit.report.wandb_log). Online, W&B resumes the run of the id
+(resume="allow"). Offline, W&B cannot append to an offline run: each init writes a new offline-run-TIME-ID folder,
+and `wandb sync` of a second folder of one id replaces what the first uploaded (wandb/wandb#3841, #5865). So once the
+whole run is written again, the id's earlier offline folders are removed: the folder left is the run, complete, and
+`offline_runs` counts them.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ import hashlib
 import json
 import netrc
 import os
+import shutil
+from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -98,7 +106,10 @@ def log_to_run(
     artifact: Any = None,
 ) -> Path:
     """Open (or resume) the W&B run `wandb_id`, add the config, summary fields, media and an artifact; return its
-    local folder. `media` and `artifact` are the caller's, built with the `wandb` package."""
+    local folder. `media` and `artifact` are the caller's, built with the `wandb` package. Offline, the id's earlier
+    offline folders are removed once it is written: what is written is the whole run (see the module's note)."""
+    mode = resolved_mode(target.mode)
+    earlier = offline_runs(Path(target.dir)).get(wandb_id, []) if mode == "offline" else []
     run = wandb_package().init(
         id=wandb_id,
         resume="allow",
@@ -106,7 +117,7 @@ def log_to_run(
         entity=target.entity,
         group=target.group,
         name=name,
-        mode=resolved_mode(target.mode),
+        mode=mode,
         dir=target.dir,
         config=finite(config or {}),
         reinit="finish_previous",
@@ -118,7 +129,21 @@ def log_to_run(
         run.log_artifact(artifact)
     local = Path(run.dir).parent
     run.finish()
+    for old in earlier:  # replaced by the whole run just written (kept where writing it failed)
+        if old.resolve() != local.resolve():
+            shutil.rmtree(old, ignore_errors=True)
     return local
+
+
+def offline_runs(folder: Path) -> dict[str, list[Path]]:
+    """The offline W&B run folders under `folder`/wandb by run id: offline-run-TIME-ID, or offline-run-TIME-ID-N where
+    two runs of one id started in the same second (W&B's sync-dir suffix). One id, one folder: see the module's note."""
+    out: dict[str, list[Path]] = defaultdict(list)
+    for local in sorted((folder / "wandb").glob("offline-run-*")):
+        parts = local.name.split("-")
+        if local.is_dir() and len(parts) >= 4:
+            out[parts[3]].append(local)
+    return dict(out)
 
 
 def wandb_package():

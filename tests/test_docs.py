@@ -173,11 +173,12 @@ def test_gate_commands_parse(argv, monkeypatch, capsys):
     class Passed:
         passed = True
 
-    def judged(runs, thresholds, out=None, junit=None, summary=None, wandb=False):
-        seen.update(runs=runs, thresholds=thresholds, out=out, junit=junit, summary=summary, wandb=wandb)
+    def judged(runs, thresholds, out=None, junit=None, summary=None):
+        seen.update(runs=runs, thresholds=thresholds, out=out, junit=junit, summary=summary, wandb=False)
         return Passed()
 
     monkeypatch.setattr(gate, "gate", judged)
+    monkeypatch.setattr(gate, "log_wandb", lambda runs, judged: seen.update(wandb=(runs, judged)))
     monkeypatch.setattr(gate, "print_verdict", lambda verdict: None)
     assert gate.main(argv) == 0, capsys.readouterr().err
     if "--plan" in argv:
@@ -188,7 +189,9 @@ def test_gate_commands_parse(argv, monkeypatch, capsys):
         assert seen["runs"] == [Path(a) for i, a in enumerate(argv) if not a.startswith("-") and i not in values]
         if "--junit" in argv:
             assert seen["junit"] == Path(argv[argv.index("--junit") + 1])
-        assert seen["wandb"] == ("--wandb" in argv)
+        assert bool(seen["wandb"]) == ("--wandb" in argv)  # logged after the verdict, to the runs it judged
+        if "--wandb" in argv:
+            assert seen["wandb"] == (seen["runs"], seen["out"] or seen["runs"][0])
 
 
 @pytest.mark.parametrize("argv", BY_MODULE["evalkit.report"], ids=_id)

@@ -21,7 +21,7 @@ import argparse
 from pathlib import Path
 
 from evalkit.config import gatefile
-from evalkit.errors import EXIT_FAIL, EXIT_OK, ConfigError
+from evalkit.errors import EXIT_FAIL, EXIT_OK, CannotJudge, ConfigError
 from evalkit.exits import guarded
 from evalkit.gate.decide import floor
 from evalkit.gate.gating import gate
@@ -51,6 +51,15 @@ def _plan(args) -> list[str]:
     return samples_advice(t, floor(t), args.variants, args.cells, rates, args.questions_per_context, args.icc)
 
 
+def log_wandb(runs: list[Path], judged: Path) -> None:
+    """Log every run folder under `runs` to its W&B runs, whole, with the verdict.json the gate wrote into `judged`
+    (the same ids: one W&B run per variant, updated, never a second one)."""
+    from evalkit.report.wandb_log import log_folders  # plotly and the wandb package: only when --wandb asks
+
+    local = log_folders(runs, judged)
+    print(f"evalkit: W&B runs written to {', '.join(map(str, local))}" if local else "evalkit: no W&B run written")
+
+
 def main(argv: list[str] | None = None) -> int:
     def run() -> int:
         ap = argparse.ArgumentParser(prog="python -m evalkit.gate", description=__doc__.splitlines()[0])
@@ -59,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--out", type=Path, help="where verdict.json and report.md go (default: the first run)")
         ap.add_argument("--junit", type=Path, help="also write JUnit XML: a case per variant and check")
         ap.add_argument("--summary", type=Path, help="also append a Markdown summary (e.g. $GITHUB_STEP_SUMMARY)")
-        ap.add_argument("--wandb", action="store_true", help="also log the verdict to the W&B runs of the runs")
+        ap.add_argument("--wandb", action="store_true", help="then log the runs, verdict included, to their W&B runs")
         ap.add_argument("--plan", action="store_true", help="print the samples a PASS needs, and judge nothing")
         ap.add_argument("--variants", type=int, default=1, help="with --plan: variants judged together")
         ap.add_argument("--cells", type=int, default=1, help="with --plan: cells per variant")
@@ -75,8 +84,15 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("give one or more run folders to judge (or --plan to size a run)")
         if args.wandb:
             wandb_package()  # a missing package is said before anything is judged or written
-        verdict = gate(args.runs, load_thresholds(args.gate), args.out, args.junit, args.summary, args.wandb)
+        try:
+            verdict = gate(args.runs, load_thresholds(args.gate), args.out, args.junit, args.summary)
+        except CannotJudge:  # INCONCLUSIVE or CANNOT JUDGE: printed, verdict.json written; W&B shows it too
+            if args.wandb:
+                log_wandb(args.runs, args.out or args.runs[0])
+            raise
         print_verdict(verdict)
+        if args.wandb:
+            log_wandb(args.runs, args.out or args.runs[0])
         return EXIT_OK if verdict.passed else EXIT_FAIL
 
     return guarded(run)

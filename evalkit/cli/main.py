@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from evalkit.cli.sweep import Ended
 from evalkit.config.choices import check_choices
 from evalkit.config.overrides import RUNNING_FLAGS
-from evalkit.errors import EXIT_USAGE, ConfigError, InternalError, JobError
+from evalkit.errors import EXIT_USAGE, CannotJudge, ConfigError, InternalError, JobError
 from evalkit.exits import error, internal
 from evalkit.names import safe_name
 from evalkit.records import SAMPLE_COUNT
@@ -123,20 +123,34 @@ class HydraJob:
         spec, built = job_spec(cfg, out_dir, handed(self.prechecked, cfg, list(hc.overrides.task), in_sweep))
         with self.stop.deferred():
             run(spec, built, self.stop)
-        lg = spec.logger
-        if lg.name == "wandb":
-            from evalkit.report.wandb_log import log_run
-
-            gate_t = built.gate.values if built.gate is not None else None
-            local = log_run(out_dir, lg.project, lg.group, lg.entity, lg.mode, gate_t)
-            print(f"evalkit: W&B runs written to {', '.join(map(str, local))}")
+        verdict, undecided = None, None
         if built.gate is not None and not in_sweep:  # a sweep is gated once, on all its jobs (evalkit.cli.sweep)
             from evalkit.gate.gating import gate
             from evalkit.gate.outputs import print_verdict
 
-            verdict = gate([out_dir], built.gate.thresholds, wandb=lg.name == "wandb")
-            print_verdict(verdict)
+            try:
+                verdict = gate([out_dir], built.gate.thresholds)
+                print_verdict(verdict)
+            except CannotJudge as err:  # printed, verdict.json written: logged to W&B below, then raised
+                undecided = err
+        if spec.logger.name == "wandb":  # gated first, logged once: the W&B runs hold the verdict
+            _log_wandb(out_dir, spec.logger, built.gate.values if built.gate is not None else None, in_sweep)
+        if undecided is not None:
+            raise undecided
+        if verdict is not None:
             sys.exit(0 if verdict.passed else 1)
+
+
+def _log_wandb(out_dir: Path, lg, thresholds: dict | None, in_sweep: bool) -> None:
+    """The run logged to W&B after its gate, whole (evalkit.report.wandb_log). A gated sweep's job records only where
+    its runs go: the sweep logs every job once its one gate has judged them all (evalkit.cli.sweep)."""
+    from evalkit.report import wandb_log
+
+    if in_sweep and thresholds is not None:
+        wandb_log.record_target(out_dir, lg.project, lg.group, lg.entity, lg.mode)
+        return
+    local = wandb_log.log_run(out_dir, lg.project, lg.group, lg.entity, lg.mode, thresholds)
+    print(f"evalkit: W&B runs written to {', '.join(map(str, local))}")
 
 
 def in_worker(stopped: bool) -> HydraJob:

@@ -53,23 +53,36 @@ def _merge(config: DictConfig) -> int | None:
         return error(err)
     code = None
     if limits is not None:
-        code = _judge(sweep, limits.thresholds, OmegaConf.select(config, "logger.name") == "wandb")
+        code = _judge(sweep, limits.thresholds)
     reported = _report(sweep)
+    if limits is not None and OmegaConf.select(config, "logger.name") == "wandb":
+        _log_wandb(sweep)
     return code if code is not None or reported else EXIT_INTERNAL
 
 
-def _judge(sweep: Path, limits, wandb: bool) -> int:
-    """The sweep judged once, by the gate (its one look): the exit code. `wandb`: the verdict logged to every job's
-    W&B runs too."""
+def _judge(sweep: Path, limits) -> int:
+    """The sweep judged once, by the gate (its one look): the exit code."""
     from evalkit.gate.gating import gate
     from evalkit.gate.outputs import print_verdict
 
     try:
-        verdict = gate([sweep], limits, wandb=wandb)
+        verdict = gate([sweep], limits)
     except ConfigError as err:  # CannotJudge (the gate printed its reasons), or no records at all
         return error(err)
     print_verdict(verdict)
     return EXIT_OK if verdict.passed else EXIT_FAIL
+
+
+def _log_wandb(sweep: Path) -> None:
+    """Every job's W&B runs logged once the sweep's one gate has judged them all (each job recorded where they go in
+    its wandb.json, evalkit.cli.main): whole, with the sweep's verdict and its merged report. A job without records
+    (it failed) has no W&B run."""
+    from evalkit.cli.gate import log_wandb
+
+    try:
+        log_wandb([sweep], sweep)
+    except ConfigError as err:  # no job wrote records
+        print(f"evalkit: no W&B run written: {err}")
 
 
 def _report(sweep: Path) -> bool:

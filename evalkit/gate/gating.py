@@ -1,6 +1,7 @@
 """The validation gate run on folders: gate() reads the runs, judges them, records its look and writes verdict.json,
-report.md and, where asked, JUnit, a step summary and W&B, all under the runs' locks. Its command line is
-evalkit.cli.gate; the run and a sweep call gate() after their last row."""
+report.md and, where asked, JUnit and a step summary, all under the runs' locks. Its command line is evalkit.cli.gate;
+the run and a sweep call gate() after their last row, and log to W&B after it (evalkit.report.wandb_log reads the
+verdict.json it wrote)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from evalkit.errors import CannotJudge, ConfigError
 from evalkit.gate.judge import Verdict, judge
 from evalkit.gate.outputs import print_verdict, verdict_doc, write_outputs
 from evalkit.gate.pipeline import write_ci
-from evalkit.gate.tracked import log_verdict
 from evalkit.lock import RunLock
 from evalkit.records import looks
 from evalkit.records.reading import read_runs, run_folders
@@ -26,15 +26,13 @@ def gate(
     out_dir: Path | None = None,
     junit: Path | None = None,
     summary: Path | None = None,
-    wandb: bool = False,
 ) -> Verdict:
     """Judge the runs and write verdict.json and report.md into `out_dir` (default: the first run folder); return a
     PASS or FAIL verdict for the caller to print. INCONCLUSIVE, or records that cannot be judged: the outputs are
     written (where the folder is writable), the reasons printed (print_verdict), then CannotJudge is raised (exit
     code 2) with the samples that would settle it, or what is wrong with the records. The runs are read, judged
     and their look recorded under their folders' locks (evalkit.lock): gates run at once take turns. `junit`,
-    `summary`: where the verdict goes for a CI system too (evalkit.gate.pipeline), whatever it is; `wandb`: and to
-    the W&B runs of the runs judged (evalkit.gate.tracked)."""
+    `summary`: where the verdict goes for a CI system too (evalkit.gate.pipeline), whatever it is."""
     folders = run_folders(run_dirs)
     with ExitStack() as held:
         for folder in sorted(set(folders)):  # one order for every gate: two never wait on each other
@@ -42,20 +40,12 @@ def gate(
                 held.enter_context(RunLock(folder, wait=WAIT))
             except OSError:  # a read-only folder: judged, its look said not recorded (looks.append)
                 pass
-        verdict, infos = _judged(run_dirs, folders, thresholds)
-        if wandb:
-            logged = log_verdict(infos, verdict_doc(verdict, thresholds))
-            print(
-                f"evalkit gate: the verdict logged to {len(logged)} W&B run(s)"
-                if logged
-                else "evalkit gate: no W&B run to log the verdict to (no readable run.json and rows)"
-            )
+        verdict = _judged(run_dirs, folders, thresholds)
         return _finish(verdict, run_dirs, thresholds, out_dir, junit, summary)
 
 
-def _judged(run_dirs: list[Path], folders: list[Path], thresholds: Thresholds) -> tuple[Verdict, list[dict]]:
-    """The verdict on the runs, its look appended to every folder's looks.jsonl (the caller holds the locks), and
-    the runs' run.json as read."""
+def _judged(run_dirs: list[Path], folders: list[Path], thresholds: Thresholds) -> Verdict:
+    """The verdict on the runs, its look appended to every folder's looks.jsonl (the caller holds the locks)."""
     records = read_runs(run_dirs)
     recorded = looks.read(folders, records.infos)
     verdict = judge(records.rows, records.infos, thresholds, records.problems, recorded, records.partial)
@@ -64,7 +54,7 @@ def _judged(run_dirs: list[Path], folders: list[Path], thresholds: Thresholds) -
         # the look records the verdict's reasons beside its status: a report shows verdict.json only where they agree
         verdict.look["reasons"] = list(verdict.reasons)
         verdict.not_judged += looks.append(folders, verdict.look, verdict.history, recorded)
-    return verdict, records.infos
+    return verdict
 
 
 def _finish(

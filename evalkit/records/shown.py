@@ -25,10 +25,12 @@ NO_VERDICT = "NO VERDICT"  # no verdict.json of the gate speaks for these rows
 CANNOT_JUDGE = "CANNOT JUDGE"
 
 
-def shown_verdict(run_dirs: list[Path], records: Records) -> tuple[dict[str, Any] | None, str]:
-    """(run_dirs[0]'s verdict.json, '') where the gate wrote it for exactly these runs and rows, else (None, why not,
-    in one line)."""
-    path = run_dirs[0] / VERDICT
+def shown_verdict(
+    run_dirs: list[Path], records: Records, path: Path | None = None
+) -> tuple[dict[str, Any] | None, str]:
+    """(run_dirs[0]'s verdict.json, or the one at `path` (the gate's --out), '') where the gate wrote it for exactly
+    these runs and rows, else (None, why not, in one line)."""
+    path = path or run_dirs[0] / VERDICT
     try:
         doc = loads(path.read_text())
     except FileNotFoundError:
