@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig
 
 from evalkit import contract, sigint
@@ -20,6 +21,11 @@ from evalkit.runspec import RunSpec
 def job_spec(cfg: DictConfig, out_dir: Path) -> tuple[RunSpec, Parts]:
     """The run spec of a job's config, writing into `out_dir`, and the objects it names (checked by the pre-check)."""
     return run_spec(cfg, out_dir), parts(cfg, check=False)
+
+
+def use_threads(threads: int) -> None:
+    """Torch's intra-op threads in this process: a sweep's job's share of the cores (evalkit.cli.cores)."""
+    torch.set_num_threads(threads)
 
 
 def run(spec: RunSpec, built: Parts, stop: Stop | None = None) -> dict[str, Any]:
