@@ -4,6 +4,7 @@ the cores (torch threads = cores // jobs at once, at least 1) instead of each ta
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import sys
 import pytest
 
 from evalkit.cli.cores import job_threads, sweep_size
+from evalkit.cli.progress import Progress
 from evalkit.records import SAMPLES
 from tests.conftest import ROOT, run_cli
 
@@ -111,3 +113,26 @@ def test_a_submitit_local_sweep_prints_each_job_on_the_console_not_only_in_its_l
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     check_jobs(sweep, result.stdout, max(1, CORES // 2))
+
+
+def test_a_resumed_sweep_says_only_the_jobs_finished_in_this_run(tmp_path):
+    """A summary.json already there when the sweep starts (resume=true) is an earlier run's: not said again; one
+    rewritten since, and a new one, are; each once, however often the folder is looked at."""
+    summary = {"baseline": {"accuracy": 1.0}, "h2o@0.25": {"accuracy": 0.5, "baseline_accuracy": 1.0, "lost": 1,
+                                                           "gained": 0, "n": 2}}  # fmt: skip
+    old, rerun, new = (tmp_path / name for name in ("a", "b", "c"))
+    for folder in (old, rerun):
+        folder.mkdir()
+        (folder / "summary.json").write_text(json.dumps(summary))
+    out = io.StringIO()
+    progress = Progress(tmp_path, 3, out)
+    new.mkdir()
+    (new / "summary.json").write_text(json.dumps(summary))
+    (rerun / "summary.json").write_text(json.dumps(summary))
+    os.utime(rerun / "summary.json", ns=(1, 1))  # rewritten: another modification time
+    progress.poll()
+    progress.poll()
+    lines = out.getvalue().splitlines()
+    assert [line.split(" done ")[0] for line in lines] == ["evalkit: job 1/3", "evalkit: job 2/3"]
+    assert [line.split(": ")[2] for line in lines] == ["b", "c"]
+    assert all(line.endswith(": h2o@0.25 0.50 vs baseline 1.00 (lost 1, gained 0, n 2)") for line in lines)
