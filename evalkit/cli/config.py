@@ -265,11 +265,14 @@ def parse_variant(cfg: DictConfig, spec: str, fields: dict | None = None) -> Var
     head, _, quant = head.partition("+")
     name, sep, budget = head.partition("@")
     node = OmegaConf.create({"seed": cfg.seed, "policy": _named("policy", name, spec)})
-    for key, value in (fields or {}).items():
-        if key == "budget" or key == "_target_" or key not in node.policy:
-            valid = sorted(str(k) for k in node.policy if k not in ("_target_", "budget"))
-            raise ConfigError(f"variants: {spec!r} has no policy field {key!r}; its fields are {valid}")
-        node.policy[key] = value
+    if fields:  # the fields of its class (a YAML need not list them all), less the budget that '@' gives
+        valid = sorted(
+            f for f in init_fields(load_class(str(node.policy.get("_target_") or ""), "policy")) if f != "budget"
+        )
+        for key, value in fields.items():
+            if key not in valid:
+                raise ConfigError(f"variants: {spec!r} has no policy field {key!r}; its fields are {valid}")
+            node.policy[key] = value
     if sep:
         try:
             node.policy.budget = int(budget) if budget.isdigit() else float(budget)
