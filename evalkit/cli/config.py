@@ -199,12 +199,32 @@ def _named(group: str, name: str, spec: str) -> DictConfig:
     return load_option(group, name, "variants: ", f" in {spec!r}")
 
 
-def listed_variants(cfg: DictConfig) -> tuple[str, ...]:
-    """`variants=[...]` as written, each a string (empty: none listed)."""
+def listed_entries(cfg: DictConfig) -> list[tuple[str, dict]]:
+    """`variants=[...]` as written: each entry's spec and the policy fields it sets. An entry is a spec string
+    (`snapkv@0.25`), or a mapping of its spec and fields of the policy, such as a learned method's weights:
+    `{variant:kvzap@0.25,weights_path:/data/kvzap}` (empty: none listed)."""
     listed = cfg.get("variants")
     if listed and not isinstance(listed, (list, ListConfig)):
         raise ConfigError(f"variants={listed!r} is not a list; write e.g. 'variants=[snapkv@0.25,h2o@0.5+int4]'")
-    return tuple(str(s) for s in listed or ())
+    out = []
+    for entry in listed or ():
+        if not isinstance(entry, (dict, DictConfig)):
+            out.append((str(entry), {}))
+            continue
+        fields = dict(OmegaConf.to_container(entry, resolve=True) if isinstance(entry, DictConfig) else entry)
+        spec = fields.pop("variant", None)
+        if not isinstance(spec, str) or not spec:
+            raise ConfigError(
+                f"variants: the entry {fields} names no variant; write it as "
+                "'{variant:kvzap@0.25,weights_path:DIR}' (the spec, then fields of its policy)"
+            )
+        out.append((spec, fields))
+    return out
+
+
+def listed_variants(cfg: DictConfig) -> tuple[str, ...]:
+    """`variants=[...]` as written, each entry's spec string (empty: none listed)."""
+    return tuple(spec for spec, _ in listed_entries(cfg))
 
 
 def variants(cfg: DictConfig, made: list[Variant] | None = None) -> list[Variant]:
@@ -222,7 +242,7 @@ def variants(cfg: DictConfig, made: list[Variant] | None = None) -> list[Variant
     elif not listed:
         out = [Variant(build(cfg.policy, "policy"), quant_spec(cfg.quant))]
     else:
-        out = [parse_variant(cfg, spec) for spec in listed]
+        out = [parse_variant(cfg, spec, fields) for spec, fields in listed_entries(cfg)]
     prefill = cfg.get("prefill") or {}
     if prefill.get("name", "oneshot") not in ("oneshot", "chunked"):
         raise ConfigError(f"prefill={prefill.get('name')!r} is not one of ['chunked', 'oneshot']")
@@ -238,12 +258,21 @@ def variants(cfg: DictConfig, made: list[Variant] | None = None) -> list[Variant
     return out
 
 
-def parse_variant(cfg: DictConfig, spec: str) -> Variant:
-    """`NAME@BUDGET[+QUANT][:chunkN]` -> Variant."""
+def parse_variant(cfg: DictConfig, spec: str, fields: dict | None = None) -> Variant:
+    """`NAME@BUDGET[+QUANT][:chunkN]` -> Variant; `fields`: settings of its policy (`weights_path`), set before the
+    budget."""
     head, _, chunk = spec.partition(":")
     head, _, quant = head.partition("+")
     name, sep, budget = head.partition("@")
     node = OmegaConf.create({"seed": cfg.seed, "policy": _named("policy", name, spec)})
+    if fields:  # the fields of its class (a YAML need not list them all), less the budget that '@' gives
+        valid = sorted(
+            f for f in init_fields(load_class(str(node.policy.get("_target_") or ""), "policy")) if f != "budget"
+        )
+        for key, value in fields.items():
+            if key not in valid:
+                raise ConfigError(f"variants: {spec!r} has no policy field {key!r}; its fields are {valid}")
+            node.policy[key] = value
     if sep:
         try:
             node.policy.budget = int(budget) if budget.isdigit() else float(budget)

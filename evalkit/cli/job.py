@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig
 
 from evalkit import contract, sigint
@@ -31,6 +32,11 @@ def handed(prechecked: dict[tuple[str, ...], Parts], cfg: DictConfig, overrides:
         return prechecked.popitem()[1]
     built = prechecked.pop(job_key(overrides), None)
     return built if built is not None else parts(cfg)
+
+
+def use_threads(threads: int) -> None:
+    """Torch's intra-op threads in this process: a sweep's job's share of the cores (evalkit.cli.cores)."""
+    torch.set_num_threads(threads)
 
 
 def run(spec: RunSpec, built: Parts, stop: Stop | None = None) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from evalkit.cli.cores import job_threads, sweep_size
 from evalkit.cli.sweep import Ended
 from evalkit.config.choices import check_choices
 from evalkit.config.overrides import RUNNING_FLAGS
@@ -95,14 +96,16 @@ class HydraJob:
     run with the parts the pre-check built for it (`prechecked`, by job_key; a job it did not build builds and checks
     its own), until the command's `stop` is asked, logged, gated. A sweep's worker process (joblib) receives it
     pickled, without the parts (objects of this process): there it starts as the command line does (in_worker), with
-    the stop request its command had when it sent the job."""
+    the stop request its command had when it sent the job. `jobs`: how many jobs the command's sweep runs (None: not a
+    sweep, or not counted), which with the launcher says each job's share of the cores."""
 
-    def __init__(self, stop: interrupt.Stop, prechecked: dict | None = None) -> None:
+    def __init__(self, stop: interrupt.Stop, prechecked: dict | None = None, jobs: int | None = None) -> None:
         self.stop = stop
         self.prechecked = dict(prechecked or {})
+        self.jobs = jobs
 
     def __reduce__(self):
-        return in_worker, (self.stop.requested(),)
+        return in_worker, (self.stop.requested(), self.jobs)
 
     def __call__(self, cfg: DictConfig) -> None:
         hc = HydraConfig.get()
@@ -116,9 +119,12 @@ class HydraJob:
             raise InternalError(traceback.format_exc()) from None
 
     def _run(self, cfg: DictConfig, hc, in_sweep: bool) -> None:
-        from evalkit.cli.job import handed, job_spec, run
+        from evalkit.cli.job import handed, job_spec, run, use_threads
 
         out_dir = Path(hc.runtime.output_dir)
+        threads = job_threads(hc.launcher, self.jobs) if in_sweep else None
+        if threads is not None:  # the jobs that run at once share the cores instead of each taking them all
+            use_threads(threads)
         _inside_results_root(cfg, hc, out_dir)
         spec, built = job_spec(cfg, out_dir, handed(self.prechecked, cfg, list(hc.overrides.task), in_sweep))
         with self.stop.deferred():
@@ -153,7 +159,7 @@ def _log_wandb(out_dir: Path, lg, thresholds: dict | None, in_sweep: bool) -> No
     print(f"evalkit: W&B runs written to {', '.join(map(str, local))}")
 
 
-def in_worker(stopped: bool) -> HydraJob:
+def in_worker(stopped: bool, jobs: int | None = None) -> HydraJob:
     """A sweep's job arriving in a worker process, before Hydra names its folder: the process set up as the command
     line sets up its own (the folder resolvers; Ctrl-C deferred for the rest of the worker, to the one stop its
     handler asks), the stop asked if the command's was when it sent the job."""
@@ -162,13 +168,13 @@ def in_worker(stopped: bool) -> HydraJob:
     if stopped:
         stop.request()
     stop.defer()
-    return HydraJob(stop)
+    return HydraJob(stop, jobs=jobs)
 
 
-def run_jobs(stop: interrupt.Stop, prechecked: dict | None = None) -> None:
-    """Hydra runs the command line's job, or its sweep's jobs, with `stop` as their stop request and the parts the
-    pre-check built for them (`prechecked`, by job_key)."""
-    job = HydraJob(stop, prechecked)
+def run_jobs(stop: interrupt.Stop, prechecked: dict | None = None, jobs: int | None = None) -> None:
+    """Hydra runs the command line's job, or its sweep's `jobs` jobs, with `stop` as their stop request and the parts
+    the pre-check built for them (`prechecked`, by job_key)."""
+    job = HydraJob(stop, prechecked, jobs)
     hydra.main(version_base="1.3", config_path="pkg://evalkit.conf", config_name="config")(job)()
 
 
@@ -261,7 +267,7 @@ def main() -> None:
         sys.exit(internal(traceback.format_exc()))
     try:
         with stop.deferred():  # the first Ctrl-C lets every job finish the sample in flight
-            run_jobs(stop, prechecked)
+            run_jobs(stop, prechecked, sweep_size(argv) if sweeping(argv) else None)
     except JobError as err:
         fail(err)
     except InternalError as err:

@@ -1,8 +1,9 @@
-"""What happens when a Hydra multirun ends (`python -m evalkit -m policy=h2o,snapkv policy.budget=0.25,0.5`): the
-jobs' records, under the sweep folder, are merged into one report and, with gate=..., judged by one gate.
+"""What happens while a Hydra multirun runs (`python -m evalkit -m policy=h2o,snapkv policy.budget=0.25,0.5`) and
+when it ends: each job's figures on the console as it finishes (evalkit.cli.progress); then the jobs' records, under
+the sweep folder, merged into one report and, with gate=..., judged by one gate.
 
 Registered as a Hydra callback (conf/config.yaml, hydra.callbacks), so it runs in the launching process whatever the
-launcher (basic, joblib, submitit), once every job has returned.
+launcher (basic, joblib, submitit), from before the first job starts until every job has returned.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from evalkit.cli.cores import sweep_size
+from evalkit.cli.progress import Progress
 from evalkit.errors import EXIT_FAIL, EXIT_INTERNAL, EXIT_OK, ConfigError
 from evalkit.exits import error, internal
 
@@ -28,7 +31,20 @@ class Ended(BaseException):
 
 
 class MergeJobs(Callback):
+    def __init__(self) -> None:
+        self.progress: Progress | None = None
+
+    def __getstate__(self) -> dict:  # sent with each job to its worker (joblib, submitit): the watcher stays here
+        return {"progress": None}
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        total = sweep_size(list(config.hydra.overrides.task))
+        self.progress = Progress(Path(config.hydra.sweep.dir), total).start()
+
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
         code = merge(config)
         if code is not None:
             raise Ended(code)
