@@ -230,8 +230,9 @@ def test_the_verdict_report_planner_and_leaves_never_import_torch():
 def test_nothing_of_the_pipeline_reads_hydra_config():
     """The run spec is built once in evalkit/cli/; the pipeline below it (the run, the engines, tasks, storage,
     policies, attention, kernels, the report and the leaves) takes it, not a DictConfig. The planner composes its own
-    config as a command line does, and the gate reads a thresholds YAML with its `${...}` interpolations."""
-    above = {"evalkit.cli", "evalkit.config", "evalkit.plan", "evalkit.gate", ENTRY}
+    config as a command line does, the calibration tools read conf/model as the command lines do, and the gate reads
+    a thresholds YAML with its `${...}` interpolations."""
+    above = {"evalkit.cli", "evalkit.calibrate", "evalkit.config", "evalkit.plan", "evalkit.gate", ENTRY}
     found = [
         f"{m}: {t}, line {line}"
         for m, targets in graph().items()
