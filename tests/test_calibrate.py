@@ -128,3 +128,12 @@ def test_restorekv_seeded_start_is_the_tiny_folder_again(tmp_path):
         assert new.keys() == old.keys()
         for key in new:
             torch.testing.assert_close(new[key], old[key], atol=0, rtol=0)
+
+
+def test_fastkvzip_writes_gates_of_the_tiny_files_layout(tmp_path):
+    """Trained gates differ with the steps; their layout is the stored file's: a state dict per layer, same shapes."""
+    out = tmp_path / "gates.pt"
+    assert main(["fastkvzip", *TINY, "--out", str(out), "--steps", "1"]) == 0
+    new = torch.load(out, weights_only=True)["module"]
+    old = torch.load(WEIGHTS_TINY["fastkvzip"], weights_only=True)["module"]
+    assert [{k: v.shape for k, v in g.items()} for g in new] == [{k: v.shape for k, v in g.items()} for g in old]
