@@ -139,7 +139,7 @@ def fastkvzip_press(ratio: float, path: str | None):
 
 def restorekv_press(ratio: float, folder: str | None, model):
     """kvpress's RestoreKVPress with the restore embeddings and adapter of the local folder `folder` (the published
-    layout, benchmarks/restorekv_train.py) instead of those it downloads: its embeddings set, the adapter loaded by
+    layout, `evalkit.calibrate restorekv`) instead of those it downloads: its embeddings set, the adapter loaded by
     PEFT under the press's adapter name, and the name it would fetch recorded as fetched."""
     if folder is None:
         return None
@@ -179,19 +179,19 @@ def presses(
     the files of the Q-Filters, Expected Attention's query statistics, LU-KV's curve, KVzap's surrogates and Fast
     KVzip's gates to use (a press needing one is left out without it)."""
     return {
-        # Fast KVzip with the gates of a local file (evalkit's seeded ones, benchmarks/fastkvzip_calibrate.py); all
+        # Fast KVzip with the gates of a local file (evalkit's seeded ones, evalkit.calibrate.fastkvzip); all
         # layers ranked together (its default), 4 sinks, a window of 2% of the context; kvpress masks the keys
         "fastkvzip": (fastkvzip_press(ratio, fastkvzip), "sdpa"),
-        # LU-KV's per-head budgets from a local curve (evalkit's, benchmarks/lukv_curve.py); kvpress masks the keys
+        # LU-KV's per-head budgets from a local curve (evalkit's, `evalkit.calibrate lukv`); kvpress masks the keys
         "lukv_expected_attention": (lukv_press(ratio, lukv_curve), "sdpa"),
-        # Expected Attention with the query statistics of a local folder (evalkit's, benchmarks/ea_stats_calibrate.py)
+        # Expected Attention with the query statistics of a local folder (evalkit's, `evalkit.calibrate ea_stats`)
         "expected_attention_stats": (
             kvpress.ExpectedAttentionStatsPress(compression_ratio=ratio, stats_folder=ea_stats) if ea_stats else None,
             "sdpa",
         ),
-        # Q-Filters from a local folder (evalkit's calibration, benchmarks/qfilter_calibrate.py), as evalkit reads them
+        # Q-Filters from a local folder (evalkit's calibration, `evalkit.calibrate qfilter`), as evalkit reads them
         "qfilter": (qfilter_press(ratio, qfilters), "sdpa"),
-        # KVzap's linear surrogates from a local folder (evalkit's stand-in fit, benchmarks/kvzap_calibrate.py)
+        # KVzap's linear surrogates from a local folder (evalkit's stand-in fit, `python -m evalkit.calibrate kvzap`)
         "kvzap": (kvzap_press(ratio, kvzap), "sdpa"),
         # DMS over the same surrogates: no ratio, a threshold in each ratio's slot (DMS_THRESHOLD), the last 128 kept
         "dms_kvzap": (

@@ -105,10 +105,10 @@ from pathlib import Path
 
 import torch
 from _digest import digest, digest_gap, pruned  # benchmarks/_digest.py: the kvpress side digests alike
-from fastkvzip_calibrate import initial_gates
 from omegaconf import OmegaConf
-from restorekv_train import initial, write
 
+from evalkit.calibrate.fastkvzip import initial_gates
+from evalkit.calibrate.restorekv import initial, write
 from evalkit.cli.spec import model_spec
 from evalkit.embedded import converted_folder
 from evalkit.engine import models
@@ -161,13 +161,13 @@ ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf" / "model" / "smollm2-135m.yaml"
 SIDE = Path(__file__).resolve().parent / "_kvpress_side.py"
 FIXTURE = ROOT / "tests" / "data" / "kvpress_smollm2_kept.json"
-QFILTERS = ROOT / "tests" / "data" / "qfilter_smollm2"  # benchmarks/qfilter_calibrate.py's filters for SmolLM2
-EA_STATS = ROOT / "tests" / "data" / "ea_stats_smollm2"  # benchmarks/ea_stats_calibrate.py's statistics for SmolLM2
-LUKV_CURVE = ROOT / "tests" / "data" / "lukv_smollm2.npy"  # benchmarks/lukv_curve.py's curve for SmolLM2
-KVZAP = ROOT / "tests" / "data" / "kvzap_smollm2"  # benchmarks/kvzap_calibrate.py's linear surrogates for SmolLM2
-# Fast KVzip's seeded, untrained gates for SmolLM2 (benchmarks/fastkvzip_calibrate.initial_gates), written at each run
+QFILTERS = ROOT / "tests" / "data" / "qfilter_smollm2"  # `python -m evalkit.calibrate qfilter`'s filters for SmolLM2
+EA_STATS = ROOT / "tests" / "data" / "ea_stats_smollm2"  # `python -m evalkit.calibrate ea_stats`'s, for SmolLM2
+LUKV_CURVE = ROOT / "tests" / "data" / "lukv_smollm2.npy"  # `python -m evalkit.calibrate lukv`'s curve for SmolLM2
+KVZAP = ROOT / "tests" / "data" / "kvzap_smollm2"  # `... calibrate kvzap`'s surrogates for SmolLM2
+# Fast KVzip's seeded, untrained gates for SmolLM2 (evalkit.calibrate.fastkvzip.initial_gates), written at each run
 FASTKVZIP = Path(tempfile.gettempdir()) / "evalkit-peer-fastkvzip-smollm2.pt"
-# RestoreKV's seeded, untrained restore tokens and adapter for SmolLM2 (benchmarks/restorekv_train.initial), likewise
+# RestoreKV's seeded, untrained restore tokens and adapter for SmolLM2 (evalkit.calibrate.restorekv.initial), likewise
 RESTOREKV = Path(tempfile.gettempdir()) / "evalkit-peer-restorekv-smollm2"
 RESTORE_TOKENS, RESTORE_RANK = 8, 4
 RATIOS = (0.5, 0.75)  # kvpress compression_ratio: the fraction REMOVED; kept fractions 0.5 and 0.25
@@ -614,14 +614,14 @@ def write_fixture(prompt: dict, kv_prompt: dict, meta: dict, tokenizer_name: str
             },
             "restorekv": {
                 "policy": "restorekv",
-                "weights_path": "benchmarks/restorekv_train.initial(model, 8, 4, seed 0) (seeded, untrained)",
+                "weights_path": "evalkit.calibrate.restorekv.initial(model, 8, 4, seed 0) (seeded, untrained)",
                 "n_sink": 4,
                 "chunk_size": 2048,
                 "digests": "the 8 restore tokens' keys and values, after the context's ids",
             },
             "fastkvzip": {
                 "policy": "fastkvzip",
-                "weights_path": "benchmarks/fastkvzip_calibrate.initial_gates (seeded, untrained)",
+                "weights_path": "evalkit.calibrate.fastkvzip.initial_gates (seeded, untrained)",
                 "n_sink": 4,
                 "window_ratio": 0.02,
                 "layerwise": False,

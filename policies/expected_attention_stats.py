@@ -12,7 +12,7 @@ ExpectedAttentionStats saves (`model.safetensors` holding `query_mean` (layers, 
 
     huggingface-cli download alessiodevoto/exp_att_stats_<model>_kmfoda_booksum_100_1000_4 --local-dir DIR
 
-or compute them here from the model's own queries (benchmarks/ea_stats_calibrate.py). The file's path and SHA-256
+or compute them here from the model's own queries (`python -m evalkit.calibrate ea_stats`). The file's path and SHA-256
 are recorded in run.json under `prepared`.
 """
 
@@ -27,7 +27,7 @@ from evalkit.policies.weights import check_shape, head_dim, read_tensors, record
 
 FETCH = (
     "huggingface-cli download alessiodevoto/exp_att_stats_<model>_kmfoda_booksum_100_1000_4 --local-dir DIR, or "
-    "python benchmarks/ea_stats_calibrate.py"
+    "python -m evalkit.calibrate ea_stats"
 )
 
 

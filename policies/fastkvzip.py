@@ -13,8 +13,8 @@ k_proj.weight, q_norm.weight, k_norm.weight, k_base, b). On a connected machine:
 
     huggingface-cli download Jang-Hyun/Fast-KVzip <model name>/q<group>_dim16_sink16.pt --local-dir fastkvzip
 
-or train a stand-in here (benchmarks/fastkvzip_calibrate.py). The file's path and SHA-256 are recorded in run.json.
-The hidden states are read in a forward of their own (KVzap's `HiddenStates`), as for KVzap.
+or train a stand-in here (`python -m evalkit.calibrate fastkvzip`). The file's path and SHA-256 are recorded in
+run.json. The hidden states are read in a forward of their own (KVzap's `HiddenStates`), as for KVzap.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from evalkit.policies.weights import check_shape, recorded, weights_file
 
 FETCH = (
     "huggingface-cli download Jang-Hyun/Fast-KVzip <model>/q<group>_dim16_sink16.pt, or "
-    "python benchmarks/fastkvzip_calibrate.py"
+    "python -m evalkit.calibrate fastkvzip"
 )
 PARTS = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "q_norm.weight", "k_norm.weight", "k_base", "b")
 EPS = 1e-6  # the gates' RMS norms (Qwen3RMSNorm's default)

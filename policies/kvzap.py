@@ -11,7 +11,8 @@ the MLP). On a connected machine:
 
     huggingface-cli download nvidia/KVzap-mlp-<model name> --local-dir kvzap/<model name>
 
-or fit a linear stand-in here (benchmarks/kvzap_calibrate.py). The folder's path and SHA-256 are recorded in run.json.
+or fit a linear stand-in here (`python -m evalkit.calibrate kvzap`). The folder's path and SHA-256 are recorded in
+run.json.
 
 The attention function sees queries and keys, not hidden states, so the hidden states are read in a forward of their
 own over the context (`HiddenStates`, a second pass whose seconds are recorded as `hidden`): kvpress reads them in its
@@ -33,7 +34,7 @@ from evalkit.errors import ConfigError
 from evalkit.policies import KVPolicy, LayerView
 from evalkit.policies.weights import check_shape, read_tensors, recorded, weights_file
 
-FETCH = "huggingface-cli download nvidia/KVzap-mlp-<model> --local-dir DIR, or python benchmarks/kvzap_calibrate.py"
+FETCH = "huggingface-cli download nvidia/KVzap-mlp-<model> --local-dir DIR, or python -m evalkit.calibrate kvzap"
 
 
 @dataclass(frozen=True)

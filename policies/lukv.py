@@ -9,10 +9,10 @@ fractional parts, at least 1 each (kvpress's rule). Heads keep different counts:
 
 The curve is learned per model and scorer: it comes from `policy.weights_path`, a numpy file (`.npy`) as LU-KV's
 repository writes and kvpress downloads them (published for Llama-3.1-8B-Instruct with Expected Attention), or one
-computed here (benchmarks/lukv_curve.py: evalkit's stand-in calibration, not LU-KV's optimisation). The curve's row
-is the budget's prune ratio in whole percents, rounded up so that a budget is never exceeded (kvpress rounds to the
-nearest); a curve whose rows keep more on average than their ratio allows is refused. Its path and SHA-256 go into
-run.json under `prepared`.
+computed here (`python -m evalkit.calibrate lukv`: evalkit's stand-in calibration, not LU-KV's optimisation). The
+curve's row is the budget's prune ratio in whole percents, rounded up so that a budget is never exceeded (kvpress rounds
+to the nearest); a curve whose rows keep more on average than their ratio allows is refused. Its path and SHA-256 go
+into run.json under `prepared`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from evalkit.errors import ConfigError
 from evalkit.policies import KVPolicy, LayerView, Wrapper, best_per_head, checked_scores, padded_indices
 from evalkit.policies.weights import check_shape, recorded
 
-FETCH = "LU-KV's curve_data/*.npy (github.com/baidu-baige/LU-KV), or python benchmarks/lukv_curve.py --out FILE"
+FETCH = "LU-KV's curve_data/*.npy (github.com/baidu-baige/LU-KV), or python -m evalkit.calibrate lukv --out FILE"
 
 
 def head_counts(keep_rates: Tensor, t: int) -> Tensor:

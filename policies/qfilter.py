@@ -12,7 +12,7 @@ file itself). On a connected machine:
 
     huggingface-cli download nthngdy/<model name>_qfilt --local-dir qfilters/<model name>
 
-or calibrate them here from the model's own queries (benchmarks/qfilter_calibrate.py). The file's path and SHA-256
+or calibrate them here from the model's own queries (`python -m evalkit.calibrate qfilter`). The file's path and SHA-256
 are recorded in run.json under `prepared`.
 """
 
@@ -26,7 +26,7 @@ from evalkit.errors import ConfigError
 from evalkit.policies import KVPolicy, LayerView
 from evalkit.policies.weights import check_shape, head_dim, read_tensors, recorded, weights_file
 
-FETCH = "huggingface-cli download nthngdy/<model>_qfilt --local-dir DIR, or python benchmarks/qfilter_calibrate.py"
+FETCH = "huggingface-cli download nthngdy/<model>_qfilt --local-dir DIR, or python -m evalkit.calibrate qfilter"
 
 
 @dataclass(kw_only=True)

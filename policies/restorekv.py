@@ -16,7 +16,7 @@ adapter_config.json; adapter_model.safetensors). On a connected machine:
     huggingface-cli download higokri/RestoreKV-<model>[_plus] --local-dir restorekv
 
 (adapters are published for Llama-3.1-8B-Instruct and Qwen3-8B), or train a stand-in here
-(benchmarks/restorekv_train.py). The adapter is applied as PEFT applies a LoRA layer at inference, out = W x +
+(`python -m evalkit.calibrate restorekv`). The adapter is applied as PEFT applies a LoRA layer at inference, out = W x +
 (B A x) x alpha / r (alpha / sqrt(r) with rsLoRA), through forward hooks on the named linear layers for the one pass.
 The folder's path and the SHA-256 of its three files are recorded in run.json. Models with sliding-window layers are
 refused: the restore tokens would have to enter those layers too, which hold only their window.
@@ -46,7 +46,7 @@ from evalkit.policies.kvzip import KVzip
 from evalkit.policies.kvzip_pass import ReadOnlyLayer
 from evalkit.policies.weights import check_shape
 
-FETCH = "huggingface-cli download higokri/RestoreKV-<model> --local-dir DIR, or python benchmarks/restorekv_train.py"
+FETCH = "huggingface-cli download higokri/RestoreKV-<model> --local-dir DIR, or python -m evalkit.calibrate restorekv"
 EMBEDDINGS = "restore_embeddings.safetensors"
 ADAPTER = ("adapter_config.json", "adapter_model.safetensors")
 PREFIX = "base_model.model."  # PEFT's prefix of a saved adapter's tensor names
@@ -179,7 +179,7 @@ def read_pass(
 ) -> dict[int, tuple[Tensor, Tensor]]:
     """Per layer, the keys and values (B, Hkv, n, D) of the n restore tokens `embeddings` (n, hidden) read over the
     full cache `full` (left unchanged) at the positions after it, the adapter `lora` active for this pass alone
-    (gradients flow where the caller allows them: benchmarks/restorekv_train.py)."""
+    (gradients flow where the caller allows them: `python -m evalkit.calibrate restorekv`)."""
     layers = [Recording(layer.keys, layer.values) for layer in full.layers]
     t, n = full.get_seq_length(), embeddings.shape[0]
     device, dtype = full.layers[0].keys.device, full.layers[0].keys.dtype

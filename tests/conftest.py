@@ -228,14 +228,14 @@ FINCH_QUESTION = 8  # the context's last ids that Finch reads as its question in
 # ranked low to high 0.1 (layer 2 head 0), 0.2 (1, 1), 0.3 (0, 0), 0.6 (2, 1), 0.8 (1, 0), 0.9 (0, 1).
 DUO_PATTERN = Path(__file__).parent / "data" / "duo_tiny_pattern.tsv"
 # the learned weights of the policies that need them, calibrated here on the tiny model (--model tiny-random
-# --lengths 128 --depths 0.5): benchmarks/qfilter_calibrate.py, benchmarks/ea_stats_calibrate.py
+# --lengths 128 --depths 0.5): python -m evalkit.calibrate qfilter, ... ea_stats (tests/test_calibrate.py)
 WEIGHTS_TINY = {
     "qfilter": Path(__file__).parent / "data" / "qfilter_tiny",
     "expected_attention_stats": Path(__file__).parent / "data" / "ea_stats_tiny",
-    "lukv": Path(__file__).parent / "data" / "lukv_tiny.npy",  # benchmarks/lukv_curve.py
-    "kvzap": Path(__file__).parent / "data" / "kvzap_tiny",  # benchmarks/kvzap_calibrate.py
-    "fastkvzip": Path(__file__).parent / "data" / "fastkvzip_tiny.pt",  # benchmarks/fastkvzip_calibrate.py
-    "restorekv": Path(__file__).parent / "data" / "restorekv_tiny",  # benchmarks/restorekv_train.py --steps 0
+    "lukv": Path(__file__).parent / "data" / "lukv_tiny.npy",  # python -m evalkit.calibrate lukv
+    "kvzap": Path(__file__).parent / "data" / "kvzap_tiny",  # ... kvzap
+    "fastkvzip": Path(__file__).parent / "data" / "fastkvzip_tiny.pt",  # ... fastkvzip
+    "restorekv": Path(__file__).parent / "data" / "restorekv_tiny",  # ... restorekv --steps 0
 }
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from benchmarks.ea_stats_calibrate import statistics
+from evalkit.calibrate.ea_stats import statistics
 from evalkit.engine.engine import prefill
 from evalkit.kv.cache import compress, held_positions
 from evalkit.policies.expected_attention import ExpectedAttention, QueryStats
@@ -74,7 +74,7 @@ def test_given_a_prompts_own_statistics_it_keeps_what_expected_attention_keeps(t
 
 
 def test_statistics_computed_here_run_from_the_command_line(tmp_path):
-    stats = f"policy.weights_path={WEIGHTS_TINY['expected_attention_stats']}"  # ea_stats_calibrate.py's, tiny model
+    stats = f"policy.weights_path={WEIGHTS_TINY['expected_attention_stats']}"  # evalkit.calibrate ea_stats, tiny model
     row = tiny_row(tmp_path, "policy=expected_attention_stats", "policy.budget=0.5", stats)
     assert row["variant"] == "expected_attention_stats@0.5" and row["kv_bytes"] < row["kv_bytes_baseline"]
     prepared = json.loads((tmp_path / "run.json").read_text())["prepared"]["expected_attention_stats@0.5"]

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from benchmarks.fastkvzip_calibrate import initial, initial_gates
+from evalkit.calibrate.fastkvzip import initial, initial_gates
 from evalkit.errors import ConfigError
 from evalkit.kv.cache import full_attention_layers
 from evalkit.policies import LayerView

@@ -3,7 +3,7 @@
 The hidden states against transformers' own (the model's output_hidden_states through each layer's input norm), the
 surrogates' arithmetic by hand (linear) and against torch's modules (the MLP), the choice against a plain top-k of
 the reference scores, the identity, and one-line refusals. The surrogates of tests/data/kvzap_tiny and
-kvzap_smollm2 were fitted here (benchmarks/kvzap_calibrate.py); kvpress's choices given the SmolLM2 folder are in
+kvzap_smollm2 were fitted here (`python -m evalkit.calibrate kvzap`); kvpress's choices given the SmolLM2 folder are in
 tests/test_peer_kvpress.py.
 """
 

@@ -2,6 +2,7 @@
 policies/ and kernels/ is walked, those inside functions and in `TYPE_CHECKING` blocks included, and each folder
 imports only itself and the folders it sits on (issue 52's picture):
 
+    evalkit/calibrate/        the learned methods' calibration tools (python -m evalkit.calibrate), on cli/
     evalkit/cli/              every command line, Hydra's config composed, the run spec built once
       evalkit/run/            one sample loop for every engine, resume, the writer
         evalkit/engine/       the HF engine: load, prefill once, compress, decode       } the engines: each turns a
@@ -54,6 +55,8 @@ SITS_ON = {
 SITS_ON["evalkit.cli"] = {"evalkit.run", "evalkit.config", "evalkit.gate", "evalkit.report", "evalkit.plan"} | SITS_ON[
     "evalkit.run"
 ]
+# the learned methods' calibration tools (python -m evalkit.calibrate): a command package on top, beside the run's
+SITS_ON["evalkit.calibrate"] = {"evalkit.cli"} | SITS_ON["evalkit.cli"]
 TORCH_FREE = {LEAVES, "evalkit.config", "evalkit.gate", "evalkit.report", "evalkit.plan"}
 HEAVY = ("torch", "transformers", "triton")
 
@@ -201,7 +204,7 @@ def test_leaves_import_only_leaves():
 def test_imports_inside_functions_only_in_command_lines():
     """A function-level import of an evalkit module keeps a command's start-up light; below the command lines it
     would only hide a cycle, so there is none."""
-    top = {"evalkit.cli", ENTRY, "evalkit.gate", "evalkit.report", "evalkit.plan"}
+    top = {"evalkit.cli", "evalkit.calibrate", ENTRY, "evalkit.gate", "evalkit.report", "evalkit.plan"}
     wrong = [
         f"{m}: import {t} inside a function, line {line}"
         for m, t, line, inside in evalkit_edges()
@@ -227,8 +230,9 @@ def test_the_verdict_report_planner_and_leaves_never_import_torch():
 def test_nothing_of_the_pipeline_reads_hydra_config():
     """The run spec is built once in evalkit/cli/; the pipeline below it (the run, the engines, tasks, storage,
     policies, attention, kernels, the report and the leaves) takes it, not a DictConfig. The planner composes its own
-    config as a command line does, and the gate reads a thresholds YAML with its `${...}` interpolations."""
-    above = {"evalkit.cli", "evalkit.config", "evalkit.plan", "evalkit.gate", ENTRY}
+    config as a command line does, the calibration tools read conf/model as the command lines do, and the gate reads
+    a thresholds YAML with its `${...}` interpolations."""
+    above = {"evalkit.cli", "evalkit.calibrate", "evalkit.config", "evalkit.plan", "evalkit.gate", ENTRY}
     found = [
         f"{m}: {t}, line {line}"
         for m, targets in graph().items()

@@ -1,6 +1,6 @@
 """lukv (LU-KV, kvpress's LUKVPress): the heads' counts from a curve by hand, the choice on a hand-built layer, the
-curve's row for a budget, end to end from a curve computed here (benchmarks/lukv_curve.py), and one-line refusals;
-kvpress's choices with the same SmolLM2 curve in tests/test_peer_kvpress.py."""
+curve's row for a budget, end to end from a curve computed here (`python -m evalkit.calibrate lukv`), and one-line
+refusals; kvpress's choices with the same SmolLM2 curve in tests/test_peer_kvpress.py."""
 
 from __future__ import annotations
 

@@ -22,9 +22,9 @@ from omegaconf import OmegaConf
 from torch import Tensor
 
 from benchmarks._digest import digest, digest_gap, pruned
-from benchmarks.fastkvzip_calibrate import initial, initial_gates
-from benchmarks.restorekv_train import initial as initial_restore
-from benchmarks.restorekv_train import write as write_restore
+from evalkit.calibrate.fastkvzip import initial, initial_gates
+from evalkit.calibrate.restorekv import initial as initial_restore
+from evalkit.calibrate.restorekv import write as write_restore
 from evalkit.cli.spec import model_spec
 from evalkit.engine import models
 from evalkit.engine.decode import teacher_forced
@@ -105,11 +105,11 @@ SAME = {
     "leverage": lambda k: LeverageScore(budget=k),
     # CAPKV at kvpress's defaults, which are evalkit's (tau 5, 512 future positions, 4 sinks, epsilon 1e-6)
     "capkv": lambda k: CAPKV(budget=k),
-    # Q-Filters read from the folder the fixture's kvpress side read (benchmarks/qfilter_calibrate.py's, for SmolLM2)
+    # Q-Filters read from the folder the fixture's kvpress side read (evalkit.calibrate qfilter's, for SmolLM2)
     "qfilter": lambda k: QFilter(budget=k, weights_path=str(QFILTERS)),
-    # Expected Attention with the query statistics the fixture's kvpress side read (benchmarks/ea_stats_calibrate.py's)
+    # Expected Attention with the query statistics the fixture's kvpress side read (evalkit.calibrate ea_stats's)
     "expected_attention_stats": lambda k: ExpectedAttentionStats(budget=k, weights_path=str(EA_STATS)),
-    # KVzap's linear surrogates read from the folder the fixture's kvpress side read (benchmarks/kvzap_calibrate.py's)
+    # KVzap's linear surrogates read from the folder the fixture's kvpress side read (evalkit.calibrate kvzap's)
     "kvzap": lambda k: KVzap(budget=k, weights_path=str(KVZAP)),
     # KeyDiff's block-wise processing of the prompt, blocks of 128 (kvpress's BlockPress)
     "block_keydiff": lambda k: Block(inner=KeyDiff(decode=False), budget=k, block=128),
@@ -259,7 +259,7 @@ class RestoreKVAtCount(RestoreKV):
 
 
 def restore_folder(model, path):
-    """RestoreKV's seeded, untrained folder the fixture's kvpress side read (restorekv_train.initial: 8 restore
+    """RestoreKV's seeded, untrained folder the fixture's kvpress side read (calibrate.restorekv.initial: 8 restore
     tokens, a rank-4 adapter on every attention projection, seed 0)."""
     write_restore(path, *initial_restore(model, 8, 4, 0), 4)
     return str(path)
@@ -279,7 +279,7 @@ class FastKVzipAtCount(FastKVzip):
 def kept_by_evalkit(tmp_path_factory):
     """Per `press@ratio`: evalkit's kept positions per layer and KV head after one shared prefill of the ids."""
     loaded = models.load(model_spec(OmegaConf.load(ROOT / "conf" / "model" / "smollm2-135m.yaml")), "cpu")
-    # Fast KVzip's gates: the seeded, untrained ones the fixture's kvpress side read (fastkvzip_calibrate.initial)
+    # Fast KVzip's gates: the seeded, untrained ones the fixture's kvpress side read (calibrate.fastkvzip.initial)
     config = loaded.model.config.get_text_config()
     gates = str(initial_gates(config, tmp_path_factory.mktemp("fastkvzip") / "gates.pt"))
     other = tmp_path_factory.mktemp("fastkvzip-other") / "gates.pt"

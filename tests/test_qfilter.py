@@ -1,6 +1,6 @@
-"""qfilter (Q-Filters, kvpress's QFilterPress) by hand; its calibration (benchmarks/qfilter_calibrate.py) against the
-eigenvectors worked out by hand, and end to end on the tiny model from a file calibrated here; one-line refusals of a
-missing or foreign file. kvpress's choices with the same SmolLM2 file in tests/test_peer_kvpress.py."""
+"""qfilter (Q-Filters, kvpress's QFilterPress) by hand; its calibration (`python -m evalkit.calibrate qfilter`)
+against the eigenvectors worked out by hand, and end to end on the tiny model from a file calibrated here; one-line
+refusals of a missing or foreign file. kvpress's choices with the same SmolLM2 file in tests/test_peer_kvpress.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from benchmarks.qfilter_calibrate import filters
+from evalkit.calibrate.qfilter import filters
 from evalkit.policies import LayerView
 from evalkit.policies.qfilter import QFilter
 from tests.conftest import COMMAND_ENV, ROOT, run_cli, tiny_row
@@ -42,7 +42,7 @@ def test_calibrated_filters_are_the_groups_top_singular_direction_signed_against
 
 def test_filters_calibrated_here_run_from_the_command_line_and_are_recorded(tmp_path):
     out = tmp_path / "qf"
-    cmd = [sys.executable, "benchmarks/qfilter_calibrate.py", "--model", "tiny-random", "--out", str(out)]
+    cmd = [sys.executable, "-m", "evalkit.calibrate", "qfilter", "--model", "tiny-random", "--out", str(out)]
     cmd += ["--lengths", "128", "--depths", "0.5"]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, env={**os.environ, **COMMAND_ENV})
     assert json.loads((out / "config.json").read_text()) == {"num_layers": 3, "num_kv_heads": 2, "kv_head_dim": 16}

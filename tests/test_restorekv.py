@@ -28,7 +28,8 @@ N = 8  # restore tokens in tests/data/restorekv_tiny
 
 def strong(model, seed: int = 0) -> Restore:
     """Restore embeddings and an adapter on every attention projection, drawn so that the adapter moves the keys
-    and values by a tenth or so of their size (the seeded start of benchmarks/restorekv_train.py barely moves them)."""
+    and values by a tenth or so of their size (the seeded start of `python -m evalkit.calibrate restorekv` barely
+    moves them)."""
     g = torch.Generator().manual_seed(seed)
     lora = {}
     for name, module in model.named_modules():

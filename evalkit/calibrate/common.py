@@ -1,43 +1,47 @@
-"""What the calibration scripts share (benchmarks/qfilter_calibrate.py, ea_stats_calibrate.py, lukv_curve.py,
-kvzap_calibrate.py, fastkvzip_calibrate.py): their command line's common options, the model they load, the prompts they
-calibrate on, and the KVzip scores with the hidden states that the learned scorers are fitted from."""
+"""What the calibration tools share (evalkit.calibrate: qfilter, ea_stats, lukv, kvzap, fastkvzip, restorekv): the
+model they load, the prompts they calibrate on, and the KVzip scores with the hidden states that the learned scorers
+are fitted from."""
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
+from importlib.resources import files
 
 import torch
 from omegaconf import OmegaConf
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from evalkit.cli.spec import model_spec
+from evalkit.config.choices import did_you_mean, options
+from evalkit.engine import models
+from evalkit.engine.engine import prefill, reconstruction
+from evalkit.errors import ConfigError
+from evalkit.policies.kvzap import HiddenStates
+from evalkit.policies.kvzip import KVzip
+from evalkit.policies.kvzip_pass import Reconstruction
+from evalkit.tasks.needle import NeedleTask
+from evalkit.tasks.prompt import build_prompt
 
-from evalkit.cli.spec import model_spec  # noqa: E402
-from evalkit.engine import models  # noqa: E402
-from evalkit.engine.engine import prefill, reconstruction  # noqa: E402
-from evalkit.policies.kvzap import HiddenStates  # noqa: E402
-from evalkit.policies.kvzip import KVzip  # noqa: E402
-from evalkit.policies.kvzip_pass import Reconstruction  # noqa: E402
-from evalkit.tasks.needle import NeedleTask  # noqa: E402
-from evalkit.tasks.prompt import build_prompt  # noqa: E402
 
-
-def parser(doc: str, out: str) -> argparse.ArgumentParser:
-    """--model, --out (`out`: what it names), --lengths and --depths of the calibration prompts."""
-    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
-    ap.add_argument("--model", default="smollm2-135m", help="a conf/model name")
-    ap.add_argument("--out", required=True, help=out)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024])
-    ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.9])
-    return ap
+def load_model(name: str) -> models.LoadedModel:
+    """conf/model/NAME.yaml's model on the CPU, or a ConfigError listing the model names there."""
+    valid = options("model", ())
+    if name not in valid:
+        hint = did_you_mean(name, valid)
+        raise ConfigError(f"--model {name!r}: unknown model{hint}; valid names: {', '.join(valid)}")
+    return models.load(model_spec(OmegaConf.load(files("evalkit.conf") / "model" / f"{name}.yaml")), "cpu")
 
 
 def load(args: argparse.Namespace) -> tuple[models.LoadedModel, list[torch.Tensor]]:
     """The model of --model on the CPU, and the calibration prompts of --lengths and --depths."""
-    loaded = models.load(model_spec(OmegaConf.load(ROOT / "conf" / "model" / f"{args.model}.yaml")), "cpu")
+    loaded = load_model(args.model)
     return loaded, contexts(loaded.tokenizer, args.lengths, args.depths)
+
+
+def every_layer(found: int, model, method: str) -> None:
+    """A ConfigError unless every layer of `model` attends fully (`found` of them did): `method` needs each."""
+    n = model.config.get_text_config().num_hidden_layers
+    if found != n:
+        raise ConfigError(f"{found} of {n} layers attend fully: {method} needs every layer")
 
 
 def contexts(tokenizer, lengths: list[int], depths: list[float]) -> list[torch.Tensor]:

@@ -1,31 +1,29 @@
 """A budget curve for LU-KV (policy=lukv) computed here, offline: evalkit's stand-in calibration, not LU-KV's own.
 
-    python benchmarks/lukv_curve.py --model smollm2-135m --out curve.npy [--lengths 1024] [--depths 0.1 0.9]
+    python -m evalkit.calibrate lukv --model smollm2-135m --out curve.npy [--lengths 1024] [--depths 0.1 0.9]
 
 LU-KV's curves come from a global combinatorial optimisation of each head's future utility over a corpus (its
-repository's generate_curve.sh). This script takes a simpler rule with the same shape and meaning: on evalkit's prose
-prompts (those of benchmarks/qfilter_calibrate.py), the inner scorer's scores (Expected Attention, epsilon 0.02; the
-first 4 and the last token first) of every layer and KV head are ranked together, and for each prune ratio of 1% to
-99% the share of its tokens each head loses when the top (1 - ratio) of all of them are kept, averaged over the
-prompts. Each row then keeps at most 1 - its ratio on average, as policy=lukv requires. Written as LU-KV writes its
+repository's generate_curve.sh). This tool takes a simpler rule with the same shape and meaning: on evalkit's prose
+prompts (those of `python -m evalkit.calibrate qfilter`), the inner scorer's scores (Expected Attention, epsilon
+0.02; the first 4 and the last token first) of every layer and KV head are ranked together, and for each prune ratio
+of 1% to 99% the share of its tokens each head loses when the top (1 - ratio) of all of them are kept, averaged over
+the prompts. Each row then keeps at most 1 - its ratio on average, as policy=lukv requires. Written as LU-KV writes its
 curves (numpy, (99, layers, KV heads), float32), for evalkit and kvpress's LUKVPress alike.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.calibration import load, parser  # noqa: E402
-from evalkit.engine.engine import prefill  # noqa: E402
-from evalkit.policies import LayerView  # noqa: E402
-from evalkit.policies.expected_attention import ExpectedAttention  # noqa: E402
+from evalkit.calibrate.common import load
+from evalkit.engine.engine import prefill
+from evalkit.policies import LayerView
+from evalkit.policies.expected_attention import ExpectedAttention
 
 SINK, WINDOW = 4, 1
 
@@ -51,8 +49,7 @@ def pruned_shares(model, ids: torch.Tensor, scorer: ExpectedAttention) -> torch.
     return 1 - kept.double() / t
 
 
-def main() -> None:
-    args = parser(__doc__, "the .npy file to write").parse_args()
+def main(args: argparse.Namespace) -> None:
     loaded, prompts = load(args)
     scorer = ExpectedAttention(epsilon=0.02)
     curve = sum(pruned_shares(loaded.model, ids, scorer) for ids in prompts) / len(prompts)
@@ -60,7 +57,3 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     np.save(out, curve.numpy().astype(np.float32))
     print(f"wrote {out} {tuple(curve.shape)} from {len(prompts)} prompts")
-
-
-if __name__ == "__main__":
-    main()

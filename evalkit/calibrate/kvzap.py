@@ -1,6 +1,6 @@
 """Fit linear KVzap surrogates for a model here, offline: a stand-in for the published ones, not KVzap's training.
 
-    python benchmarks/kvzap_calibrate.py --model smollm2-135m --out kvzap/smollm2 [--lengths 1024] [--depths ...]
+    python -m evalkit.calibrate kvzap --model smollm2-135m --out kvzap/smollm2 [--lengths 1024] [--depths ...]
 
 For each calibration prompt: evalkit's KVzip+ scores of every context token (the reconstruction pass, chunks of
 2048, 4 sinks; the prompt's raw ids reconstructed, no repeat instruction) and the hidden states entering each
@@ -15,16 +15,14 @@ R^2 on the calibration tokens.
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.calibration import load, parser, scores_and_hidden  # noqa: E402
+from evalkit.calibrate.common import every_layer, load, scores_and_hidden
 
 SINKS, CHUNK, FLOOR, RIDGE = 4, 2048, 1e-6, 1e-3
 
@@ -47,13 +45,11 @@ def fit(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, f
     return w.float(), b.float(), r2
 
 
-def main() -> None:
-    args = parser(__doc__, "folder to write model.safetensors and config.json into").parse_args()
+def main(args: argparse.Namespace) -> None:
     loaded, prompts = load(args)
     cfg = loaded.model.config.get_text_config()
     data = pairs(loaded.model, prompts)
-    if len(data) != cfg.num_hidden_layers:
-        raise SystemExit(f"{len(data)} of {cfg.num_hidden_layers} layers attend fully: KVzap needs every layer")
+    every_layer(len(data), loaded.model, "KVzap")
     tensors, r2s = {}, []
     for layer, (x, y) in data.items():
         w, b, r2 = fit(x, y)
@@ -67,7 +63,3 @@ def main() -> None:
     (out / "config.json").write_text(json.dumps(spec, indent=2) + "\n")
     print("R^2 per layer:", " ".join(f"{r:.2f}" for r in r2s))
     print(f"wrote {out} ({cfg.num_hidden_layers} linear surrogates, {cfg.hidden_size} -> {cfg.num_key_value_heads})")
-
-
-if __name__ == "__main__":
-    main()

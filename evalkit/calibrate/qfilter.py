@@ -1,6 +1,6 @@
 """Calibrate Q-Filters for a model here, offline, from its own queries on evalkit's prose haystack.
 
-    python benchmarks/qfilter_calibrate.py --model smollm2-135m --out qfilters/smollm2 [--lengths 1024] [--depths ...]
+    python -m evalkit.calibrate qfilter --model smollm2-135m --out qfilters/smollm2 [--lengths 1024] [--depths ...]
 
 For each layer and KV head: the queries of its query heads (post-RoPE, as the attention sees them) over the
 calibration prompts, the first right singular vector of that matrix (the top eigenvector of Q^T Q), signed so that
@@ -11,20 +11,18 @@ saves them (`model.safetensors` with `q_filters` (layers, KV heads, head dim), a
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.calibration import load, parser  # noqa: E402
-from evalkit.attention.observation import Attended, Observation  # noqa: E402
-from evalkit.engine.engine import prefill  # noqa: E402
-from evalkit.policies import KVPolicy  # noqa: E402
+from evalkit.attention.observation import Attended, Observation
+from evalkit.calibrate.common import every_layer, load
+from evalkit.engine.engine import prefill
+from evalkit.policies import KVPolicy
 
 
 @dataclass(frozen=True)
@@ -74,14 +72,11 @@ def calibrate(model, prompts: list[torch.Tensor]) -> torch.Tensor:
             else:
                 total, gram = total[0], gram[0]
             sums[layer] = (total, gram)
-    cfg = model.config.get_text_config()
-    if len(sums) != cfg.num_hidden_layers:
-        raise SystemExit(f"{len(sums)} of {cfg.num_hidden_layers} layers attend fully: Q-Filters needs every layer")
-    return filters(sums, cfg.num_key_value_heads)
+    every_layer(len(sums), model, "Q-Filters")
+    return filters(sums, model.config.get_text_config().num_key_value_heads)
 
 
-def main() -> None:
-    args = parser(__doc__, "folder to write model.safetensors and config.json into").parse_args()
+def main(args: argparse.Namespace) -> None:
     loaded, prompts = load(args)
     q = calibrate(loaded.model, prompts)
     out = Path(args.out)
@@ -90,7 +85,3 @@ def main() -> None:
     layers, heads, dim = q.shape
     (out / "config.json").write_text(json.dumps({"num_layers": layers, "num_kv_heads": heads, "kv_head_dim": dim}))
     print(f"wrote {out} ({layers} layers x {heads} KV heads x {dim})")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """Compute Expected Attention's query statistics for a model here, offline, from its own queries on evalkit's prose
-haystack (the prompts benchmarks/qfilter_calibrate.py calibrates on).
+haystack (the prompts `python -m evalkit.calibrate qfilter` calibrates on).
 
-    python benchmarks/ea_stats_calibrate.py --model smollm2-135m --out DIR [--lengths 1024] [--depths ...] [--n-sink 4]
+    python -m evalkit.calibrate ea_stats --model smollm2-135m --out DIR [--lengths 1024] [--depths ...] [--n-sink 4]
 
 Per layer and query head: the mean and covariance (divided by N - 1) of the pre-RoPE queries of every prompt after
 its first `n_sink` tokens, pooled, as kvpress's `expected_attention_with_stats.py` computes them over booksum.
@@ -12,18 +12,16 @@ policy.weights_path=DIR`) and kvpress (`ExpectedAttentionStatsPress(stats_folder
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.calibration import load, parser  # noqa: E402
-from evalkit.engine.engine import prefill  # noqa: E402
-from evalkit.policies.expected_attention import ExpectedAttention, QueryStats  # noqa: E402
+from evalkit.calibrate.common import every_layer, load
+from evalkit.engine.engine import prefill
+from evalkit.policies.expected_attention import ExpectedAttention, QueryStats
 
 
 def statistics(model, prompts: list[torch.Tensor], n_sink: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,15 +44,10 @@ def statistics(model, prompts: list[torch.Tensor], n_sink: int) -> tuple[torch.T
     return torch.stack(means).float(), torch.stack(covs).float()
 
 
-def main() -> None:
-    ap = parser(__doc__, "folder to write model.safetensors and config.json into")
-    ap.add_argument("--n-sink", type=int, default=4)
-    args = ap.parse_args()
+def main(args: argparse.Namespace) -> None:
     loaded, prompts = load(args)
     mean, cov = statistics(loaded.model, prompts, args.n_sink)
-    cfg = loaded.model.config.get_text_config()
-    if mean.shape[0] != cfg.num_hidden_layers:
-        raise SystemExit(f"{mean.shape[0]} of {cfg.num_hidden_layers} layers attend fully: every layer is needed")
+    every_layer(mean.shape[0], loaded.model, "Expected Attention's statistics")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     save_file({"query_mean": mean.contiguous(), "query_cov": cov.contiguous()}, str(out / "model.safetensors"))
@@ -64,7 +57,3 @@ def main() -> None:
     config |= {"num_samples": len(prompts), "sample_seq_len": max(p.shape[1] for p in prompts)}
     (out / "config.json").write_text(json.dumps(config))
     print(f"wrote {out} ({layers} layers x {heads} query heads x {dim}, {len(prompts)} prompts)")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """Train RestoreKV's restore tokens and LoRA adapter for a model here, offline: a stand-in for the published adapters
 (self-distillation from the full cache, as the paper trains them, at a toy scale), not the paper's training run.
 
-    python benchmarks/restorekv_train.py --model smollm2-135m --out restorekv/smollm2 [--steps 200] [--budget 0.25]
+    python -m evalkit.calibrate restorekv --model smollm2-135m --out restorekv/smollm2 [--steps 200] [--budget 0.25]
         [--tokens 8] [--rank 4] [--length 512] [--lr 1e-3]
 
 Each step takes one generated-prose sample of evalkit's fidelity task (task seeds 7000 on, apart from any run's
@@ -24,27 +24,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 from safetensors.torch import save_file
 from transformers.cache_utils import Cache
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from evalkit.attention.sdpa import observe  # noqa: E402
-from evalkit.cli.spec import model_spec  # noqa: E402
-from evalkit.engine import models  # noqa: E402
-from evalkit.engine.engine import prefill, reconstruction  # noqa: E402
-from evalkit.kv.cache import compress  # noqa: E402
-from evalkit.policies.kvzip import KVzip  # noqa: E402
-from evalkit.policies.kvzip_pass import ReadOnlyLayer  # noqa: E402
-from evalkit.policies.restorekv import ADAPTER, EMBEDDINGS, PREFIX, Lora, read_pass  # noqa: E402
-from evalkit.tasks.fidelity import FidelityTask  # noqa: E402
-from evalkit.tasks.prompt import build_prompt  # noqa: E402
+from evalkit.attention.sdpa import observe
+from evalkit.calibrate.common import load_model
+from evalkit.engine.engine import prefill, reconstruction
+from evalkit.kv.cache import compress
+from evalkit.policies.kvzip import KVzip
+from evalkit.policies.kvzip_pass import ReadOnlyLayer
+from evalkit.policies.restorekv import ADAPTER, EMBEDDINGS, PREFIX, Lora, read_pass
+from evalkit.tasks.fidelity import FidelityTask
+from evalkit.tasks.prompt import build_prompt
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # the attention projections of every layer
 SINKS, CHUNK = 4, 2048  # KVzip's (kvpress KVzipPress defaults)
@@ -128,20 +122,8 @@ def loss_on(model, context, continuation, embeddings, lora, budget: float) -> to
     )
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="smollm2-135m", help="a conf/model name")
-    ap.add_argument("--out", required=True, help="the folder to write")
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--budget", type=float, default=0.25, help="the kept share of the context while training")
-    ap.add_argument("--tokens", type=int, default=8, help="restore tokens (the published adapters: 8)")
-    ap.add_argument("--rank", type=int, default=4)
-    ap.add_argument("--length", type=int, default=512, help="context tokens of a training sample")
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--held-out", type=int, default=4, help="samples the loss is reported on")
-    args = ap.parse_args()
-    loaded = models.load(model_spec(OmegaConf.load(ROOT / "conf" / "model" / f"{args.model}.yaml")), "cpu")
+def main(args: argparse.Namespace) -> None:
+    loaded = load_model(args.model)
     model = loaded.model
     for p in model.parameters():
         p.requires_grad_(False)
@@ -172,7 +154,3 @@ def main() -> None:
         print(f"held-out KL per token at the end: {held_out():.4f}", flush=True)
     write(Path(args.out), embeddings, lora, args.rank)
     print(f"wrote {args.out}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Train Fast KVzip gates for a model here, offline: a stand-in for the published gates, not the paper's training.
 
-    python benchmarks/fastkvzip_calibrate.py --model smollm2-135m --out fastkvzip/smollm2.pt [--lengths 1024]
+    python -m evalkit.calibrate fastkvzip --model smollm2-135m --out fastkvzip/smollm2.pt [--lengths 1024]
         [--depths ...] [--steps 300]
 
 For each calibration prompt: evalkit's KVzip scores of every context token (the reconstruction pass, chunks of 2048,
@@ -13,15 +13,13 @@ kvpress (FastKVzipGate.load_state_dict) read the same file. Prints each layer's 
 
 from __future__ import annotations
 
-import sys
+import argparse
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.calibration import load, parser, scores_and_hidden  # noqa: E402
-from evalkit.policies.fastkvzip import gate_scores  # noqa: E402
+from evalkit.calibrate.common import every_layer, load, scores_and_hidden
+from evalkit.policies.fastkvzip import gate_scores
 
 SINKS, CHUNK, DIM, GATE_SINKS, LR = 4, 2048, 16, 16, 3e-3
 
@@ -66,15 +64,11 @@ def fit(x: torch.Tensor, y: torch.Tensor, n_q: int, steps: int, seed: int) -> tu
     return {k: v.detach().contiguous() for k, v in gate.items()}, r2
 
 
-def main() -> None:
-    ap = parser(__doc__, "the torch file to write the gates into")
-    ap.add_argument("--steps", type=int, default=300, help="Adam steps per layer's gate")
-    args = ap.parse_args()
+def main(args: argparse.Namespace) -> None:
     loaded, prompts = load(args)
     cfg = loaded.model.config.get_text_config()
     data = scores_and_hidden(loaded.model, prompts, SINKS, CHUNK, plus=False)
-    if len(data) != cfg.num_hidden_layers:
-        raise SystemExit(f"{len(data)} of {cfg.num_hidden_layers} layers attend fully: Fast KVzip needs every layer")
+    every_layer(len(data), loaded.model, "Fast KVzip")
     gates, r2s = [], []
     with torch.inference_mode(False), torch.enable_grad():
         for layer, (x, y) in data.items():
@@ -86,7 +80,3 @@ def main() -> None:
     torch.save({"module": gates}, out)
     print("R^2 per layer:", " ".join(f"{r:.2f}" for r in r2s))
     print(f"wrote {out} ({cfg.num_hidden_layers} gates, {cfg.hidden_size} -> {DIM}-dim, {GATE_SINKS} sink keys)")
-
-
-if __name__ == "__main__":
-    main()
