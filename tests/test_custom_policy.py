@@ -276,9 +276,6 @@ class Hoarder(KVPolicy):
     def min_tokens(self) -> int:
         return self.states
 
-    def validate(self, shortest_context) -> None:
-        pass  # skips the base class's check that the budget holds min_tokens(): evalkit checks it all the same
-
 
 @dataclass(kw_only=True)
 class Rogue(KVPolicy):

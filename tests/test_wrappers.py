@@ -24,8 +24,8 @@ from evalkit.policies import KVPolicy, Wrapper
 
 FIELDS = {f.name for f in dataclasses.fields(KVPolicy)}
 MEMBERS = sorted(n for n in dir(KVPolicy) if not n.startswith("_") and n not in FIELDS)
-# Every wrapper's own: it checks its own fields and budget, then its inner policy's settings (as policy.inner.*).
-OWN = {"validate", "check_params"}
+# Every wrapper's own: it checks its inner policy's settings (as policy.inner.*).
+OWN = {"check_params"}
 # What KVPolicy builds from other members: a wrapper that changes one of those has its own (the base rule over its
 # members), not the inner policy's: a wrapper that scores keeps by its own scores.
 # A wrapper that chooses by its own rule (select, over) ranks layer by layer, whatever its inner policy would.
@@ -34,9 +34,8 @@ BUILT_FROM = {
     "over": {"select"},
     "select_layers": {"select", "over"},
     "ranks_across_layers": {"select", "over", "select_layers"},
-    "held": {"min_tokens"},
-    "target": {"held", "asked", "min_tokens"},
-    "keep_per_layer": {"target", "held", "asked", "min_tokens"},
+    "target": {"min_tokens"},
+    "keep_per_layer": {"target", "min_tokens"},
 }
 
 

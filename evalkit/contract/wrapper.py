@@ -3,7 +3,7 @@
 A wrapper changes what its class defines and delegates every other member of the contract (every public method,
 property and class attribute of KVPolicy, enumerated from KVPolicy itself) to its inner policy, so that a new hook of
 the contract reaches every wrapper without an edit here. A member the base class builds from others (`select` from
-`score` and `protected`, `target` from `held` and `min_tokens`, ...: `DERIVED`) is the wrapper's own, by the base
+`score` and `protected`, `target` from `min_tokens`, ...: `DERIVED`) is the wrapper's own, by the base
 rule, as soon as the wrapper changes one of those.
 """
 
@@ -74,11 +74,8 @@ class Wrapper(KVPolicy):
         if "(" not in self.name:
             self.name = f"{self.name}({self.inner.name})"
 
-    def validate(self, shortest_context: int | None) -> None:
-        """The wrapper's own fields and budget, then (check_params) its inner policy's."""
-        super().validate(shortest_context)
-
     def check_params(self) -> None:
+        """The inner policy's fields and ranges (check_policy has checked the wrapper's own)."""
         check_fields(self.inner, "policy.inner")
         if not self.inner.wrappable:
             raise ConfigError(f"{self.name}: {self.inner.name} keeps ragged heads and cannot be wrapped; wrap a scorer")
