@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from evalkit.attention.observation import Attended
-from evalkit.contract import check_policy
 from evalkit.errors import ConfigError
 from evalkit.policies import LayerView
 from evalkit.policies.cur import CUR
@@ -87,11 +86,11 @@ def test_cur_keeps_sinks_then_the_largest_local_share_of_key_times_value_by_hand
 def test_cur_refuses_what_it_does_not_define():
     for bad, match in ((CUR(combine="sum"), "combine='sum'"), (CUR(window=-1), "window=-1")):
         with pytest.raises(ConfigError, match=match):
-            check_policy(bad, 64)
+            bad.validate(64)
     with pytest.raises(ConfigError, match="lag_size=1"):
-        check_policy(LagKV(lag_size=1), 64)
+        LagKV(lag_size=1).validate(64)
     with pytest.raises(ConfigError, match="chunk=0"):
-        check_policy(NonCausalAttention(chunk=0), 64)
+        NonCausalAttention(chunk=0).validate(64)
 
 
 # -- non_causal_attn ------------------------------------------------------------------------------------------
@@ -144,7 +143,7 @@ def test_the_scorers_are_prefill_methods_and_validate_from_their_yaml():
     for name in ("lagkv", "cur", "non_causal_attn"):
         pol = policy(name, 0.25)
         assert (pol.chunkable, pol.decodable, pol.decode) == (False, False, False)
-        check_policy(pol, 1024)
+        pol.validate(1024)
     assert NonCausalAttention().needs() == (ChunkAttention(256),)
     assert LagKV().needs() == CUR().needs() == ()
 

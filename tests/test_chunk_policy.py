@@ -7,7 +7,6 @@ import math
 
 import pytest
 
-from evalkit.contract import check_policy
 from evalkit.errors import ConfigError
 from evalkit.policies.chunk import Chunk, shares
 from evalkit.policies.h2o import H2O
@@ -35,9 +34,9 @@ def test_each_chunk_keeps_its_own_best_by_hand():
 
 def test_a_scorer_that_needs_attention_observed_is_refused():
     with pytest.raises(ConfigError, match="h2o needs attention observed over the whole prompt, not per chunk"):
-        check_policy(Chunk(inner=H2O(decode=False), budget=0.25), 256)
+        Chunk(inner=H2O(decode=False), budget=0.25).validate(256)
     with pytest.raises(ConfigError, match="policy.chunk=0"):
-        check_policy(Chunk(inner=KNorm(), budget=0.25, chunk=0), 256)
+        Chunk(inner=KNorm(), budget=0.25, chunk=0).validate(256)
 
 
 def test_the_command_line_runs_chunk_over_keydiff(tmp_path):

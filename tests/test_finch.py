@@ -10,7 +10,6 @@ import math
 import pytest
 import torch
 
-from evalkit.contract import check_policy
 from evalkit.engine.engine import prefill, reconstruction
 from evalkit.errors import ConfigError
 from evalkit.kv.cache import full_attention_layers
@@ -80,7 +79,7 @@ def test_chunk_length_keeps_each_chunks_share_by_the_whole_prompts_scores(tiny, 
             differs |= not torch.equal(cache.layers[i].positions[0, h], whole.layers[i].positions[0, h])
     assert differs
     with pytest.raises(ConfigError, match=r"policy.chunk_length=0: give a chunk of tokens such as 256, or null"):
-        check_policy(Finch(budget=0.25, chunk_length=0), CTX)
+        Finch(budget=0.25, chunk_length=0).validate(CTX)
 
 
 def test_the_kept_keys_are_rerotated_to_their_slots_and_the_values_kept_as_they_were(tiny, ids):

@@ -24,8 +24,8 @@ from evalkit.policies import KVPolicy, Wrapper
 
 FIELDS = {f.name for f in dataclasses.fields(KVPolicy)}
 MEMBERS = sorted(n for n in dir(KVPolicy) if not n.startswith("_") and n not in FIELDS)
-# Every wrapper's own: it checks its inner policy's settings (as policy.inner.*).
-OWN = {"check_params"}
+# Every wrapper's own: it checks its own fields and budget, then its inner policy's settings (as policy.inner.*).
+OWN = {"validate", "check_params"}
 # What KVPolicy builds from other members: a wrapper that changes one of those has its own (the base rule over its
 # members), not the inner policy's: a wrapper that scores keeps by its own scores.
 # A wrapper that chooses by its own rule (select, over) ranks layer by layer, whatever its inner policy would.
@@ -79,12 +79,18 @@ def changes(cls: type[Wrapper]) -> set[str]:
     """The members a wrapper class changes: those it (or a wrapper class it extends) defines, and what the base class
     builds from them."""
     below = cls.__mro__[: cls.__mro__.index(Wrapper)]
-    own = {name for name in MEMBERS for k in below if name in k.__dict__}
+    own = {name for name in MEMBERS for k in below if name in k.__dict__ and not rebuilt(k.__dict__[name], name)}
     while True:
         more = {name for name, sources in BUILT_FROM.items() if own & sources} - own
         if not more:
             return own | OWN
         own |= more
+
+
+def rebuilt(value: object, name: str) -> bool:
+    """Whether a wrapper class holds KVPolicy's own method: put there by the base rule (evalkit's DERIVED), not
+    written by the wrapper, so that a wrong DERIVED shows here as a member dropped."""
+    return callable(value) and value is KVPolicy.__dict__[name]
 
 
 def answer(policy: KVPolicy, name: str) -> object:

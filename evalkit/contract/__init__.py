@@ -18,8 +18,14 @@ from evalkit.contract.checks import (
     stated,
 )
 from evalkit.contract.faults import PolicyInterrupt, calling, describe, guarding, policy_fault, users
-from evalkit.contract.params import check_policy
-from evalkit.contract.policy import KVPolicy, asked_tokens, checked_scores, held_tokens, kept_protected
+from evalkit.contract.policy import (
+    KVPolicy,
+    asked_tokens,
+    check_policy,
+    checked_scores,
+    held_tokens,
+    kept_protected,
+)
 from evalkit.contract.view import LayerView, Probe, Probes, gather_tokens
 from evalkit.contract.wrapper import OnceWrapper, Wrapper
 

@@ -19,7 +19,7 @@ evicts) and `select(view, k)` which it keeps: the top k of `score`, `protected` 
 all evicting layers at once (KVzip) declares `ranks_across_layers` and answers `select_layers` instead.
 
 **Capabilities** are class attributes, data the engine and the config checks read; a new policy declares them and
-nothing else changes. The parameters' ranges are checked before any model loads (evalkit.contract.params.check_policy:
+nothing else changes. The parameters' ranges are checked before any model loads (`check_policy`:
 the budget, decode, decode_interval, min_tokens against the shortest context; then the policy's `check_params`).
 """
 
@@ -34,7 +34,8 @@ from torch import Tensor
 
 from evalkit.attention.observation import Observation
 from evalkit.contract.view import LayerView, Probes
-from evalkit.errors import PolicyError
+from evalkit.errors import ConfigError, PolicyError
+from evalkit.fields import check_fields
 
 
 def asked_tokens(budget: float | int, seen: int) -> int:
@@ -84,6 +85,10 @@ class KVPolicy:
 
     def check_params(self) -> None:
         """A ConfigError for a parameter of its own out of range (the types are checked already)."""
+
+    def validate(self, shortest_context: int | None) -> None:
+        """A ConfigError for a setting out of range, its own by `check_params` (check_policy, which evalkit calls)."""
+        check_policy(self, shortest_context)
 
     # The budget: one rule, keep_per_layer; target is its uniform case.
     def keep_per_layer(self, seen: int, n_layers: int) -> list[int]:
@@ -156,6 +161,49 @@ DERIVED: dict[str, frozenset[str]] = {
     "target": frozenset({"min_tokens"}),
     "keep_per_layer": frozenset({"target", "min_tokens"}),
 }
+
+
+def check_policy(policy: KVPolicy, shortest_context: int | None) -> None:
+    """Raise ConfigError for a parameter of the wrong type or out of range, or a budget that cannot work on the
+    shortest context of the run (None: unknown). A policy whose budget is not a count of tokens (FullCache,
+    DuoAttention: `budget_counts_tokens`) is not held to its protected tokens."""
+    b = policy.budget
+    if isinstance(b, bool) or not isinstance(b, (int, float)):
+        raise ConfigError(f"policy.budget={b!r}: give a fraction in (0, 1] or a whole number of tokens")
+    check_fields(policy, "policy")  # every field against its annotation: bools are bools, ints whole numbers
+    check_budget(b)
+    if policy.decode and not policy.decodable:
+        raise ConfigError(f"{policy.name} compresses once, after the prompt: set policy.decode=false")
+    if policy.decode_interval < 1:
+        raise ConfigError(
+            f"policy.decode_interval={policy.decode_interval}: evict every N >= 1 forwards while decoding, e.g. 16"
+        )
+    policy.check_params()
+    if shortest_context is not None and policy.budget_counts_tokens:
+        check_min_tokens(policy, shortest_context)
+
+
+def check_budget(b: float | int) -> None:
+    """A fraction in (0, 1] or a whole number of tokens >= 1."""
+    if isinstance(b, float) and not 0.0 < b <= 1.0:
+        raise ConfigError(
+            f"policy.budget={b} is outside (0, 1] as a fraction of the context; "
+            "give a fraction such as 0.25 or a whole number of tokens such as 512"
+        )
+    if isinstance(b, int) and b < 1:
+        raise ConfigError(f"policy.budget={b} keeps no token; give a fraction such as 0.25 or tokens such as 512")
+
+
+def check_min_tokens(policy: KVPolicy, shortest_context: int) -> None:
+    """The budget keeps the policy's protected tokens plus one (`min_tokens()`) on a context of `shortest_context`."""
+    b = policy.budget
+    kept = min(shortest_context, asked_tokens(b, shortest_context))
+    if kept < min(policy.min_tokens(), shortest_context):
+        what = f"{b} tokens" if isinstance(b, int) else f"a fraction {b} of {shortest_context} tokens"
+        raise ConfigError(
+            f"policy.budget keeps {kept} tokens ({what}), fewer than the {policy.min_tokens()} that "
+            f"{policy.name} needs (its protected tokens plus one); raise policy.budget"
+        )
 
 
 def checked_scores(policy: KVPolicy, scores: object, view: LayerView) -> Tensor:

@@ -74,8 +74,11 @@ class Wrapper(KVPolicy):
         if "(" not in self.name:
             self.name = f"{self.name}({self.inner.name})"
 
+    def validate(self, shortest_context: int | None) -> None:
+        """The wrapper's own fields and budget, then (check_params) its inner policy's."""
+        super().validate(shortest_context)
+
     def check_params(self) -> None:
-        """The inner policy's fields and ranges (check_policy has checked the wrapper's own)."""
         check_fields(self.inner, "policy.inner")
         if not self.inner.wrappable:
             raise ConfigError(f"{self.name}: {self.inner.name} keeps ragged heads and cannot be wrapped; wrap a scorer")
