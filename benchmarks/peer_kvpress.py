@@ -110,6 +110,7 @@ from omegaconf import OmegaConf
 from evalkit.calibrate.fastkvzip import initial_gates
 from evalkit.calibrate.restorekv import initial, write
 from evalkit.cli.spec import model_spec
+from evalkit.contract import check_policy
 from evalkit.embedded import converted_folder
 from evalkit.engine import models
 from evalkit.engine.decode import teacher_forced
@@ -415,7 +416,7 @@ def evalkit_policies(n_tokens: int, ratio: float, pyramid_budgets: list[int]) ->
         "per_layer(snapkv)*": PerLayerAt(inner=SnapKV(**snap), budget=1 - ratio, layer_budgets=kept),
     }
     for pol in pols.values():
-        pol.validate(n_tokens)
+        check_policy(pol, n_tokens)
     return pols
 
 

@@ -18,8 +18,10 @@ from evalkit.contract import (
     Probe,
     Probes,
     Wrapper,
+    asked_tokens,
     checked_scores,
     gather_tokens,
+    held_tokens,
     kept_protected,
 )
 from evalkit.errors import ConfigError
@@ -86,10 +88,12 @@ __all__ = [
     "Probes",
     "SinkPolicy",
     "Wrapper",
+    "asked_tokens",
     "best_per_head",
     "checked_scores",
     "full_attention_only",
     "gather_tokens",
+    "held_tokens",
     "kept_protected",
     "no_budget",
     "padded_indices",

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from evalkit.errors import ConfigError
-from evalkit.policies import KVPolicy, LayerView
+from evalkit.policies import KVPolicy, LayerView, asked_tokens
 from evalkit.policies.leverage import Rotary, check_sketch, leverage, sketch_matrix, z_scored
 from evalkit.policies.non_causal import ChunkAttention, by_value
 
@@ -63,7 +63,8 @@ class Compactor(Rotary, KVPolicy):
         lev = leverage(keys, sketch_matrix((b, h, d, self.sketch), self.seed + view.layer_idx, keys), self.jitter)
         received = view.observed(ChunkAttention(self.chunk, (self.sink_start, self.sink_end)))
         attn = by_value(received, view.values[:, :, lo:hi])
-        blending = 1 - min(view.seen, self.asked(view.seen)) / view.seen if self.blending is None else self.blending
+        asked = min(view.seen, asked_tokens(self.budget, view.seen))
+        blending = 1 - asked / view.seen if self.blending is None else self.blending
         middle = blending * z_scored(lev) + z_scored(attn)
         return F.pad(middle, (lo, t - hi), value=float(middle.max()))  # the sinks: protected anyway
 

@@ -127,15 +127,12 @@ class DuoAttention(KVPolicy):
         the sinks and recent tokens in a streaming head."""
         return padded_indices(self.protected(view, k))
 
-    def validate(self, shortest_context: int | None) -> None:
+    def check_params(self) -> None:
         if isinstance(self.budget, int) and not isinstance(self.budget, bool):
             raise ConfigError(
                 f"policy.budget={self.budget}: {self.name}'s budget is the fraction of KV heads that keep the whole "
                 "cache (retrieval heads), e.g. 0.5; it has no token budget"
             )
-        super().validate(None)
-
-    def check_params(self) -> None:
         if self.sink < 0 or self.recent < 1:
             raise ConfigError(f"policy.sink={self.sink}, policy.recent={self.recent}: give sink >= 0 and recent >= 1")
         if self.pattern is not None and not Path(self.pattern).is_file():

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from evalkit.errors import ConfigError
-from evalkit.policies import KVPolicy, LayerView, Wrapper, best_per_head, checked_scores, padded_indices
+from evalkit.policies import LayerView, Wrapper, best_per_head, checked_scores, padded_indices
 from evalkit.policies.weights import check_shape, recorded
 
 FETCH = "LU-KV's curve_data/*.npy (github.com/baidu-baige/LU-KV), or python -m evalkit.calibrate lukv --out FILE"
@@ -106,8 +106,6 @@ class LUKV(Wrapper):
     def keep_per_layer(self, seen: int, n_layers: int) -> list[int]:
         """Per layer, its heads' total over their number, rounded up (a ragged layer holds at most k x Hkv)."""
         return [math.ceil(int(self.counts(i, seen).sum()) / self.curve.shape[2]) for i in range(n_layers)]
-
-    target = KVPolicy.target  # the budget's own rule (the layers' shares are keep_per_layer's), not the inner's
 
     def over(self, view: LayerView, k: int) -> bool:
         return int(view.real.sum(dim=(1, 2)).max()) > int(self.counts(view.layer_idx, view.seen).sum())

@@ -9,13 +9,12 @@ An empty list (the default) gives every layer `budget`: the inner policy as it i
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from transformers import DynamicCache
 
 from evalkit.errors import ConfigError
-from evalkit.policies import Probes, Wrapper
+from evalkit.policies import Probes, Wrapper, asked_tokens, held_tokens
 
 
 def evicting_layers(model) -> int:
@@ -35,7 +34,7 @@ class PerLayer(Wrapper):
         if not self.layer_budgets:
             return self.inner.keep_per_layer(seen, n_layers)
         self.check_layers(n_layers)
-        return [self.inner.held(math.ceil(f * seen), seen) for f in self.layer_budgets]
+        return [held_tokens(asked_tokens(f, seen), seen, self.inner.min_tokens()) for f in self.layer_budgets]
 
     def check_layers(self, n_layers: int) -> None:
         if self.layer_budgets and len(self.layer_budgets) != n_layers:

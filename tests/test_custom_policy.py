@@ -276,9 +276,6 @@ class Hoarder(KVPolicy):
     def min_tokens(self) -> int:
         return self.states
 
-    def validate(self, shortest_context) -> None:
-        pass  # skips the base class's check that the budget holds min_tokens(): evalkit checks it all the same
-
 
 @dataclass(kw_only=True)
 class Rogue(KVPolicy):
@@ -338,7 +335,8 @@ def test_protected_tokens_count_beyond_the_budget_only_as_the_policy_states_them
     int(0.9 x 128) + 1 = 116. Before, the protected tokens all counted: the run held 116 of 128 tokens per head, 0.91x
     of the cache, as hoarder@0.25, exit 0. It states min_tokens() = 1, no protected token: its budget,
     ceil(0.25 x 128) = 32, is all it may hold. Stating 116 instead, the budget cannot hold it on a 128-token
-    context: refused before the model loads, although its own validate() checks nothing."""
+    context: refused before the model loads by evalkit.contract.check_policy, which a policy cannot skip (before, by
+    the check of each sample, a policy's own validate() being able to check nothing)."""
     result = cli(rogue, *TINY, "task.depths=[0.5]", "policy=hoarder", run_dir=tmp_path / "run")
     assert result.returncode == 2, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
@@ -351,8 +349,8 @@ def test_protected_tokens_count_beyond_the_budget_only_as_the_policy_states_them
     stated = cli(rogue, *TINY, "task.depths=[0.5]", "policy=hoarder", "policy.states=116", run_dir=tmp_path / "r2")
     assert stated.returncode == 2 and not (tmp_path / "r2" / "samples.jsonl").exists()
     assert stated.stderr.strip().splitlines()[-1] == (
-        "evalkit: error: sample 'L128-d0.5-0' (128 context tokens): policy.budget keeps 32 tokens, fewer than "
-        "the 116 that hoarder states it needs (min_tokens(): its protected tokens plus one); raise policy.budget"
+        "evalkit: error: policy.budget keeps 32 tokens (a fraction 0.25 of 128 tokens), fewer than the 116 that "
+        "hoarder needs (its protected tokens plus one); raise policy.budget"
     )
 
 

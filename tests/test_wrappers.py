@@ -34,9 +34,8 @@ BUILT_FROM = {
     "over": {"select"},
     "select_layers": {"select", "over"},
     "ranks_across_layers": {"select", "over", "select_layers"},
-    "held": {"min_tokens"},
-    "target": {"held", "asked", "min_tokens"},
-    "keep_per_layer": {"target", "held", "asked", "min_tokens"},
+    "target": {"min_tokens"},
+    "keep_per_layer": {"target", "min_tokens"},
 }
 
 
@@ -80,12 +79,18 @@ def changes(cls: type[Wrapper]) -> set[str]:
     """The members a wrapper class changes: those it (or a wrapper class it extends) defines, and what the base class
     builds from them."""
     below = cls.__mro__[: cls.__mro__.index(Wrapper)]
-    own = {name for name in MEMBERS for k in below if name in k.__dict__}
+    own = {name for name in MEMBERS for k in below if name in k.__dict__ and not rebuilt(k.__dict__[name], name)}
     while True:
         more = {name for name, sources in BUILT_FROM.items() if own & sources} - own
         if not more:
             return own | OWN
         own |= more
+
+
+def rebuilt(value: object, name: str) -> bool:
+    """Whether a wrapper class holds KVPolicy's own method: put there by the base rule (evalkit's DERIVED), not
+    written by the wrapper, so that a wrong DERIVED shows here as a member dropped."""
+    return callable(value) and value is KVPolicy.__dict__[name]
 
 
 def answer(policy: KVPolicy, name: str) -> object:

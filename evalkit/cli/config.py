@@ -341,8 +341,8 @@ def validate(cfg: DictConfig, model: ModelSpec, task: Task, policies: list[KVPol
             )
     if not task.lengths():  # lengths known only per sample (JSONL): checked as each sample is tokenized
         for policy in policies:
-            with contract.calling(policy, "validate"):
-                policy.validate(None)
+            with contract.calling(policy, "check_params"):
+                contract.check_policy(policy, None)
         return
     try:
         limit = models.max_context(model) - int(cfg.reserve_tokens)
@@ -358,8 +358,8 @@ def validate(cfg: DictConfig, model: ModelSpec, task: Task, policies: list[KVPol
             f"tokens less {cfg.reserve_tokens} reserved for the question and answer = {limit}; use shorter lengths"
         )
     for policy in policies:
-        with contract.calling(policy, "validate"):
-            policy.validate(min(task.lengths()))
+        with contract.calling(policy, "check_params"):
+            contract.check_policy(policy, min(task.lengths()))
 
 
 def _first(err: BaseException) -> str:

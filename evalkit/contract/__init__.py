@@ -18,7 +18,14 @@ from evalkit.contract.checks import (
     stated,
 )
 from evalkit.contract.faults import PolicyInterrupt, calling, describe, guarding, policy_fault, users
-from evalkit.contract.policy import KVPolicy, checked_scores, kept_protected
+from evalkit.contract.policy import (
+    KVPolicy,
+    asked_tokens,
+    check_policy,
+    checked_scores,
+    held_tokens,
+    kept_protected,
+)
 from evalkit.contract.view import LayerView, Probe, Probes, gather_tokens
 from evalkit.contract.wrapper import OnceWrapper, Wrapper
 
@@ -31,6 +38,7 @@ __all__ = [
     "Probes",
     "Wrapper",
     "allowance",
+    "asked_tokens",
     "calling",
     "check_added",
     "check_added_layers",
@@ -41,12 +49,14 @@ __all__ = [
     "check_indices",
     "check_layer",
     "check_needs",
+    "check_policy",
     "check_rewrite",
     "checked_scores",
     "counts_every_protected",
     "describe",
     "gather_tokens",
     "guarding",
+    "held_tokens",
     "kept_protected",
     "policy_fault",
     "stated",

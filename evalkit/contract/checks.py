@@ -17,7 +17,7 @@ After every compression (the prompt's, each chunk of a chunked prefill, each evi
   have every protected token counted. The sum, not each layer, is held to it, so that layer-dependent
   budgets (PyramidKV) and budgets shared among heads (AdaKV) pass as long as the total holds; one token per layer
   of slack covers the rounding of per-layer budgets. The allowance is computed from the budget by the base class
-  (`KVPolicy.asked`), whatever a policy's own `target` or `keep_per_layer` say;
+  (`asked_tokens`), whatever a policy's own `target` or `keep_per_layer` say;
 - anything raised inside any method of a policy that is not evalkit's own (or a wrapper over one) is the policy's
   fault (evalkit.contract.faults).
 
@@ -31,7 +31,7 @@ from torch import Tensor
 
 from evalkit.attention.observation import Observation
 from evalkit.contract.faults import calling, describe, users
-from evalkit.contract.policy import KVPolicy
+from evalkit.contract.policy import KVPolicy, asked_tokens
 from evalkit.contract.view import LayerView
 from evalkit.errors import ConfigError, PolicyError
 
@@ -140,7 +140,7 @@ def allowance(policy: KVPolicy, view: LayerView, k: int, layer_idx: int) -> Tens
     counting at most the `min_tokens() - 1` it states (its sinks and windows, which every sample's budget was checked
     to hold: check_fits), and at most the tokens seen. Only evalkit's own policies whose budget counts no tokens
     (FullCache, DuoAttention) have every protected token counted."""
-    asked = KVPolicy.asked(policy, view.seen)  # the base rule, whatever the policy overrides
+    asked = asked_tokens(policy.budget, view.seen)  # the budget's, whatever the policy's own rule says
     with calling(policy, "protected", layer_idx):
         protected = policy.protected(view, k)
     if protected is None:
@@ -195,7 +195,7 @@ def check_fits(policy: KVPolicy, n_context: int) -> None:
     if counts_every_protected(policy):
         return
     need = min(stated(policy), n_context)
-    kept = min(n_context, KVPolicy.asked(policy, n_context))
+    kept = min(n_context, asked_tokens(policy.budget, n_context))
     if kept < need:
         raise ConfigError(
             f"policy.budget keeps {kept} tokens, fewer than the {stated(policy)} that {policy.name} states it needs "
@@ -227,7 +227,7 @@ def check_held(policy: KVPolicy, held: dict[int, tuple[Tensor, Tensor]], seen: i
     if total_held <= total_allowed + heads:  # one token per layer and head: the rounding of per-layer budgets
         return
     layer_idx, (h, a) = max(held.items(), key=lambda kv: float((kv[1][0] - kv[1][1]).sum()))
-    budget, asked = policy.budget, KVPolicy.asked(policy, seen)
+    budget, asked = policy.budget, asked_tokens(policy.budget, seen)
     what = f"{budget} tokens" if isinstance(budget, int) else f"a budget of {budget} x {seen} = {asked}"
     raise PolicyError(
         f"{policy.name} held {h.float().mean():.0f} of {seen} tokens per KV head at layer {layer_idx}, where "

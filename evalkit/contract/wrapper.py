@@ -3,7 +3,7 @@
 A wrapper changes what its class defines and delegates every other member of the contract (every public method,
 property and class attribute of KVPolicy, enumerated from KVPolicy itself) to its inner policy, so that a new hook of
 the contract reaches every wrapper without an edit here. A member the base class builds from others (`select` from
-`score` and `protected`, `target` from `held` and `min_tokens`, ...: `DERIVED`) is the wrapper's own, by the base
+`score` and `protected`, `target` from `min_tokens`, ...: `DERIVED`) is the wrapper's own, by the base
 rule, as soon as the wrapper changes one of those.
 """
 

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import transformers
 
+from evalkit.contract import asked_tokens
 from evalkit.engine import models
 from evalkit.engine.engine import Outcome
 from evalkit.kv.variant import Variant
@@ -71,4 +72,4 @@ def budget_clipped(variant: Variant | None, prompt: Prompt) -> bool | None:
     baseline."""
     if variant is None:
         return None
-    return variant.policy.asked(prompt.n_context) > prompt.n_context
+    return asked_tokens(variant.policy.budget, prompt.n_context) > prompt.n_context

@@ -92,8 +92,8 @@ class Variant:
     def check(self, n_context: int, where: str) -> None:
         """ConfigError, naming `where`, when the budget cannot hold on a context of n_context tokens."""
         try:
-            with contract.calling(self.policy, "validate"):
-                self.policy.validate(n_context)
+            with contract.calling(self.policy, "check_params"):
+                contract.check_policy(self.policy, n_context)
             contract.check_fits(self.policy, n_context)
         except ConfigError as err:
             raise ConfigError(f"{where} ({n_context} context tokens): {err}") from None
