@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import KVPolicy, LayerView
 
 
@@ -49,7 +49,7 @@ class ValueNorm(KVPolicy):
 
     def check_params(self) -> None:
         if self.recent < 0:
-            raise ConfigError(f"policy.recent={self.recent} is negative; give e.g. policy.recent=8")
+            raise ParamError({"recent": self.recent}, " is negative; give e.g. $recent=8")
 
 
 @dataclass(kw_only=True)

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from evalkit.attention.observation import Observation
 from evalkit.contract.view import LayerView, Probes
-from evalkit.errors import ConfigError, PolicyError
+from evalkit.errors import ParamError, PolicyError
 from evalkit.fields import check_fields
 
 
@@ -153,20 +153,21 @@ class KVPolicy:
         shortest context of the run (None: unknown)."""
         b = self.budget
         if isinstance(b, bool) or not isinstance(b, (int, float)):
-            raise ConfigError(f"policy.budget={b!r}: give a fraction in (0, 1] or a whole number of tokens")
-        check_fields(self, "policy")  # every field against its annotation: bools are bools, ints whole numbers
+            raise ParamError({"budget": b}, ": give a fraction in (0, 1] or a whole number of tokens")
+        check_fields(self)  # every field against its annotation: bools are bools, ints whole numbers
         if isinstance(b, float) and not 0.0 < b <= 1.0:
-            raise ConfigError(
-                f"policy.budget={b} is outside (0, 1] as a fraction of the context; "
-                "give a fraction such as 0.25 or a whole number of tokens such as 512"
+            raise ParamError(
+                {"budget": b},
+                " is outside (0, 1] as a fraction of the context; "
+                "give a fraction such as 0.25 or a whole number of tokens such as 512",
             )
         if isinstance(b, int) and b < 1:
-            raise ConfigError(f"policy.budget={b} keeps no token; give a fraction such as 0.25 or tokens such as 512")
+            raise ParamError({"budget": b}, " keeps no token; give a fraction such as 0.25 or tokens such as 512")
         if self.decode and not self.decodable:
-            raise ConfigError(f"{self.name} compresses once, after the prompt: set policy.decode=false")
+            raise ParamError({"decode": True}, f": {self.name} compresses once, after the prompt: set $decode=false")
         if self.decode_interval < 1:
-            raise ConfigError(
-                f"policy.decode_interval={self.decode_interval}: evict every N >= 1 forwards while decoding, e.g. 16"
+            raise ParamError(
+                {"decode_interval": self.decode_interval}, ": evict every N >= 1 forwards while decoding, e.g. 16"
             )
         self.check_params()
         if shortest_context is None:
@@ -174,9 +175,10 @@ class KVPolicy:
         kept = min(shortest_context, self.asked(shortest_context))
         if kept < min(self.min_tokens(), shortest_context):
             what = f"{b} tokens" if isinstance(b, int) else f"a fraction {b} of {shortest_context} tokens"
-            raise ConfigError(
-                f"policy.budget keeps {kept} tokens ({what}), fewer than the {self.min_tokens()} that "
-                f"{self.name} needs (its protected tokens plus one); raise policy.budget"
+            raise ParamError(
+                {"budget": b},
+                f" keeps {kept} tokens ({what}), fewer than the {self.min_tokens()} that "
+                f"{self.name} needs (its protected tokens plus one); raise $budget",
             )
 
 
