@@ -11,6 +11,7 @@ The contract (`python -m evalkit`, `evalkit.gate`, `evalkit.report`, `evalkit.lm
 
 from __future__ import annotations
 
+from pathlib import PurePath
 from string import Template
 from typing import Any
 
@@ -91,11 +92,12 @@ class _Keys(dict):
 
 
 def written(value: Any) -> str:
-    """A value as the command line writes it: true, null, [0.25,0.5], 'avg' (a string quoted, so that '' shows)."""
+    """A value as the command line writes it: true, null, [0.25,0.5], 'avg' (a string or a path quoted, so that ''
+    shows)."""
     if isinstance(value, bool):
         return str(value).lower()
     if value is None:
         return "null"
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(written(v) for v in value) + "]"
-    return repr(value) if isinstance(value, str) else str(value)
+    return repr(str(value)) if isinstance(value, (str, PurePath)) else str(value)

@@ -351,8 +351,9 @@ def test_protected_tokens_count_beyond_the_budget_only_as_the_policy_states_them
     stated = cli(rogue, *TINY, "task.depths=[0.5]", "policy=hoarder", "policy.states=116", run_dir=tmp_path / "r2")
     assert stated.returncode == 2 and not (tmp_path / "r2" / "samples.jsonl").exists()
     assert stated.stderr.strip().splitlines()[-1] == (
-        "evalkit: error: sample 'L128-d0.5-0' (128 context tokens): policy.budget keeps 32 tokens, fewer than "
-        "the 116 that hoarder states it needs (min_tokens(): its protected tokens plus one); raise policy.budget"
+        "evalkit: error: sample 'L128-d0.5-0' (128 context tokens), hoarder@0.25: policy.budget=0.25 keeps 32 tokens, "
+        "fewer than the 116 that hoarder states it needs (min_tokens(): its protected tokens plus one); raise "
+        "policy.budget"
     )
 
 

@@ -98,14 +98,16 @@ def streaming_by_mask(tiny, context: str, continuation: str, sinks: int, budget:
 
 def capture_caches(monkeypatch) -> list:
     """The caches the adapter teacher-forces on, in order (baseline, then variant, per request), as the engine's one
-    decode path (evalkit.engine.outcome) hands them to teacher_forced."""
+    decode path (evalkit.engine.outcome) hands them to the one decode loop, decode_lanes, with forced=True."""
     caches = []
-    real = outcome_module.teacher_forced
-    monkeypatch.setattr(
-        outcome_module,
-        "teacher_forced",
-        lambda model, cache, *a, **k: caches.append(cache) or real(model, cache, *a, **k),
-    )
+    real = outcome_module.decode_lanes
+
+    def spy(model, lanes, *a, **k):
+        if k.get("forced"):
+            caches.extend(lane.cache for lane in lanes)
+        return real(model, lanes, *a, **k)
+
+    monkeypatch.setattr(outcome_module, "decode_lanes", spy)
     return caches
 
 
