@@ -10,7 +10,7 @@ import types
 import typing
 from typing import Any, Union
 
-from evalkit.errors import ConfigError
+from evalkit.errors import ConfigError, ParamError
 
 
 def number(value: Any, kinds: tuple[type, ...] = (int, float)) -> bool:
@@ -88,17 +88,19 @@ def default_of(f: dataclasses.Field) -> Any:
     return None
 
 
-def check_fields(obj: Any, prefix: str) -> None:
-    """ConfigError for the first field of a dataclass instance whose value does not fit its annotation, e.g.
+def check_fields(obj: Any, prefix: str = "") -> None:
+    """ParamError for the first field of a dataclass instance whose value does not fit its annotation, its key under
+    `prefix` (a policy's fields: none, the command line adds `policy.`), e.g.
     `task.samples_per_cell=1.5 is not a whole number; give e.g. task.samples_per_cell=1`."""
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if f.name in hints and not fits(value, hints[f.name]):
-            key = f"{prefix}.{f.name}"
             default = default_of(f)
-            fix = f"give e.g. {example(key, default)}" if default is not None else "correct the value"
-            raise ConfigError(f"{key}={value!r} is not {describe(hints[f.name])}; {fix}")
+            fix = f"give e.g. {example('$' + f.name, default)}" if default is not None else "correct the value"
+            raise ParamError(
+                {f.name: value}, f" is not {describe(hints[f.name])}; {fix}", f"{prefix}." if prefix else ""
+            )
 
 
 def init_fields(cls: type) -> list[str]:

@@ -24,7 +24,7 @@ from evalkit.contract import (
     held_tokens,
     kept_protected,
 )
-from evalkit.errors import ConfigError
+from evalkit.errors import ConfigError, ParamError
 
 
 @dataclass(kw_only=True)
@@ -42,7 +42,7 @@ class SinkPolicy(KVPolicy):
 
     def check_params(self) -> None:
         if self.n_sink < 0:
-            raise ConfigError(f"policy.n_sink={self.n_sink} is negative; give a number of sink tokens such as 4 (or 0)")
+            raise ParamError({"n_sink": self.n_sink}, " is negative; give a number of sink tokens such as 4 (or 0)")
 
 
 def full_attention_only(model, name: str, instead: str) -> None:
@@ -60,7 +60,7 @@ def no_budget(budget: float | int, keeps: str) -> None:
     """For a policy whose settings, not a budget, decide what it keeps (SimLayerKV, DMS): a ConfigError unless `budget`
     is 1.0 (every head may keep every token); `keeps` says what it keeps and which setting to turn instead."""
     if budget != 1.0:
-        raise ConfigError(f"policy.budget={budget}: {keeps}, and leave policy.budget at 1.0")
+        raise ParamError({"budget": budget}, f": {keeps}, and leave $budget at 1.0")
 
 
 def best_per_head(scores: Tensor, counts: Tensor) -> Tensor:

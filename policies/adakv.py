@@ -25,7 +25,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import LayerView, Wrapper, checked_scores, kept_protected, padded_indices
 
 
@@ -74,4 +74,4 @@ class AdaKV(Wrapper):
 
 def check_alpha(alpha: float) -> None:
     if not 0.0 <= alpha <= 1.0:
-        raise ConfigError(f"policy.alpha={alpha}: the per-head floor is a fraction in [0, 1], e.g. 0.2")
+        raise ParamError({"alpha": alpha}, ": the per-head floor is a fraction in [0, 1], e.g. 0.2")

@@ -21,7 +21,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from evalkit.errors import ConfigError
+from evalkit.errors import ConfigError, ParamError
 from evalkit.policies import LayerView, Wrapper, gather_tokens
 
 
@@ -65,7 +65,7 @@ def check_part(wrapper: Wrapper, unit: str, size: int, example: int, more: str =
     """ConfigError for a part of fewer than one token, or an inner policy that needs attention observed over the
     whole prompt (a wrapper that scores the prompt part by part shows it only each part's keys and values)."""
     if size < 1:
-        raise ConfigError(f"policy.{unit}={size}: give the tokens of a {unit}, such as {example}")
+        raise ParamError({unit: size}, f": give the tokens of a {unit}, such as {example}")
     if wrapper.inner.needs():
         raise ConfigError(
             f"{wrapper.name}: {wrapper.inner.name} needs attention observed over the whole prompt, not per {unit}; "

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from evalkit.attention.observation import Attended, Observation
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import LayerView, Wrapper, checked_scores, gather_tokens
 
 
@@ -139,4 +139,4 @@ class CaM(Wrapper):
     def check_params(self) -> None:
         super().check_params()
         if self.merge_budget < 1:
-            raise ConfigError(f"policy.merge_budget={self.merge_budget}: merge into at least 1 kept token, e.g. 32")
+            raise ParamError({"merge_budget": self.merge_budget}, ": merge into at least 1 kept token, e.g. 32")

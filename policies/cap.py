@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import LayerView, SinkPolicy
 from evalkit.policies.expected_attention import QueryStats, Stats, averaged_rotation
 
@@ -64,6 +64,6 @@ class CAPKV(SinkPolicy):
     def check_params(self) -> None:
         super().check_params()
         if self.n_future_positions < 1:
-            raise ConfigError(f"policy.n_future_positions={self.n_future_positions}: give 1 or more, such as 512")
+            raise ParamError({"n_future_positions": self.n_future_positions}, ": give 1 or more, such as 512")
         if self.tau <= 0 or self.epsilon < 0:
-            raise ConfigError(f"policy.tau={self.tau}, policy.epsilon={self.epsilon}: give tau > 0 and epsilon >= 0")
+            raise ParamError({"tau": self.tau, "epsilon": self.epsilon}, ": give tau > 0 and epsilon >= 0")

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import LayerView, Wrapper, checked_scores, kept_protected
 
 
@@ -82,5 +82,5 @@ class ChunkKV(Wrapper):
 
     def check_params(self) -> None:
         if self.chunk_size < 1:
-            raise ConfigError(f"policy.chunk_size={self.chunk_size}: a chunk holds at least 1 token; e.g. 10")
+            raise ParamError({"chunk_size": self.chunk_size}, ": a chunk holds at least 1 token; e.g. 10")
         super().check_params()

@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch.nn.functional as F
 from torch import Tensor
 
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import KVPolicy, LayerView, asked_tokens
 from evalkit.policies.leverage import Rotary, check_sketch, leverage, sketch_matrix, z_scored
 from evalkit.policies.non_causal import ChunkAttention, by_value
@@ -71,10 +71,10 @@ class Compactor(Rotary, KVPolicy):
     def check_params(self) -> None:
         check_sketch(self.sketch, self.jitter)
         if self.sink_start < 0 or self.sink_end < 0:
-            raise ConfigError(
-                f"policy.sink_start={self.sink_start}, policy.sink_end={self.sink_end}: give sink counts >= 0 (8, 4)"
+            raise ParamError(
+                {"sink_start": self.sink_start, "sink_end": self.sink_end}, ": give sink counts >= 0 (8, 4)"
             )
         if self.chunk < 1:
-            raise ConfigError(f"policy.chunk={self.chunk}: give the tokens of a chunk, such as 256")
+            raise ParamError({"chunk": self.chunk}, ": give the tokens of a chunk, such as 256")
         if self.blending is not None and self.blending < 0:
-            raise ConfigError(f"policy.blending={self.blending}: give a weight >= 0 for the leverage term, or null")
+            raise ParamError({"blending": self.blending}, ": give a weight >= 0 for the leverage term, or null")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import LayerView, Probes, Wrapper, checked_scores, kept_protected
 
 
@@ -64,6 +64,6 @@ class CriticalKV(Wrapper):
     def check_params(self) -> None:
         super().check_params()
         if not 0.0 <= self.first_stage <= 1.0:
-            raise ConfigError(f"policy.first_stage={self.first_stage}: give the first stage's share in [0, 1]: 0.5")
+            raise ParamError({"first_stage": self.first_stage}, ": give the first stage's share in [0, 1]: 0.5")
         if self.epsilon < 0:
-            raise ConfigError(f"policy.epsilon={self.epsilon} is negative; give e.g. 0.0001")
+            raise ParamError({"epsilon": self.epsilon}, " is negative; give e.g. 0.0001")

@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch.nn.functional as F
 from torch import Tensor
 
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import LayerView, SinkPolicy
 
 COMBINE = ("product", "mean", "key", "value")
@@ -55,6 +55,6 @@ class CUR(SinkPolicy):
     def check_params(self) -> None:
         super().check_params()
         if self.combine not in COMBINE:
-            raise ConfigError(f"policy.combine={self.combine!r} is not one of {', '.join(COMBINE)}")
+            raise ParamError({"combine": self.combine}, f" is not one of {', '.join(COMBINE)}")
         if self.window < 0:
-            raise ConfigError(f"policy.window={self.window} is negative; give tokens per window such as 16 (0: none)")
+            raise ParamError({"window": self.window}, " is negative; give tokens per window such as 16 (0: none)")

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 from torch import Tensor
 
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import LayerView, Wrapper, checked_scores, no_budget, padded_indices
 
 
@@ -47,14 +47,16 @@ class DMS(Wrapper):
     def check_params(self) -> None:
         no_budget(
             self.budget,
-            "DMS keeps every token its inner policy scores at or above policy.threshold and the last policy.window; "
+            "DMS keeps every token its inner policy scores at or above $threshold and the last $window; "
             "set what it saves with the threshold",
         )
         if self.threshold is None:
-            raise ConfigError(
-                "dms needs policy.threshold, in its inner policy's score units (with kvzap, the log of a KVzip+ score, "
-                "e.g. -6): tokens before the last policy.window that score below it are evicted"
+            raise ParamError(
+                {"threshold": None},
+                "dms needs $threshold, in its inner policy's score units (with kvzap, the log of a KVzip+ score, "
+                "e.g. -6): tokens before the last $window that score below it are evicted",
+                unset=True,
             )
         if self.window < 0:
-            raise ConfigError(f"policy.window={self.window}: the recent tokens kept, a whole number >= 0, e.g. 128")
+            raise ParamError({"window": self.window}, ": the recent tokens kept, a whole number >= 0, e.g. 128")
         super().check_params()

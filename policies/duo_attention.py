@@ -37,7 +37,7 @@ from transformers import DynamicCache
 
 from evalkit.attention.observation import Attended
 from evalkit.attention.sdpa import observe
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import KVPolicy, LayerView, Probes, padded_indices
 
 
@@ -129,21 +129,22 @@ class DuoAttention(KVPolicy):
 
     def check_params(self) -> None:
         if isinstance(self.budget, int) and not isinstance(self.budget, bool):
-            raise ConfigError(
-                f"policy.budget={self.budget}: {self.name}'s budget is the fraction of KV heads that keep the whole "
-                "cache (retrieval heads), e.g. 0.5; it has no token budget"
+            raise ParamError(
+                {"budget": self.budget},
+                f": {self.name}'s budget is the fraction of KV heads that keep the whole "
+                "cache (retrieval heads), e.g. 0.5; it has no token budget",
             )
         if self.sink < 0 or self.recent < 1:
-            raise ConfigError(f"policy.sink={self.sink}, policy.recent={self.recent}: give sink >= 0 and recent >= 1")
+            raise ParamError({"sink": self.sink, "recent": self.recent}, ": give sink >= 0 and recent >= 1")
         if self.pattern is not None and not Path(self.pattern).is_file():
-            raise ConfigError(f"policy.pattern={self.pattern!r} is not a file; give a full_attention_heads.tsv")
+            raise ParamError({"pattern": self.pattern}, " is not a file; give a full_attention_heads.tsv")
         if self.pattern is None and (
             self.calibration_samples < 1 or self.calibration_context <= self.sink + self.recent
         ):
-            raise ConfigError(
-                f"policy.calibration_samples={self.calibration_samples}, policy.calibration_context="
-                f"{self.calibration_context}: calibrate on at least 1 needle in a context longer than sink + recent "
-                f"({self.sink + self.recent} tokens)"
+            raise ParamError(
+                {"calibration_samples": self.calibration_samples, "calibration_context": self.calibration_context},
+                f": calibrate on at least 1 needle in a context longer than sink + recent "
+                f"({self.sink + self.recent} tokens)",
             )
 
 
@@ -156,11 +157,12 @@ def read_pattern(path: str, shape: tuple[int, int]) -> np.ndarray:
     try:
         scores = np.atleast_2d(np.loadtxt(path, dtype=float, delimiter="\t"))
     except ValueError as err:
-        raise ConfigError(f"policy.pattern={path!r}: not a tab-separated table of numbers ({err})") from None
+        raise ParamError({"pattern": path}, f": not a tab-separated table of numbers ({err})") from None
     if scores.shape != shape:
-        raise ConfigError(
-            f"policy.pattern={path!r} holds {scores.shape[0]} x {scores.shape[1]} scores; the model has "
-            f"{shape[0]} layers x {shape[1]} KV heads"
+        raise ParamError(
+            {"pattern": path},
+            f" holds {scores.shape[0]} x {scores.shape[1]} scores; the model has "
+            f"{shape[0]} layers x {shape[1]} KV heads",
         )
     return np.clip(scores, 0.0, 1.0)
 

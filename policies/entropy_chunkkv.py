@@ -23,7 +23,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import LayerView, Wrapper, checked_scores
 
 EPSILON = 1e-8  # in the entropy's normalisation and logarithm, as kvpress's
@@ -92,8 +92,8 @@ class EntropyGatedChunkKV(Wrapper):
 
     def check_params(self) -> None:
         if not self.chunk_size > self.low_entropy_chunk >= 1:
-            raise ConfigError(
-                f"policy.chunk_size={self.chunk_size}, policy.low_entropy_chunk={self.low_entropy_chunk}: a spiky "
-                "chunk keeps fewer tokens than a chunk holds and at least one (10 and 4)"
+            raise ParamError(
+                {"chunk_size": self.chunk_size, "low_entropy_chunk": self.low_entropy_chunk},
+                ": a spiky chunk keeps fewer tokens than a chunk holds and at least one (10 and 4)",
             )
         super().check_params()

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from evalkit.attention.observation import Attended, Observation
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import LayerView, SinkPolicy
 
 
@@ -159,9 +159,9 @@ class ExpectedAttention(SinkPolicy):
     def check_params(self) -> None:
         super().check_params()
         if self.n_future_positions < 1:
-            raise ConfigError(
-                f"policy.n_future_positions={self.n_future_positions}: the RoPE average needs at least 1 future "
-                "position; give e.g. 512"
+            raise ParamError(
+                {"n_future_positions": self.n_future_positions},
+                ": the RoPE average needs at least 1 future position; give e.g. 512",
             )
         if self.epsilon < 0:
-            raise ConfigError(f"policy.epsilon={self.epsilon} is negative; give 0.0 or a small positive number")
+            raise ParamError({"epsilon": self.epsilon}, " is negative; give 0.0 or a small positive number")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import LayerView
 from evalkit.policies.expected_attention import ExpectedAttention, Stats, rope
 from evalkit.policies.weights import check_shape, head_dim, read_tensors, recorded, weights_file
@@ -62,5 +62,9 @@ class ExpectedAttentionStats(ExpectedAttention):
     def check_params(self) -> None:
         super().check_params()
         if self.weights_path is None:
-            raise ConfigError(f"{self.name} needs its query statistics: give policy.weights_path=DIR ({FETCH})")
+            raise ParamError(
+                {"weights_path": None},
+                f"{self.name} needs its query statistics: give $weights_path=DIR ({FETCH})",
+                unset=True,
+            )
         weights_file(self.weights_path)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import LayerView
 from evalkit.policies.kvzap import HiddenStates, context_hidden
 from evalkit.policies.kvzip import RankedTogether
@@ -50,7 +50,7 @@ def read_gates(path: str, config) -> list[dict[str, Tensor]]:
             gates = torch.load(weights_file(path), map_location="cpu", weights_only=True)["module"]
         gates = [{k: torch.as_tensor(g[k]).float() for k in PARTS} for g in gates]
     except Exception as err:  # noqa: BLE001 - whatever the file holds, it is not a gates file: the user's input
-        raise ConfigError(f"policy.weights_path={path}: not a Fast KVzip gates file ({err}); {FETCH}") from None
+        raise ParamError({"weights_path": path}, f": not a Fast KVzip gates file ({err}); {FETCH}") from None
     n_kv, n_q = config.num_key_value_heads, config.num_attention_heads
     dim = gates[0]["q_norm.weight"].shape[0] if gates else 0
     got = (len(gates), *gates[0]["k_proj.weight"].shape, gates[0]["q_proj.weight"].shape[0]) if gates else (0,)
@@ -105,10 +105,12 @@ class FastKVzip(RankedTogether):
     def check_params(self) -> None:
         super().check_params()
         if self.weights_path is None:
-            raise ConfigError(f"fastkvzip needs its gates: give policy.weights_path=FILE ({FETCH})")
+            raise ParamError(
+                {"weights_path": None}, f"fastkvzip needs its gates: give $weights_path=FILE ({FETCH})", unset=True
+            )
         weights_file(self.weights_path)
         if not 0.0 <= self.window_ratio < 1.0 or self.window_size < 1:
-            raise ConfigError(
-                f"policy.window_ratio={self.window_ratio}, policy.window_size={self.window_size}: give a share in "
-                "[0, 1) and a window of at least 1 token: 0.02 and 4096"
+            raise ParamError(
+                {"window_ratio": self.window_ratio, "window_size": self.window_size},
+                ": give a share in [0, 1) and a window of at least 1 token: 0.02 and 4096",
             )

@@ -34,7 +34,7 @@ from transformers.cache_utils import Cache
 
 from evalkit.attention.observation import Attended, Observation
 from evalkit.attention.sdpa import observe
-from evalkit.errors import ConfigError
+from evalkit.errors import ConfigError, ParamError
 from evalkit.policies import KVPolicy, LayerView, Probes, checked_scores, full_attention_only
 from evalkit.policies.chunk import shares
 from evalkit.policies.key_rerotation import rerotated_tokens, rotary_frequencies
@@ -144,9 +144,9 @@ class Finch(KVPolicy):
     def check_params(self) -> None:
         super().check_params()
         if self.chunk_length is not None and self.chunk_length < 1:
-            raise ConfigError(
-                f"policy.chunk_length={self.chunk_length}: give a chunk of tokens such as 256, or null for one top-k "
-                "over the whole prompt"
+            raise ParamError(
+                {"chunk_length": self.chunk_length},
+                ": give a chunk of tokens such as 256, or null for one top-k over the whole prompt",
             )
 
     def continues_from_held(self) -> bool:

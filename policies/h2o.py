@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from evalkit.attention.observation import AttentionMass
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import KVPolicy, LayerView
 
 MASS = AttentionMass()
@@ -47,7 +47,7 @@ class H2O(KVPolicy):
 
     def check_params(self) -> None:
         if not 0.0 <= self.recent <= 1.0:
-            raise ConfigError(
-                f"policy.recent={self.recent} is outside [0, 1] (the share of the budget kept for the most recent "
-                "tokens); give e.g. policy.recent=0.5"
+            raise ParamError(
+                {"recent": self.recent},
+                " is outside [0, 1] (the share of the budget kept for the most recent tokens); give e.g. $recent=0.5",
             )

@@ -30,7 +30,7 @@ from transformers.cache_utils import Cache
 
 from evalkit.attention.observation import Attended, Observation
 from evalkit.attention.sdpa import observe
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import KVPolicy, LayerView, Probes, full_attention_only, padded_indices
 from evalkit.policies.kvzip_pass import READ_CHUNK, ReadOnlyLayer, pass_probs
 
@@ -165,6 +165,6 @@ class KVCompose(KVPolicy):
     def check_params(self) -> None:
         for key in ("agg_task", "agg_group", "agg_head"):
             if getattr(self, key) not in AGGREGATES:
-                raise ConfigError(f"policy.{key}={getattr(self, key)!r}: give one of {list(AGGREGATES)}")
+                raise ParamError({key: getattr(self, key)}, f": give one of {list(AGGREGATES)}")
         if self.keep_token_lower_bound < 0:
-            raise ConfigError(f"policy.keep_token_lower_bound={self.keep_token_lower_bound}: give 0 or more tokens")
+            raise ParamError({"keep_token_lower_bound": self.keep_token_lower_bound}, ": give 0 or more tokens")

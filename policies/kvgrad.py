@@ -28,7 +28,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 from evalkit.attention.observation import Observation
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import Probes, full_attention_only
 from evalkit.policies.kvzip import KVzip
 from evalkit.policies.kvzip_pass import Block, RawIds, ReadOnlyLayer, pass_inputs, reconstruction_cache, run_pass
@@ -114,4 +114,4 @@ class KVgrad(KVzip):
     def check_params(self) -> None:
         super().check_params()
         if self.plus:
-            raise ConfigError("policy.plus=true: kvgrad always weights by the values' output norms; leave it false")
+            raise ParamError({"plus": True}, ": kvgrad always weights by the values' output norms; leave it false")

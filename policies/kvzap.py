@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from evalkit.attention.observation import Observation, attention_inputs
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import KVPolicy, LayerView
 from evalkit.policies.weights import check_shape, read_tensors, recorded, weights_file
 
@@ -73,7 +73,7 @@ def surrogates(path: str, config) -> tuple[list[Callable[[Tensor], Tensor]], str
         dims = (int(spec["n_modules"]), int(spec["input_dim"]), int(spec["output_dim"]))
     except (OSError, ValueError, KeyError, TypeError) as err:
         why = f"no KVzap config.json beside the weights ({err})"
-        raise ConfigError(f"policy.weights_path={path}: {why}; {FETCH}") from None
+        raise ParamError({"weights_path": path}, f": {why}; {FETCH}") from None
     want = (config.num_hidden_layers, config.hidden_size, config.num_key_value_heads)
     check_shape(path, "surrogates", dims, want, "layers, hidden size, KV heads", FETCH)
     parts = (".weight", ".bias") if hidden is None else (".0.weight", ".0.bias", ".2.weight", ".2.bias")
@@ -116,5 +116,9 @@ class KVzap(KVPolicy):
 
     def check_params(self) -> None:
         if self.weights_path is None:
-            raise ConfigError(f"kvzap needs its surrogate models: give policy.weights_path=DIR ({FETCH})")
+            raise ParamError(
+                {"weights_path": None},
+                f"kvzap needs its surrogate models: give $weights_path=DIR ({FETCH})",
+                unset=True,
+            )
         weights_file(self.weights_path)

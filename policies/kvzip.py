@@ -33,7 +33,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import LayerView, SinkPolicy, padded_indices
 from evalkit.policies.kvzip_pass import Reconstruction
 
@@ -109,7 +109,7 @@ class KVzip(RankedTogether):
     def check_params(self) -> None:
         super().check_params()
         if self.chunk_size < 1:
-            raise ConfigError(f"policy.chunk_size={self.chunk_size}: a pass reconstructs at least 1 token; e.g. 2048")
+            raise ParamError({"chunk_size": self.chunk_size}, ": a pass reconstructs at least 1 token; e.g. 2048")
 
 
 def top(scores: Tensor, k: int) -> Tensor:

@@ -21,7 +21,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import KVPolicy, LayerView
 
 
@@ -66,6 +66,6 @@ class LagKV(KVPolicy):
 
     def check_params(self) -> None:
         if self.n_sink < 0:
-            raise ConfigError(f"policy.n_sink={self.n_sink} is negative; give a number of sink tokens such as 4 (or 0)")
+            raise ParamError({"n_sink": self.n_sink}, " is negative; give a number of sink tokens such as 4 (or 0)")
         if self.lag_size < 2:
-            raise ConfigError(f"policy.lag_size={self.lag_size}: a partition needs 2 tokens or more; e.g. 128")
+            raise ParamError({"lag_size": self.lag_size}, ": a partition needs 2 tokens or more; e.g. 128")

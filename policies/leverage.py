@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import KVPolicy, LayerView
 from evalkit.policies.expected_attention import rope, unrotate
 
@@ -93,6 +93,6 @@ class LeverageScore(Rotary, KVPolicy):
 
 def check_sketch(sketch: int, jitter: float) -> None:
     if sketch < 1:
-        raise ConfigError(f"policy.sketch={sketch}: give the sketch's columns, such as 48")
+        raise ParamError({"sketch": sketch}, ": give the sketch's columns, such as 48")
     if not jitter > 0:
-        raise ConfigError(f"policy.jitter={jitter}: give a positive regulariser of the Gram matrix, such as 0.01")
+        raise ParamError({"jitter": jitter}, ": give a positive regulariser of the Gram matrix, such as 0.01")

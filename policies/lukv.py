@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import LayerView, Wrapper, best_per_head, checked_scores, padded_indices
 from evalkit.policies.weights import check_shape, recorded
 
@@ -66,16 +66,17 @@ class LUKV(Wrapper):
         try:
             curve = np.load(path, allow_pickle=False)
         except (OSError, ValueError) as err:
-            raise ConfigError(f"policy.weights_path={self.weights_path}: not a numpy curve ({err}); {FETCH}") from None
+            raise ParamError({"weights_path": self.weights_path}, f": not a numpy curve ({err}); {FETCH}") from None
         cfg = model.config.get_text_config()
         want = (99, cfg.num_hidden_layers, cfg.num_key_value_heads)
         check_shape(self.weights_path, "a curve", curve.shape, want, "99 prune ratios, layers, KV heads", FETCH)
         kept = 1 - curve.mean(axis=(1, 2))
         worst = int(np.argmax(kept - (1 - np.arange(1, 100) / 100)))
         if kept[worst] > 1 - (worst + 1) / 100 + 1e-3:
-            raise ConfigError(
-                f"policy.weights_path={self.weights_path}: its row for a prune ratio of {worst + 1}% keeps "
-                f"{kept[worst]:.3f} of the tokens on average, more than {1 - (worst + 1) / 100:.2f}; fix the curve"
+            raise ParamError(
+                {"weights_path": self.weights_path},
+                f": its row for a prune ratio of {worst + 1}% keeps "
+                f"{kept[worst]:.3f} of the tokens on average, more than {1 - (worst + 1) / 100:.2f}; fix the curve",
             )
         self.curve = torch.as_tensor(curve, dtype=torch.float32)  # not a field: not recorded, not compared
         prepared = self.inner.prepare(model, probes) or {}
@@ -84,7 +85,7 @@ class LUKV(Wrapper):
     def curve_file(self) -> Path:
         path = Path(self.weights_path).expanduser()
         if not path.is_file():
-            raise ConfigError(f"policy.weights_path={self.weights_path}: no such file ({FETCH})")
+            raise ParamError({"weights_path": self.weights_path}, f": no such file ({FETCH})")
         return path
 
     def row(self, seen: int) -> int | None:
@@ -124,8 +125,10 @@ class LUKV(Wrapper):
 
     def check_params(self) -> None:
         if self.sink < 0 or self.window < 0:
-            raise ConfigError(f"policy.sink={self.sink}, policy.window={self.window}: give counts >= 0 (4 and 1)")
+            raise ParamError({"sink": self.sink, "window": self.window}, ": give counts >= 0 (4 and 1)")
         if self.weights_path is None:
-            raise ConfigError(f"lukv needs its budget curve: give policy.weights_path=FILE ({FETCH})")
+            raise ParamError(
+                {"weights_path": None}, f"lukv needs its budget curve: give $weights_path=FILE ({FETCH})", unset=True
+            )
         self.curve_file()
         super().check_params()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import LayerView, Wrapper, gather_tokens
 
 EPS = 1e-6  # kvpress's: safe for float16 and bfloat16
@@ -65,8 +65,8 @@ class Merging(Wrapper):
     def check_params(self) -> None:
         super().check_params()
         if not 0.0 <= self.similarity_threshold <= 1.0:
-            raise ConfigError(
-                f"policy.similarity_threshold={self.similarity_threshold}: give a cosine similarity in [0, 1]: 0.0"
+            raise ParamError(
+                {"similarity_threshold": self.similarity_threshold}, ": give a cosine similarity in [0, 1]: 0.0"
             )
         if not 0.0 < self.merge_fraction <= 1.0:
-            raise ConfigError(f"policy.merge_fraction={self.merge_fraction}: give a share in (0, 1]: 1.0")
+            raise ParamError({"merge_fraction": self.merge_fraction}, ": give a share in (0, 1]: 1.0")

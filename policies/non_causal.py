@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from evalkit.attention.observation import Attended, Observation
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import KVPolicy, LayerView
 
 
@@ -91,4 +91,4 @@ class NonCausalAttention(KVPolicy):
 
     def check_params(self) -> None:
         if self.chunk < 1:
-            raise ConfigError(f"policy.chunk={self.chunk}: give the tokens of a chunk, such as 256")
+            raise ParamError({"chunk": self.chunk}, ": give the tokens of a chunk, such as 256")

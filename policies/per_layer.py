@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from transformers import DynamicCache
 
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import Probes, Wrapper, asked_tokens, held_tokens
 
 
@@ -38,9 +38,10 @@ class PerLayer(Wrapper):
 
     def check_layers(self, n_layers: int) -> None:
         if self.layer_budgets and len(self.layer_budgets) != n_layers:
-            raise ConfigError(
-                f"{self.name}: policy.layer_budgets lists {len(self.layer_budgets)} fractions for the model's "
-                f"{n_layers} evicting layers; give one per layer"
+            raise ParamError(
+                {"layer_budgets": self.layer_budgets},
+                f": {self.name} lists {len(self.layer_budgets)} fractions for the model's {n_layers} evicting layers; "
+                "give one per layer",
             )
 
     def prepare(self, model, probes: Probes) -> dict | None:
@@ -53,13 +54,13 @@ class PerLayer(Wrapper):
         if not fractions:
             return
         if not all(isinstance(f, float) and 0.0 < f <= 1.0 for f in fractions):
-            raise ConfigError(
-                f"policy.layer_budgets={fractions!r}: give one fraction in (0, 1] per evicting layer, "
-                "e.g. '[0.75,0.5,0.25]' for a 3-layer model"
+            raise ParamError(
+                {"layer_budgets": fractions},
+                ": give one fraction in (0, 1] per evicting layer, e.g. '[0.75,0.5,0.25]' for a 3-layer model",
             )
         mean = sum(fractions) / len(fractions)
         if not isinstance(self.budget, float) or abs(self.budget - mean) > 1e-6:
-            raise ConfigError(
-                f"policy.budget={self.budget} is not the mean of policy.layer_budgets ({mean:.6g}); give "
-                f"budget={mean:.6g}, which the cache is held to"
+            raise ParamError(
+                {"budget": self.budget},
+                f" is not the mean of $layer_budgets ({mean:.6g}); give budget={mean:.6g}, which the cache is held to",
             )

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies.snapkv import SnapKV
 
 
@@ -47,5 +47,5 @@ class PyramidKV(SnapKV):
 
     def check_params(self) -> None:
         if self.beta < 1:
-            raise ConfigError(f"policy.beta={self.beta} must be >= 1 (1 = uniform budgets, larger = steeper)")
+            raise ParamError({"beta": self.beta}, " must be >= 1 (1 = uniform budgets, larger = steeper)")
         super().check_params()

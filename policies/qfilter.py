@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import KVPolicy, LayerView
 from evalkit.policies.weights import check_shape, head_dim, read_tensors, recorded, weights_file
 
@@ -53,5 +53,7 @@ class QFilter(KVPolicy):
 
     def check_params(self) -> None:
         if self.weights_path is None:
-            raise ConfigError(f"qfilter needs its filters: give policy.weights_path=DIR ({FETCH})")
+            raise ParamError(
+                {"weights_path": None}, f"qfilter needs its filters: give $weights_path=DIR ({FETCH})", unset=True
+            )
         weights_file(self.weights_path)

@@ -40,7 +40,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 from evalkit.attention.observation import Observation
-from evalkit.errors import ConfigError
+from evalkit.errors import ConfigError, ParamError
 from evalkit.policies import LayerView, full_attention_only
 from evalkit.policies.kvzip import KVzip
 from evalkit.policies.kvzip_pass import ReadOnlyLayer
@@ -72,7 +72,7 @@ class Restore:
 
 
 def bad(path: str, why: str) -> ConfigError:
-    return ConfigError(f"policy.weights_path={path}: {why}; {FETCH}")
+    return ParamError({"weights_path": path}, f": {why}; {FETCH}")
 
 
 def read_embeddings(path: str) -> Tensor:
@@ -253,5 +253,9 @@ class RestoreKV(KVzip):
     def check_params(self) -> None:
         super().check_params()
         if self.weights_path is None:
-            raise ConfigError(f"restorekv needs its restore tokens and adapter: give policy.weights_path=DIR ({FETCH})")
+            raise ParamError(
+                {"weights_path": None},
+                f"restorekv needs its restore tokens and adapter: give $weights_path=DIR ({FETCH})",
+                unset=True,
+            )
         self.restore_tokens()

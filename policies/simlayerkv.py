@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from evalkit.attention.observation import WindowQueries
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import KVPolicy, LayerView, no_budget
 from evalkit.policies.snapkv import window_attention
 
@@ -68,12 +68,13 @@ class SimLayerKV(KVPolicy):
         no_budget(
             self.budget,
             "SimLayerKV keeps every token of a layer, or (a lazy layer) the first n_initial and last n_recent; set "
-            "what it saves with policy.lazy_threshold (lower: more lazy layers) and policy.n_recent",
+            "what it saves with $lazy_threshold (lower: more lazy layers) and $n_recent",
         )
         if not 0.0 <= self.lazy_threshold <= 1.0:
-            raise ConfigError(f"policy.lazy_threshold={self.lazy_threshold}: a share of attention in [0, 1], e.g. 0.9")
+            raise ParamError({"lazy_threshold": self.lazy_threshold}, ": a share of attention in [0, 1], e.g. 0.9")
         if self.n_last < 1 or self.n_initial < 0 or self.n_recent <= self.n_last:
-            raise ConfigError(
-                f"policy.n_last={self.n_last}, n_initial={self.n_initial}, n_recent={self.n_recent}: give n_last >= 1, "
-                "n_initial >= 0 and n_recent > n_last (a lazy layer keeps its last n_recent - n_last tokens)"
+            raise ParamError(
+                {"n_last": self.n_last, "n_initial": self.n_initial, "n_recent": self.n_recent},
+                ": give n_last >= 1, "
+                "n_initial >= 0 and n_recent > n_last (a lazy layer keeps its last n_recent - n_last tokens)",
             )

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from evalkit.attention.observation import Window, WindowQueries
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import KVPolicy, LayerView
 
 
@@ -74,11 +74,10 @@ class SnapKV(KVPolicy):
 
     def check_params(self) -> None:
         if self.window < 1:
-            raise ConfigError(
-                f"policy.window={self.window}: the observation window needs at least 1 query; "
-                "give e.g. policy.window=32"
+            raise ParamError(
+                {"window": self.window}, ": the observation window needs at least 1 query; give e.g. $window=32"
             )
         if self.pooling not in ("avg", "max"):
-            raise ConfigError(f"policy.pooling={self.pooling!r} is not one of ['avg', 'max']")
+            raise ParamError({"pooling": self.pooling}, " is not one of ['avg', 'max']")
         if self.kernel < 1 or self.kernel % 2 == 0:
-            raise ConfigError(f"policy.kernel={self.kernel} must be an odd number >= 1 (it centres on each token)")
+            raise ParamError({"kernel": self.kernel}, " must be an odd number >= 1 (it centres on each token)")

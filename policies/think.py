@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from evalkit.attention.observation import Observation, Window, WindowQueries
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import LayerView, OnceWrapper, gather_tokens
 
 
@@ -68,6 +68,6 @@ class ThinK(OnceWrapper):
     def check_params(self) -> None:
         super().check_params()
         if not 0.0 <= self.channels < 1.0:
-            raise ConfigError(f"policy.channels={self.channels}: give the share of key channels pruned in [0, 1): 0.5")
+            raise ParamError({"channels": self.channels}, ": give the share of key channels pruned in [0, 1): 0.5")
         if self.window < 1:
-            raise ConfigError(f"policy.window={self.window}: the channels are scored by at least 1 query; give 32")
+            raise ParamError({"window": self.window}, ": the channels are scored by at least 1 query; give 32")

@@ -10,7 +10,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor
 
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 
 
 def weights_file(path: str) -> Path:
@@ -18,7 +18,7 @@ def weights_file(path: str) -> Path:
     p = Path(path).expanduser()
     p = p / "model.safetensors" if p.is_dir() else p
     if not p.is_file():
-        raise ConfigError(f"policy.weights_path={path}: no such file (model.safetensors in a folder, or the file)")
+        raise ParamError({"weights_path": path}, ": no such file (model.safetensors in a folder, or the file)")
     return p
 
 
@@ -28,7 +28,7 @@ def read_tensors(path: str, names: tuple[str, ...], what: str, fetch: str) -> di
         tensors = load_file(str(weights_file(path)))
         return {n: tensors[n] for n in names}
     except (SafetensorError, KeyError, OSError) as err:
-        raise ConfigError(f"policy.weights_path={path}: not {what} ({err}); {fetch}") from None
+        raise ParamError({"weights_path": path}, f": not {what} ({err}); {fetch}") from None
 
 
 def head_dim(config) -> int:
@@ -39,9 +39,10 @@ def head_dim(config) -> int:
 def check_shape(path: str, what: str, got: tuple, want: tuple, axes: str, fetch: str) -> None:
     """A ConfigError unless the weights' shape `got` is the model's `want` (its `axes` in words)."""
     if tuple(got) != tuple(want):
-        raise ConfigError(
-            f"policy.weights_path={path}: {what} of shape {tuple(got)}, the model needs ({axes}) = {tuple(want)}: "
-            f"they are another model's; {fetch}"
+        raise ParamError(
+            {"weights_path": path},
+            f": {what} of shape {tuple(got)}, the model needs ({axes}) = {tuple(want)}: "
+            f"they are another model's; {fetch}",
         )
 
 

@@ -50,7 +50,7 @@ def test_each_block_is_chosen_against_the_survivors_not_the_whole_prompt_by_hand
 def test_a_scorer_that_needs_attention_observed_is_refused():
     with pytest.raises(ConfigError, match="snapkv needs attention observed over the whole prompt, not per block"):
         Block(inner=SnapKV(), budget=0.25).validate(256)
-    with pytest.raises(ConfigError, match="policy.block=0"):
+    with pytest.raises(ConfigError, match="^block=0"):
         Block(inner=KNorm(), budget=0.25, block=0).validate(256)
 
 

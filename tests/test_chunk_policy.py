@@ -35,7 +35,7 @@ def test_each_chunk_keeps_its_own_best_by_hand():
 def test_a_scorer_that_needs_attention_observed_is_refused():
     with pytest.raises(ConfigError, match="h2o needs attention observed over the whole prompt, not per chunk"):
         Chunk(inner=H2O(decode=False), budget=0.25).validate(256)
-    with pytest.raises(ConfigError, match="policy.chunk=0"):
+    with pytest.raises(ConfigError, match="^chunk=0"):
         Chunk(inner=KNorm(), budget=0.25, chunk=0).validate(256)
 
 

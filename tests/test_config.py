@@ -43,12 +43,12 @@ def test_every_policy_config_composes_and_instantiates(name):
     else:  # evalkit's build gives what Hydra's instantiate gives
         assert instantiate(cfg.policy, _convert_="all") == policy
     if name in WEIGHTS_TINY:  # its learned weights are the one required setting
-        with pytest.raises(ConfigError, match=f"{name} needs its .*: give policy.weights_path="):
+        with pytest.raises(ConfigError, match=f"{name} needs its .*: give weights_path="):
             policy.validate(None)
         cfg.policy.weights_path = str(WEIGHTS_TINY[name])
         policy = build(cfg.policy, "policy")
     if name == "dms":  # its threshold and its inner kvzap's surrogates are required settings
-        with pytest.raises(ConfigError, match="dms needs policy.threshold, in its inner policy's score units"):
+        with pytest.raises(ConfigError, match="dms needs threshold, in its inner policy's score units"):
             policy.validate(None)
         cfg.policy.threshold, cfg.policy.inner.weights_path = -9.0, str(WEIGHTS_TINY["kvzap"])
         policy = build(cfg.policy, "policy")
@@ -207,18 +207,18 @@ def test_precheck_passes_good_commands_and_leaves_other_modes_to_hydra():
 @pytest.mark.parametrize(
     ("policy", "message"),
     [
-        (H2O(budget=0.25, recent=2.0), "policy.recent=2.0 is outside [0, 1]"),
-        (H2O(budget=0.25, decode=1), "policy.decode=1 is not true or false; give e.g. policy.decode=true"),
-        (StreamingLLM(budget=0.25, n_sink=-1), "policy.n_sink=-1 is negative"),
-        (StreamingLLM(budget=0.25, n_sink=4.0), "policy.n_sink=4.0 is not a whole number; give e.g. policy.n_sink=4"),
-        (SnapKV(budget=0.25, window=0), "policy.window=0: the observation window needs at least 1 query"),
-        (SnapKV(budget=0.25, kernel=True), "policy.kernel=True is not a whole number"),
-        (SnapKV(budget=0.25, pooling="median"), "policy.pooling='median' is not one of ['avg', 'max']"),
-        (PyramidKV(budget=0.25, decode=False, beta="steep"), "policy.beta='steep' is not a number"),
-        (PyramidKV(budget=0.25, decode=False, beta=0.5), "policy.beta=0.5 must be >= 1"),
-        (RandomKeep(budget=0.25, seed=1.5), "policy.seed=1.5 is not a whole number"),
-        (KNorm(budget=0), "policy.budget=0 keeps no token"),
-        (KNorm(budget="half"), "policy.budget='half': give a fraction in (0, 1] or a whole number of tokens"),
+        (H2O(budget=0.25, recent=2.0), "recent=2.0 is outside [0, 1]"),
+        (H2O(budget=0.25, decode=1), "decode=1 is not true or false; give e.g. decode=true"),
+        (StreamingLLM(budget=0.25, n_sink=-1), "n_sink=-1 is negative"),
+        (StreamingLLM(budget=0.25, n_sink=4.0), "n_sink=4.0 is not a whole number; give e.g. n_sink=4"),
+        (SnapKV(budget=0.25, window=0), "window=0: the observation window needs at least 1 query"),
+        (SnapKV(budget=0.25, kernel=True), "kernel=true is not a whole number"),
+        (SnapKV(budget=0.25, pooling="median"), "pooling='median' is not one of ['avg', 'max']"),
+        (PyramidKV(budget=0.25, decode=False, beta="steep"), "beta='steep' is not a number"),
+        (PyramidKV(budget=0.25, decode=False, beta=0.5), "beta=0.5 must be >= 1"),
+        (RandomKeep(budget=0.25, seed=1.5), "seed=1.5 is not a whole number"),
+        (KNorm(budget=0), "budget=0 keeps no token"),
+        (KNorm(budget="half"), "budget='half': give a fraction in (0, 1] or a whole number of tokens"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )
@@ -236,7 +236,7 @@ def test_policy_validate_checks_types_and_ranges(policy, message):
         (NeedleTask(seed="abc"), "task.seed='abc' is not a whole number"),
         (NeedleTask(digits=0), "task.digits=0: give a number of digits from 1 to 30"),
         (NeedleTask(max_new_tokens=0), "task.max_new_tokens=0: the answer needs at least 1 token(s)"),
-        (MiddocTask(positions=[True]), "task.positions=[True] is not a list of numbers"),
+        (MiddocTask(positions=[True]), "task.positions=[true] is not a list of numbers"),
         (FidelityTask(continuation_tokens=2.5), "task.continuation_tokens=2.5 is not a whole number"),
         (FidelityTask(context_lengths=[8]), "task.context_lengths=[8]: use at least 16 tokens"),
         (LmEvalTask(tasks="evalkit_recall"), "task.tasks='evalkit_recall' is not a list of strings"),

@@ -70,7 +70,7 @@ def test_unprepared_and_out_of_range_settings_are_refused():
     view = LayerView(0, 1, 2, torch.ones(1, 1, 2, 1), torch.ones(1, 1, 2, 1), torch.arange(2).view(1, 1, 2), {}, {})
     with pytest.raises(ValueError, match="prepare"):
         CriticalKV(inner=FirstChannel(), budget=1).select(view, 1)
-    with pytest.raises(ConfigError, match="policy.first_stage=1.5"):
+    with pytest.raises(ConfigError, match="^first_stage=1.5"):
         CriticalKV(inner=FirstChannel(), budget=1, first_stage=1.5).validate(16)
 
 
@@ -99,7 +99,7 @@ def test_criticaladakv_fills_adakvs_head_budgets_in_two_stages_by_hand():
     assert both.select(view, 3).tolist() == [[[0, 1, 2, 4], [0, 2, -1, -1]]]
     assert AdaKV(inner=FirstChannel(), budget=3).select(view, 3).tolist() == [[[0, 1, 2, 3], [0, 1, -1, -1]]]
     assert prepared(CriticalKV(inner=FirstChannel(), budget=3)).select(view, 3).tolist() == [[[0, 1, 4], [0, 2, 3]]]
-    with pytest.raises(ConfigError, match="policy.alpha=1.5"):
+    with pytest.raises(ConfigError, match="^alpha=1.5"):
         CriticalAdaKV(inner=FirstChannel(), budget=1, alpha=1.5).validate(16)
 
 

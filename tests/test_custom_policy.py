@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from evalkit.errors import ConfigError
+from evalkit.errors import ParamError
 from evalkit.policies import KVPolicy, LayerView
 
 
@@ -49,7 +49,7 @@ class ValueNorm(KVPolicy):
 
     def check_params(self) -> None:
         if self.recent < 0:
-            raise ConfigError(f"policy.recent={self.recent} is negative; give e.g. policy.recent=8")
+            raise ParamError({"recent": self.recent}, " is negative; give e.g. $recent=8")
 
 
 @dataclass(kw_only=True)
@@ -349,8 +349,8 @@ def test_protected_tokens_count_beyond_the_budget_only_as_the_policy_states_them
     stated = cli(rogue, *TINY, "task.depths=[0.5]", "policy=hoarder", "policy.states=116", run_dir=tmp_path / "r2")
     assert stated.returncode == 2 and not (tmp_path / "r2" / "samples.jsonl").exists()
     assert stated.stderr.strip().splitlines()[-1] == (
-        "evalkit: error: policy.budget keeps 32 tokens (a fraction 0.25 of 128 tokens), fewer than the 116 that "
-        "hoarder needs (its protected tokens plus one); raise policy.budget"
+        "evalkit: error: policy.budget=0.25 keeps 32 tokens (a fraction 0.25 of 128 tokens), fewer than the 116 "
+        "that hoarder needs (its protected tokens plus one); raise policy.budget"
     )
 
 

@@ -1,12 +1,12 @@
-"""Decoding a sample's caches together (engine.decode.decode_batch) and sharing the decode of caches that keep the
-same tokens (evalkit.engine.outcome.decode_variants): each variant's result must be what decoding it alone gives."""
+"""Decoding a sample's caches together (engine.decode.decode_lanes, batched) and sharing the decode of caches that keep
+the same tokens (evalkit.engine.outcome.decode_variants): each variant's result must be what decoding it alone gives."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from evalkit.engine.decode import Lane, decode_batch, greedy
+from evalkit.engine.decode import Lane, decode_lanes, greedy
 from evalkit.engine.engine import Variant, evictor, prefill, run_sample
 from evalkit.kv.cache import held_positions, kv_bytes, share
 from evalkit.kv.quantized import QuantSpec
@@ -56,11 +56,11 @@ def caches(prepared, only=None):
 
 def check_batch_equals_alone(tiny, ids, prepared, only, steps):
     """Tokens, logits (within float tolerance), the peak bytes and the cache left at the end (tokens held per head,
-    bytes) of `decode_batch` over the caches `only` must equal `greedy` on each cache alone. A random model's rows
-    stop at different steps only if a stop id is hit, so none is given."""
+    bytes) of `decode_lanes(batched=True)` over the caches `only` must equal `greedy` on each cache alone. A random
+    model's rows stop at different steps only if a stop id is hit, so none is given."""
     alone, together = caches(prepared, only), caches(prepared, only)
     want = [greedy(tiny.model, r.cache, ids[:, CTX:], steps, set(), r.after_forward) for r in alone]
-    got = decode_batch(tiny.model, together, ids[:, CTX:], steps, set())
+    got = decode_lanes(tiny.model, together, ids[:, CTX:], steps, set(), batched=True)
     for a, b, ra, rb in zip(want, got, alone, together, strict=True):
         assert a.tokens == b.tokens and a.peak_bytes == b.peak_bytes and a.peak_deployed == b.peak_deployed
         for x, y in zip(a.logits, b.logits, strict=True):
@@ -93,7 +93,7 @@ def test_rows_leave_the_batch_at_their_stop_token(tiny, ids, prepared):
     free = greedy(tiny.model, caches(prepared, {len(SPECS)})[0].cache, ids[:, CTX:], 6, set())
     stop = {free.tokens[2]}
     want = [greedy(tiny.model, r.cache, ids[:, CTX:], 6, stop, r.after_forward) for r in caches(prepared, only)]
-    got = decode_batch(tiny.model, caches(prepared, only), ids[:, CTX:], 6, stop)
+    got = decode_lanes(tiny.model, caches(prepared, only), ids[:, CTX:], 6, stop, batched=True)
     assert [d.tokens for d in got] == [d.tokens for d in want]
     assert len(got[-1].tokens) <= 3
 

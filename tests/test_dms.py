@@ -70,13 +70,13 @@ def test_no_threshold_to_fall_below_is_the_full_cache(tiny, ids):
 def test_its_settings_are_checked():
     inner = KVzap(weights_path=str(WEIGHTS_TINY["kvzap"]))
     for kwargs, message in [
-        ({"threshold": -9.0, "budget": 0.5}, "leave policy.budget at 1.0"),
-        ({}, "dms needs policy.threshold"),
-        ({"threshold": -9.0, "window": -1}, "policy.window=-1"),
+        ({"threshold": -9.0, "budget": 0.5}, "leave budget at 1.0"),
+        ({}, "dms needs threshold"),
+        ({"threshold": -9.0, "window": -1}, "^window=-1"),
     ]:
         with pytest.raises(ConfigError, match=message):
             DMS(inner=inner, **kwargs).validate(None)
-    with pytest.raises(ConfigError, match="kvzap needs its surrogate models: give policy.inner.weights_path="):
+    with pytest.raises(ConfigError, match="kvzap needs its surrogate models: give inner.weights_path="):
         DMS(inner=KVzap(), threshold=-9.0).validate(None)
 
 

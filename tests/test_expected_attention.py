@@ -278,9 +278,9 @@ def test_it_declares_its_needs_and_compresses_once():
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ({"n_sink": -1}, "policy.n_sink=-1 is negative"),
-        ({"n_future_positions": 0}, "policy.n_future_positions=0"),
-        ({"epsilon": -0.1}, "policy.epsilon=-0.1 is negative"),
+        ({"n_sink": -1}, "n_sink=-1 is negative"),
+        ({"n_future_positions": 0}, "n_future_positions=0"),
+        ({"epsilon": -0.1}, "epsilon=-0.1 is negative"),
     ],
 )
 def test_parameters_out_of_range_are_config_errors(override, message):

@@ -78,7 +78,7 @@ def test_chunk_length_keeps_each_chunks_share_by_the_whole_prompts_scores(tiny, 
             assert set(range(CTX - Q, CTX)) <= set(best)  # the question, in the last chunk, kept first
             differs |= not torch.equal(cache.layers[i].positions[0, h], whole.layers[i].positions[0, h])
     assert differs
-    with pytest.raises(ConfigError, match=r"policy.chunk_length=0: give a chunk of tokens such as 256, or null"):
+    with pytest.raises(ConfigError, match=r"^chunk_length=0: give a chunk of tokens such as 256, or null"):
         Finch(budget=0.25, chunk_length=0).validate(CTX)
 
 

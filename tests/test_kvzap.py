@@ -92,7 +92,7 @@ def test_keep_everything_is_the_full_cache(tiny, ids):
 
 
 def test_weights_of_another_model_or_none_are_refused(tiny, tmp_path):
-    with pytest.raises(ConfigError, match="kvzap needs its surrogate models: give policy.weights_path="):
+    with pytest.raises(ConfigError, match="kvzap needs its surrogate models: give weights_path="):
         KVzap().validate(None)
     smollm2 = str(WEIGHTS_TINY["kvzap"]).replace("kvzap_tiny", "kvzap_smollm2")
     with pytest.raises(ConfigError, match=r"surrogates of shape \(30, 576, 3\), the model needs .* = \(3, 64, 2\)"):

@@ -25,7 +25,7 @@ from evalkit.kv.variant import Variant  # noqa: E402
 from evalkit.lmeval import evaluate as lm_evaluate  # noqa: E402
 from evalkit.lmeval import metrics as lm_metrics  # noqa: E402
 from evalkit.lmeval import model as lm_model  # noqa: E402
-from evalkit.records import read_rows  # noqa: E402
+from evalkit.records import BASELINE, read_rows  # noqa: E402
 from evalkit.tasks import lmeval_index  # noqa: E402
 from evalkit.tasks.lmeval_index import task_manager  # noqa: E402
 from evalkit.tasks.prompt import Prompt  # noqa: E402
@@ -98,14 +98,16 @@ def streaming_by_mask(tiny, context: str, continuation: str, sinks: int, budget:
 
 def capture_caches(monkeypatch) -> list:
     """The caches the adapter teacher-forces on, in order (baseline, then variant, per request), as the engine's one
-    decode path (evalkit.engine.outcome) hands them to teacher_forced."""
+    decode path (evalkit.engine.outcome) hands them to the one decode loop, decode_lanes, with forced=True."""
     caches = []
-    real = outcome_module.teacher_forced
-    monkeypatch.setattr(
-        outcome_module,
-        "teacher_forced",
-        lambda model, cache, *a, **k: caches.append(cache) or real(model, cache, *a, **k),
-    )
+    real = outcome_module.decode_lanes
+
+    def spy(model, lanes, *a, **k):
+        if k.get("forced"):
+            caches.extend(lane.cache for lane in lanes)
+        return real(model, lanes, *a, **k)
+
+    monkeypatch.setattr(outcome_module, "decode_lanes", spy)
     return caches
 
 
@@ -127,7 +129,7 @@ def test_loglikelihood_evicts_while_scoring_as_the_engine_does(tiny, monkeypatch
         streaming_by_mask(tiny, CONTEXT, CONTINUATION, lm.variant.policy.n_sink, budget), abs=1e-3
     )
     assert abs(got - kept) > 0.05  # the continuation outgrows the budget: not evicting would score it otherwise
-    assert lm.baseline_answers[lm_model._key("loglikelihood", (CONTEXT, CONTINUATION))][0] == pytest.approx(
+    assert lm.answers[BASELINE][lm_model._key("loglikelihood", (CONTEXT, CONTINUATION))][0] == pytest.approx(
         baseline, abs=1e-4
     )
     # after scoring, every layer of the variant holds its budget; the baseline holds every token it was fed
@@ -135,7 +137,7 @@ def test_loglikelihood_evicts_while_scoring_as_the_engine_does(tiny, monkeypatch
     baseline_cache, variant_cache = caches[:2]  # the adapter's (the engine's own runs below add theirs)
     assert held_per_layer(variant_cache) == [budget] * LAYERS
     assert held_per_layer(baseline_cache) == [n_fed] * LAYERS
-    record = lm.kv[("t", 0)]
+    record = lm.kv_of[lm.variant.name][("t", 0)]
     assert record["kv_bytes_final"] == kv_by_hand(budget) and record["tokens_held_per_layer"] == [budget] * LAYERS
 
 
@@ -144,11 +146,11 @@ def test_loglikelihood_records_the_full_prefill_as_the_peak_not_the_compressed_b
     lm.loglikelihood([request((CONTEXT, CONTINUATION))])
     n_context = len(tiny.tokenizer(CONTEXT).input_ids) - 1  # the last context token is fed with the continuation
     n_fed = len(tiny.tokenizer(CONTEXT + CONTINUATION).input_ids) - 1
-    record = lm.kv[("t", 0)]
+    record = lm.kv_of[lm.variant.name][("t", 0)]
     assert record["kv_bytes"] == kv_by_hand(16) and record["kv_bytes_baseline"] == kv_by_hand(n_context)
     assert record.get("peak_kv_bytes") == kv_by_hand(n_context)  # the full cache, not the 16 tokens compressed
     assert record["prefill_peak_kv_bytes"] == kv_by_hand(n_context)
-    base = lm.kv_baseline[("t", 0)]
+    base = lm.kv_of[BASELINE][("t", 0)]
     assert base["kv_bytes"] == kv_by_hand(n_context)
     assert base["peak_kv_bytes"] == base["kv_bytes_final"] == kv_by_hand(n_fed)
     # an lm-eval document is one row: its document is what it prefilled, the same for the baseline and the variant
@@ -161,14 +163,14 @@ def test_the_peak_counts_every_step_before_its_eviction(tiny):
     context = "abcdefghijk"
     lm.loglikelihood([request((context, CONTINUATION))])
     assert len(tiny.tokenizer(context).input_ids) - 1 == 10
-    record = lm.kv[("t", 0)]
+    record = lm.kv_of[lm.variant.name][("t", 0)]
     assert record["kv_bytes"] == record["prefill_peak_kv_bytes"] == kv_by_hand(10)
     assert record["peak_kv_bytes"] == kv_by_hand(17) and record["kv_bytes_final"] == kv_by_hand(16)
     # a policy that compresses once: the continuation grows the cache past the context it was prefilled from
     lm = lm_for(tiny, "knorm@0.5")
     lm.loglikelihood([request((context, CONTINUATION))])
     n_cont = len(tiny.tokenizer(context + CONTINUATION).input_ids) - len(tiny.tokenizer(context).input_ids)
-    record = lm.kv[("t", 0)]
+    record = lm.kv_of[lm.variant.name][("t", 0)]
     assert record["kv_bytes"] == kv_by_hand(5)
     assert record["peak_kv_bytes"] == record["kv_bytes_final"] == kv_by_hand(5 + n_cont) > kv_by_hand(10)
 
@@ -181,7 +183,7 @@ def test_loglikelihood_prefills_a_chunked_variant_in_chunks(tiny, monkeypatch):
     ((got, _),) = lm.loglikelihood([request((CONTEXT, CONTINUATION))])
     assert len(calls) == 1  # the baseline's full prefill; the variant never holds the full cache
     assert got == pytest.approx(engine_loglikelihoods(tiny, lm.variant, CONTEXT, CONTINUATION)[0], abs=1e-4)
-    record = lm.kv[("t", 0)]
+    record = lm.kv_of[lm.variant.name][("t", 0)]
     # chunks of 8 onto a cache evicted to 16: at most 24 tokens, while the continuation holds 17 at most
     assert record["prefill"] == {"mode": "chunked", "chunk": 8} and record["prefill_peak_tokens"] == 24
     assert record["peak_kv_bytes"] == record["prefill_peak_kv_bytes"] == kv_by_hand(24)
@@ -195,15 +197,15 @@ def test_rolling_and_generate_until_record_the_true_peak(tiny, monkeypatch):
     lm.loglikelihood_rolling([request((text,))])
     ids = [tiny.tokenizer.bos_token_id or tiny.tokenizer.eos_token_id] + tiny.tokenizer(text).input_ids
     split = int(len(ids) * lm.rolling_split)
-    record = lm.kv[("t", 0)]
+    record = lm.kv_of[lm.variant.name][("t", 0)]
     assert record["context_tokens"] == split - 1
     assert record["peak_kv_bytes"] == kv_by_hand(split - 1) and record["kv_bytes_final"] == kv_by_hand(16)
     assert held_per_layer(caches[1]) == [16] * LAYERS and held_per_layer(caches[0]) == [len(ids) - 1] * LAYERS
-    assert lm.kv_baseline[("t", 0)]["peak_kv_bytes"] == kv_by_hand(len(ids) - 1)
+    assert lm.kv_of[BASELINE][("t", 0)]["peak_kv_bytes"] == kv_by_hand(len(ids) - 1)
 
     lm.generate_until([request(("word " * 40, {"until": ["\n"], "max_gen_toks": 5}), doc_id=1)])
     n_context = len(tiny.tokenizer("word " * 40).input_ids) - 1
-    record, base = lm.kv[("t", 1)], lm.kv_baseline[("t", 1)]
+    record, base = lm.kv_of[lm.variant.name][("t", 1)], lm.kv_of[BASELINE][("t", 1)]
     assert record["kv_bytes"] == kv_by_hand(16) and record["peak_kv_bytes"] == kv_by_hand(n_context)
     assert kv_by_hand(n_context) < base["peak_kv_bytes"] <= kv_by_hand(n_context + 5)
 
@@ -218,7 +220,7 @@ def test_loglikelihood_equals_the_full_model_at_full_budget(tiny):
         logp = tiny.model(torch.tensor([whole])).logits[0].log_softmax(-1)
     want = sum(float(logp[i - 1, whole[i]]) for i in range(len(ctx), len(whole)))
     assert got[0] == pytest.approx(want, abs=1e-4)
-    assert lm.baseline_answers[lm_model._key("loglikelihood", (context, continuation))][0] == pytest.approx(
+    assert lm.answers[BASELINE][lm_model._key("loglikelihood", (context, continuation))][0] == pytest.approx(
         want, abs=1e-4
     )
 
@@ -231,7 +233,7 @@ def test_one_compressed_context_serves_every_choice(tiny, monkeypatch):
     context = "word " * 60
     out = lm.loglikelihood([request((context, f" choice {c}")) for c in "abcd"])
     assert len(out) == 4 and len(calls) == 1
-    assert lm.kv[("t", 0)]["kv_bytes"] < lm.kv[("t", 0)]["kv_bytes_baseline"]
+    assert lm.kv_of[lm.variant.name][("t", 0)]["kv_bytes"] < lm.kv_of[lm.variant.name][("t", 0)]["kv_bytes_baseline"]
 
 
 def test_generate_until_and_rolling_run_baseline_beside_the_variant(tiny):
@@ -239,7 +241,7 @@ def test_generate_until_and_rolling_run_baseline_beside_the_variant(tiny):
     (text,) = lm.generate_until([request(("word " * 40, {"until": ["\n"], "max_gen_toks": 5}))])
     assert isinstance(text, str) and "\n" not in text
     (total,) = lm.loglikelihood_rolling([request(("some text " * 20,))])
-    base = lm.baseline_answers[lm_model._key("loglikelihood_rolling", ("some text " * 20,))]
+    base = lm.answers[BASELINE][lm_model._key("loglikelihood_rolling", ("some text " * 20,))]
     assert total < 0 and base < 0 and total != base
     replay = lm.baseline()
     assert replay.loglikelihood_rolling([request(("some text " * 20,))]) == [base]

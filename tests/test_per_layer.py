@@ -42,7 +42,7 @@ def test_an_empty_list_is_the_inner_policy_as_it_is(tiny, ids):
 @pytest.mark.parametrize(
     ("fractions", "budget", "message"),
     [
-        ([0.75, 0.5, 0.25], 0.25, "policy.budget=0.25 is not the mean of policy.layer_budgets (0.5); give budget=0.5"),
+        ([0.75, 0.5, 0.25], 0.25, "budget=0.25 is not the mean of layer_budgets (0.5); give budget=0.5"),
         ([0.75, 1.5, 0.25], 0.5, "give one fraction in (0, 1] per evicting layer"),
     ],
 )

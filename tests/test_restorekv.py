@@ -157,13 +157,13 @@ def test_a_folder_that_is_not_this_models_restorekv_is_refused_naming_it(tiny, t
     path = folder_with(tmp_path, change)
     with pytest.raises(ConfigError) as err:
         read_restore(path, tiny.model)
-    assert message in str(err.value) and str(err.value).startswith(f"policy.weights_path={path}: ")
+    assert message in str(err.value) and str(err.value).startswith(f"weights_path='{path}': ")
     assert "huggingface-cli download higokri/RestoreKV-<model>" in str(err.value)
 
 
 def test_refusals_before_any_sample(tmp_path):
     """No folder, a folder without embeddings, and a model with sliding-window layers: one line each."""
-    with pytest.raises(ConfigError, match="restorekv needs its restore tokens and adapter: give policy.weights_path"):
+    with pytest.raises(ConfigError, match="restorekv needs its restore tokens and adapter: give weights_path"):
         RestoreKV(budget=0.25).check_params()
     with pytest.raises(ConfigError, match="no restore embeddings in restore_embeddings.safetensors"):
         RestoreKV(budget=0.25, weights_path=str(tmp_path)).check_params()

@@ -199,11 +199,11 @@ def test_a_rewrite_that_holds_more_than_it_keeps_or_nan_is_the_policys_fault(tin
 
 def test_out_of_range_settings_are_refused():
     for pol, message in [
-        (Merging(inner=SnapKV(), similarity_threshold=1.5), "policy.similarity_threshold=1.5"),
-        (Merging(inner=SnapKV(), merge_fraction=0.0), "policy.merge_fraction=0.0"),
-        (ThinK(inner=FullCache(), channels=1.0), "policy.channels=1.0"),
-        (ThinK(inner=FullCache(), window=0), "policy.window=0"),
-        (KeyRerotation(inner=SnapKV(), decode=True), "set policy.decode=false"),
+        (Merging(inner=SnapKV(), similarity_threshold=1.5), "similarity_threshold=1.5"),
+        (Merging(inner=SnapKV(), merge_fraction=0.0), "merge_fraction=0.0"),
+        (ThinK(inner=FullCache(), channels=1.0), "channels=1.0"),
+        (ThinK(inner=FullCache(), window=0), "window=0"),
+        (KeyRerotation(inner=SnapKV(), decode=True), "set decode=false"),
     ]:
         with pytest.raises(ConfigError, match=message):
             pol.validate(CTX)

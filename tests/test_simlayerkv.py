@@ -80,7 +80,7 @@ def test_identity_keeps_every_token_and_the_full_cache_logits(tiny, ids):
 
 def test_its_settings_are_checked():
     for kwargs, message in [
-        ({"budget": 0.25}, "leave policy.budget at 1.0"),
+        ({"budget": 0.25}, "leave budget at 1.0"),
         ({"lazy_threshold": 1.5}, "a share of attention in [0, 1]"),
         ({"n_recent": 1}, "n_recent > n_last"),
     ]:

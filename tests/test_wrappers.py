@@ -24,7 +24,7 @@ from evalkit.policies import KVPolicy, Wrapper
 
 FIELDS = {f.name for f in dataclasses.fields(KVPolicy)}
 MEMBERS = sorted(n for n in dir(KVPolicy) if not n.startswith("_") and n not in FIELDS)
-# Every wrapper's own: it checks its own fields and budget, then its inner policy's settings (as policy.inner.*).
+# Every wrapper's own: it checks its own fields and budget, then its inner policy's settings (as inner.*).
 OWN = {"validate", "check_params"}
 # What KVPolicy builds from other members: a wrapper that changes one of those has its own (the base rule over its
 # members), not the inner policy's: a wrapper that scores keeps by its own scores.

@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from evalkit import contract, sigint
 from evalkit.backends import Backend, BackendSpec
+from evalkit.cli.params import policy_keys
 from evalkit.config.choices import check_shadowed, options, searchpath, unknown_choice
 from evalkit.engine import models
 from evalkit.errors import ConfigError
@@ -250,7 +251,10 @@ def variants(cfg: DictConfig, made: list[Variant] | None = None) -> list[Variant
         chunked = [dataclasses.replace(v, chunk=prefill.get("chunk") if v.chunk is None else v.chunk) for v in out]
         out = ([v for v in out if v.chunk is None] if prefill.get("compare_oneshot") else []) + chunked
     for v in out:
-        with contract.guarding([v.policy], sigint.received):  # a user's policy raising here is its fault: exit 2
+        with (
+            contract.guarding([v.policy], sigint.received),
+            policy_keys(cfg, v.name),
+        ):  # a user's policy's fault: exit 2
             v.validate()
     names = [v.name for v in out]
     if len(set(names)) != len(names):
@@ -324,8 +328,10 @@ def backend(node: DictConfig, spec: BackendSpec, task: Task) -> Backend:
     return engine
 
 
-def validate(cfg: DictConfig, model: ModelSpec, task: Task, policies: list[KVPolicy]) -> None:
-    """What the task, the model and the policies can be known to get wrong together before the model loads."""
+def validate(cfg: DictConfig, model: ModelSpec, task: Task, chosen: list[Variant]) -> None:
+    """What the task, the model and the variants' policies can be known to get wrong together before the model loads;
+    a policy's parameter named as the user wrote it (evalkit.cli.params)."""
+    policies = [v.policy for v in chosen]
     task.validate()  # its fields against their annotations first (Task.validate), then its own checks
     models.check_source(model)
     models.check_attention(model)
@@ -340,9 +346,9 @@ def validate(cfg: DictConfig, model: ModelSpec, task: Task, policies: list[KVPol
                 "the context without the question: use protocol=query_aware"
             )
     if not task.lengths():  # lengths known only per sample (JSONL): checked as each sample is tokenized
-        for policy in policies:
-            with contract.calling(policy, "check_params"):
-                contract.check_policy(policy, None)
+        for v in chosen:
+            with contract.calling(v.policy, "check_params"), policy_keys(cfg, v.name):
+                contract.check_policy(v.policy, None)
         return
     try:
         limit = models.max_context(model) - int(cfg.reserve_tokens)
@@ -357,9 +363,9 @@ def validate(cfg: DictConfig, model: ModelSpec, task: Task, policies: list[KVPol
             f"context lengths {too_long} exceed what {model.name} can take: {models.max_context(model)} "
             f"tokens less {cfg.reserve_tokens} reserved for the question and answer = {limit}; use shorter lengths"
         )
-    for policy in policies:
-        with contract.calling(policy, "check_params"):
-            contract.check_policy(policy, min(task.lengths()))
+    for v in chosen:
+        with contract.calling(v.policy, "check_params"), policy_keys(cfg, v.name):
+            contract.check_policy(v.policy, min(task.lengths()))
 
 
 def _first(err: BaseException) -> str:

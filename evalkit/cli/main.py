@@ -23,10 +23,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from evalkit.cli.cores import job_threads, sweep_size
+from evalkit.cli.params import as_written
 from evalkit.cli.sweep import Ended
 from evalkit.config.choices import check_choices
 from evalkit.config.overrides import RUNNING_FLAGS
-from evalkit.errors import EXIT_USAGE, CannotJudge, ConfigError, InternalError, JobError
+from evalkit.errors import EXIT_USAGE, CannotJudge, ConfigError, InternalError, JobError, ParamError
 from evalkit.exits import error, internal
 from evalkit.names import safe_name
 from evalkit.records import SAMPLE_COUNT
@@ -114,7 +115,8 @@ class HydraJob:
             self._run(cfg, hc, in_sweep)
         except ConfigError as err:
             where = f"[{' '.join(hc.overrides.task)}] " if in_sweep else ""
-            raise JobError(f"{where}{err}") from None
+            named = as_written(err, cfg) if isinstance(err, ParamError) else err
+            raise JobError(f"{where}{named}") from None
         except Exception:  # a bug: Hydra would print it and exit 1, the gate's FAIL; carry it out as exit 3 instead
             raise InternalError(traceback.format_exc()) from None
 

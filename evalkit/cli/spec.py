@@ -101,7 +101,7 @@ def parts(cfg: DictConfig, check: bool = True) -> Parts:
         check_settings(cfg)
         gate = gate_spec(cfg.gate)
         if check:
-            validate(cfg, model, task, policies)
+            validate(cfg, model, task, list(chosen))
     return Parts(task, chosen, other, engine, gate)
 
 

@@ -33,7 +33,7 @@ from evalkit.attention.observation import Observation
 from evalkit.contract.faults import calling, describe, users
 from evalkit.contract.policy import KVPolicy, asked_tokens
 from evalkit.contract.view import LayerView
-from evalkit.errors import ConfigError, PolicyError
+from evalkit.errors import ParamError, PolicyError
 
 
 def check_budgets(policy: KVPolicy, budgets: object, n_layers: int) -> list[int]:
@@ -168,13 +168,22 @@ def stated(policy: KVPolicy) -> int:
 
 
 def check_declared(policy: KVPolicy) -> None:
-    """Before any model loads: only evalkit's own policies may say their budget counts no tokens."""
+    """Before any model loads: only evalkit's own policies may say their budget counts no tokens; a policy (or one a
+    wrapper holds) that defines `added` declares `adds_tokens`, without which the engine never asks for its tokens."""
     owner = users(policy)
     if owner is not None and not owner.budget_counts_tokens:
         raise PolicyError(
             f"{describe(owner)} sets budget_counts_tokens = False, which only evalkit's own none and duo_attention "
             "may: a policy holds at most its budget plus the min_tokens() - 1 tokens it protects; remove it"
         )
+    held: KVPolicy | None = policy
+    while isinstance(held, KVPolicy):
+        if type(held).added is not KVPolicy.added and not held.adds_tokens:  # a wrapper's own added: its class's
+            raise PolicyError(
+                f"{describe(held)} defines added() but does not declare adds_tokens, so the tokens it adds would "
+                "never be asked for: set adds_tokens: ClassVar[bool] = True in the class, or remove added()"
+            )
+        held = getattr(held, "inner", None)
 
 
 def check_needs(policy: KVPolicy) -> None:
@@ -197,9 +206,10 @@ def check_fits(policy: KVPolicy, n_context: int) -> None:
     need = min(stated(policy), n_context)
     kept = min(n_context, asked_tokens(policy.budget, n_context))
     if kept < need:
-        raise ConfigError(
-            f"policy.budget keeps {kept} tokens, fewer than the {stated(policy)} that {policy.name} states it needs "
-            "(min_tokens(): its protected tokens plus one); raise policy.budget"
+        raise ParamError(
+            {"budget": policy.budget},
+            f" keeps {kept} tokens, fewer than the {stated(policy)} that {policy.name} states it needs "
+            "(min_tokens(): its protected tokens plus one); raise $budget",
         )
 
 

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from evalkit.attention.observation import Observation
 from evalkit.contract.view import LayerView, Probes
-from evalkit.errors import ConfigError, PolicyError
+from evalkit.errors import ParamError, PolicyError
 from evalkit.fields import check_fields
 
 
@@ -169,14 +169,14 @@ def check_policy(policy: KVPolicy, shortest_context: int | None) -> None:
     DuoAttention: `budget_counts_tokens`) is not held to its protected tokens."""
     b = policy.budget
     if isinstance(b, bool) or not isinstance(b, (int, float)):
-        raise ConfigError(f"policy.budget={b!r}: give a fraction in (0, 1] or a whole number of tokens")
-    check_fields(policy, "policy")  # every field against its annotation: bools are bools, ints whole numbers
+        raise ParamError({"budget": b}, ": give a fraction in (0, 1] or a whole number of tokens")
+    check_fields(policy)  # every field against its annotation: bools are bools, ints whole numbers
     check_budget(b)
     if policy.decode and not policy.decodable:
-        raise ConfigError(f"{policy.name} compresses once, after the prompt: set policy.decode=false")
+        raise ParamError({"decode": True}, f": {policy.name} compresses once, after the prompt: set $decode=false")
     if policy.decode_interval < 1:
-        raise ConfigError(
-            f"policy.decode_interval={policy.decode_interval}: evict every N >= 1 forwards while decoding, e.g. 16"
+        raise ParamError(
+            {"decode_interval": policy.decode_interval}, ": evict every N >= 1 forwards while decoding, e.g. 16"
         )
     policy.check_params()
     if shortest_context is not None and policy.budget_counts_tokens:
@@ -186,12 +186,13 @@ def check_policy(policy: KVPolicy, shortest_context: int | None) -> None:
 def check_budget(b: float | int) -> None:
     """A fraction in (0, 1] or a whole number of tokens >= 1."""
     if isinstance(b, float) and not 0.0 < b <= 1.0:
-        raise ConfigError(
-            f"policy.budget={b} is outside (0, 1] as a fraction of the context; "
-            "give a fraction such as 0.25 or a whole number of tokens such as 512"
+        raise ParamError(
+            {"budget": b},
+            " is outside (0, 1] as a fraction of the context; "
+            "give a fraction such as 0.25 or a whole number of tokens such as 512",
         )
     if isinstance(b, int) and b < 1:
-        raise ConfigError(f"policy.budget={b} keeps no token; give a fraction such as 0.25 or tokens such as 512")
+        raise ParamError({"budget": b}, " keeps no token; give a fraction such as 0.25 or tokens such as 512")
 
 
 def check_min_tokens(policy: KVPolicy, shortest_context: int) -> None:
@@ -200,9 +201,10 @@ def check_min_tokens(policy: KVPolicy, shortest_context: int) -> None:
     kept = min(shortest_context, asked_tokens(b, shortest_context))
     if kept < min(policy.min_tokens(), shortest_context):
         what = f"{b} tokens" if isinstance(b, int) else f"a fraction {b} of {shortest_context} tokens"
-        raise ConfigError(
-            f"policy.budget keeps {kept} tokens ({what}), fewer than the {policy.min_tokens()} that "
-            f"{policy.name} needs (its protected tokens plus one); raise policy.budget"
+        raise ParamError(
+            {"budget": b},
+            f" keeps {kept} tokens ({what}), fewer than the {policy.min_tokens()} that "
+            f"{policy.name} needs (its protected tokens plus one); raise $budget",
         )
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from evalkit.contract.policy import DERIVED, KVPolicy
-from evalkit.errors import ConfigError
+from evalkit.errors import ConfigError, ParamError
 from evalkit.fields import check_fields
 
 
@@ -79,13 +79,13 @@ class Wrapper(KVPolicy):
         super().validate(shortest_context)
 
     def check_params(self) -> None:
-        check_fields(self.inner, "policy.inner")
         if not self.inner.wrappable:
             raise ConfigError(f"{self.name}: {self.inner.name} keeps ragged heads and cannot be wrapped; wrap a scorer")
         try:
+            check_fields(self.inner)
             self.inner.check_params()
-        except ConfigError as err:  # its keys are the wrapper's policy.inner.*
-            raise ConfigError(str(err).replace("policy.", "policy.inner.")) from None
+        except ParamError as err:  # its keys are the wrapper's inner.*
+            raise err.within("inner.") from None
 
 
 def defines(cls: type, name: str) -> bool:

@@ -175,12 +175,3 @@ def batchable(cache: Cache) -> bool:
         getattr(layer, "is_sliding", False) or getattr(layer, "next_position", None) is not None
         for layer in cache.layers
     )
-
-
-def decode_batch(
-    model: torch.nn.Module, lanes: list[Lane], ids: Tensor, max_new_tokens: int, stop_ids: set[int]
-) -> list[Decoded]:
-    """Feed `ids` (1, q), the question, to every lane's cache, then decode greedily, all lanes in one batch per
-    forward; a lane leaves the batch at its stop token or after `max_new_tokens`. Each lane's result is that of
-    `greedy` on its cache alone (the same tokens, logits equal within float tolerance, the same peak)."""
-    return decode_lanes(model, lanes, ids, max_new_tokens, stop_ids, batched=True)

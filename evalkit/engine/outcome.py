@@ -2,8 +2,8 @@
 
 `decode_variants` decodes every cache prepared for a sample: caches whose kept tokens equal an earlier one's, stored the
 same way and never evicting while decoding, reuse that decode (the outcome records whose, `decoded_like`); the rest
-decode greedily in one batch (evalkit.engine.decode.decode_batch), or one by one when teacher-forced or on a model with
-sliding-window layers. A batch's seconds are shared out evenly among its caches.
+decode greedily in one batch (evalkit.engine.decode.decode_lanes, batched), or one by one when teacher-forced or on a
+model with sliding-window layers. A batch's seconds are shared out evenly among its caches.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
-from evalkit.engine.decode import Decoded, Lane, batchable, decode_batch, greedy, teacher_forced
+from evalkit.engine.decode import Decoded, Lane, batchable, decode_lanes
 from evalkit.kv.cache import (
     allocated_per_layer,
     allowed_per_layer,
@@ -58,7 +58,7 @@ class Outcome:
     tokens_allowed: list[int | float] = field(default_factory=list)
     decoded_like: str | None = None  # the variant whose decode this one reused: the same kept tokens, stored alike
     decode_batch: int = (
-        1  # caches decoded together in one batch (evalkit.engine.decode.decode_batch), this one included
+        1  # caches decoded together in one batch (evalkit.engine.decode.decode_lanes), this one included
     )
 
 
@@ -195,16 +195,13 @@ def run_decodes(
     decoded: dict[int, tuple[Decoded, float, int]] = {}
     if together:
         t = time.perf_counter()
-        got = decode_batch(model, [lanes[i] for i in together], question, max_new_tokens, stop_ids)
+        got = decode_lanes(model, [lanes[i] for i in together], question, max_new_tokens, stop_ids, batched=True)
         share = (time.perf_counter() - t) / len(together)
         decoded.update({i: (dec, share, len(together)) for i, dec in zip(together, got, strict=True)})
     for i, lane in enumerate(lanes):
         if i in decoded:
             continue
         t = time.perf_counter()
-        if forced:
-            dec = teacher_forced(model, lane.cache, question, lane.after_forward)
-        else:
-            dec = greedy(model, lane.cache, question, max_new_tokens, stop_ids, lane.after_forward)
+        (dec,) = decode_lanes(model, [lane], question, max_new_tokens, stop_ids, forced=forced)
         decoded[i] = (dec, time.perf_counter() - t, 1)
     return [decoded[i] for i in range(len(lanes))]

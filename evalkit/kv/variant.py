@@ -12,7 +12,7 @@ from transformers.cache_utils import Cache
 from evalkit import contract
 from evalkit.attention.observation import Observation
 from evalkit.contract import KVPolicy
-from evalkit.errors import ConfigError
+from evalkit.errors import ConfigError, ParamError
 from evalkit.kv.cache import add_tokens, compress
 from evalkit.kv.quantized import QuantSpec, quantize_cache
 from evalkit.records.labels import variant_label
@@ -95,6 +95,8 @@ class Variant:
             with contract.calling(self.policy, "check_params"):
                 contract.check_policy(self.policy, n_context)
             contract.check_fits(self.policy, n_context)
+        except ParamError as err:  # the command line names the parameter as the user wrote the policy
+            raise err.at(f"{where} ({n_context} context tokens), {self.name}") from None
         except ConfigError as err:
             raise ConfigError(f"{where} ({n_context} context tokens): {err}") from None
 

@@ -191,7 +191,7 @@ def _evaluate(
         runs += [simple_evaluate(model=lm.replay(name), **fixed, **call) for name in names[1:]]
         baseline = simple_evaluate(model=lm.baseline(), **fixed, **call)
         runs_kv = [(n, by_document(lm.kv_of[n], call), r) for n, r in zip(names, runs, strict=True)]
-        answered = documents(runs_kv, by_document(lm.kv_baseline, call), baseline, plan)
+        answered = documents(runs_kv, by_document(lm.kv_of[BASELINE], call), baseline, plan)
         yield answered, {BASELINE: baseline, **dict(zip(names, runs, strict=True))}
 
 

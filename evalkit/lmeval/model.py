@@ -74,11 +74,6 @@ class EvalkitLM(LM):
         names = [BASELINE, *(v.name for v in self.variants)]
         self.answers: dict[str, dict[str, Any]] = {n: {} for n in names}
         self.kv_of: dict[str, dict[tuple[str, int], dict[str, Any]]] = {n: {} for n in names}
-        self.baseline_answers, self.kv, self.kv_baseline = (
-            self.answers[BASELINE],
-            self.kv_of[names[1]],
-            self.kv_of[BASELINE],
-        )
 
     def baseline(self) -> LM:
         """An lm-eval model that replays the baseline's answers to the requests this one has seen."""
@@ -120,7 +115,7 @@ class EvalkitLM(LM):
         context_id = context_digest(context[0].cpu().numpy().tobytes())
         key = (request.task_name, request.doc_id)
         noted = [(self.kv_of[v.name], o, v) for v, o in zip(self.variants, outcomes, strict=True)]
-        for store, o, which in [*noted, (self.kv_baseline, baseline, None)]:
+        for store, o, which in [*noted, (self.kv_of[BASELINE], baseline, None)]:
             # an lm-eval document is one row: its document is what its first request prefilled, as its context
             ids = {"context_id": context_id, "document_id": context_id}
             new = {**kv_fields(o, which, n_context), **baseline_fields(baseline), **ids}
