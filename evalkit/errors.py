@@ -91,13 +91,13 @@ class _Keys(dict):
         return self.prefix + key
 
 
-def written(value: Any) -> str:
+def written(value: Any, quoted: bool = True) -> str:
     """A value as the command line writes it: true, null, [0.25,0.5], 'avg' (a string or a path quoted, so that ''
-    shows)."""
+    shows; `quoted=False`: as typed, avg)."""
     if isinstance(value, bool):
         return str(value).lower()
     if value is None:
         return "null"
     if isinstance(value, (list, tuple)):
-        return "[" + ",".join(written(v) for v in value) + "]"
-    return repr(str(value)) if isinstance(value, (str, PurePath)) else str(value)
+        return "[" + ",".join(written(v, quoted) for v in value) + "]"
+    return repr(str(value)) if quoted and isinstance(value, (str, PurePath)) else str(value)

@@ -10,7 +10,7 @@ import types
 import typing
 from typing import Any, Union
 
-from evalkit.errors import ConfigError, ParamError
+from evalkit.errors import ConfigError, ParamError, written
 
 
 def number(value: Any, kinds: tuple[type, ...] = (int, float)) -> bool:
@@ -64,14 +64,8 @@ def describe(hint: Any, plural: bool = False) -> str:
 
 
 def cli(value: Any) -> str:
-    """A value as written on the command line: true, null, [0.25,0.5]."""
-    if isinstance(value, bool):
-        return str(value).lower()
-    if value is None:
-        return "null"
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(cli(v) for v in value) + "]"
-    return str(value)
+    """A value as written on the command line, unquoted: true, null, [0.25,0.5], avg."""
+    return written(value, quoted=False)
 
 
 def example(key: str, value: Any) -> str:

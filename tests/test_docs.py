@@ -97,7 +97,11 @@ def test_the_readme_commands_are_found():
 def workdir(tmp_path_factory):
     """A folder holding the README's own policy example (Write a policy): my_policies.py and my_conf/policy/vnorm.yaml,
     written from the README's blocks, so the commands that use them run as a reader would run them."""
-    folder = tmp_path_factory.mktemp("readme")
+    return policy_example(tmp_path_factory.mktemp("readme"))
+
+
+def policy_example(folder):
+    """The README's policy example written into `folder`: my_policies.py and my_conf/policy/vnorm.yaml."""
     module = next(b for _, b in fenced_blocks(README) if b.startswith('"""my_policies.py'))
     yaml = next(b for info, b in fenced_blocks(README) if info == "yaml" and "my_policies.ValueNorm" in b)
     (folder / "my_policies.py").write_text(module)

@@ -30,7 +30,7 @@ from evalkit.cli.config import policy_from
 from evalkit.cli.main import register_resolvers
 from evalkit.kv.variant import policy_record
 from tests.conftest import importable
-from tests.test_docs import COMMANDS, README, combinations, fenced_blocks
+from tests.test_docs import COMMANDS, README, combinations, fenced_blocks, policy_example
 
 RUNNING = ("--cfg", "-c", "--help", "-h", "--info", "-i")
 PLACEHOLDER = re.compile(r"<|^[A-Z][A-Z0-9_]*$")
@@ -40,13 +40,7 @@ PATH = re.compile(r"results/[^\s`'\")\]]*")
 @pytest.fixture(scope="module")
 def my_conf(tmp_path_factory):
     """The README's policy example (my_policies.py, my_conf/policy/vnorm.yaml), for the commands that name it."""
-    folder = tmp_path_factory.mktemp("readme-folders")
-    module = next(b for _, b in fenced_blocks(README) if b.startswith('"""my_policies.py'))
-    yaml = next(b for info, b in fenced_blocks(README) if info == "yaml" and "my_policies.ValueNorm" in b)
-    (folder / "my_policies.py").write_text(module)
-    (folder / "my_conf" / "policy").mkdir(parents=True)
-    (folder / "my_conf" / "policy" / "vnorm.yaml").write_text(yaml)
-    return folder
+    return policy_example(tmp_path_factory.mktemp("readme-folders"))
 
 
 def run_folders(argv: list[str]) -> list[PurePosixPath]:

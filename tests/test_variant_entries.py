@@ -44,7 +44,8 @@ def test_an_entry_gives_its_policy_the_weights_and_fields_it_carries(run):
 def test_without_the_entrys_weights_kvzap_is_refused_in_one_line(tmp_path):
     result = run_cli(*NEEDLE, "variants=[kvzap@0.5]", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 2
-    assert "kvzap needs its surrogate models: give policy.weights_path=" in result.stderr
+    # the variant named, its key as the entry writes it ({variant:kvzap@0.5,weights_path:DIR}), not policy.weights_path
+    assert "variants: kvzap@0.5: kvzap needs its surrogate models: give weights_path=DIR" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
